@@ -1,0 +1,61 @@
+"""One frozen engine configuration, made of sub-configs, passed down as plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS as MAX_DRAFT_TOKENS
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Pool sizes. num_blocks is per paged pool (the main model's and the MTP head's are equal)."""
+    num_blocks: int = 1024
+    max_resident_requests: int = 64     # fixed-state bank rows (one per resident request)
+
+    def validate(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is scratch), got {self.num_blocks}")
+        if self.max_resident_requests < 1:
+            raise ValueError(f"max_resident_requests must be >= 1, got {self.max_resident_requests}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget and a batch limit shared by prefill chunks, decodes and drafts."""
+    max_tokens_per_step: int = 512
+    max_requests_per_step: int = 64
+
+    def validate(self) -> None:
+        if self.max_tokens_per_step < 1 + MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_tokens_per_step must be >= {1 + MAX_DRAFT_TOKENS}, "
+                             f"got {self.max_tokens_per_step}")
+        if self.max_requests_per_step < 1:
+            raise ValueError(f"max_requests_per_step must be >= 1, got {self.max_requests_per_step}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: draft tokens per request per step (0 = MTP off)."""
+    num_draft_tokens: int = 0
+
+    def validate(self) -> None:
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"                  # "cpu" or "cuda"
+    num_threads: int = 0                 # ORT intra-op threads; 0 = ORT's default
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self.cache.validate()
+        self.scheduler.validate()
+        self.spec.validate()

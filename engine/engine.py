@@ -1,0 +1,309 @@
+"""One device's engine: requests in, token events out, one step at a time.
+
+A step is three calls — plan -> execute -> commit:
+
+    plan     StepPlanner picks requests, token counts and drafts, reserving pool space
+    execute  drafts: the MTP head catches up on committed rows and chains K drafts;
+             verify: one packed main-model forward over every scheduled row
+    commit   accept (greedy prefix or exact speculative sampling), CommitPrefix(kept) on the
+             KV pool and the state bank, append tokens, check stops, free finished requests
+
+One owner drives it (a step loop); nothing in here is shared across threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from mtpserve.engine.config import EngineConfig
+from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.manifest import ModelManifest, load_manifest
+from mtpserve.engine.planner import ScheduledRequest, StepPlanner
+from mtpserve.engine.request import FinishReason, Request, RequestStatus, TokenEvent
+from mtpserve.engine.runner import PackedRows, Runner
+from mtpserve.engine.sampler import SamplingParams, probs, sample
+from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDecodeStats,
+                                         propose_drafts, verify_greedy, verify_sampled)
+from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
+from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Drafts:
+    """This step's drafts of one request, and the distributions they were sampled from."""
+    tokens: list[int]
+    q: list  # per draft: [V] probs, or None for greedy requests
+
+
+class Engine:
+    """Serves many requests at once on one device; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, draft_policy: DraftPolicy | None = None):
+        config.validate()
+        self.config = config
+        source = load_manifest(config.model_dir)
+        if config.device == "cpu":
+            from mtpserve.engine.cpu_adapter import adapt_for_cpu
+            self.manifest: ModelManifest = load_manifest(adapt_for_cpu(source.path))
+            providers = ("CPUExecutionProvider",)
+        else:
+            self.manifest = source
+            providers = ("CUDAExecutionProvider", "CPUExecutionProvider")
+        m = self.manifest
+        self.tokenizer = Tokenizer(m.path)
+        num_blocks = config.cache.num_blocks
+        self.runner = Runner(m, num_blocks, config.num_threads, providers)
+        self.kv_pool = KVPool(num_blocks, m.block_size)
+        use_mtp = m.mtp is not None and config.spec.num_draft_tokens > 0
+        self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
+        self.state_bank = StateBank(_fixed_state_spec(m), config.cache.max_resident_requests)
+        self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
+        self.planner = StepPlanner(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
+                                   self.draft_policy, m.capture_capacity, m.context_length)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self.stats = SpecDecodeStats()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Queue a request. Bad input raises ValueError (the serving edge turns it into a 400)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.manifest.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        context = self.manifest.context_length
+        if len(ids) >= context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
+        capacity = (self.kv_pool.num_usable_blocks - 1) * self.manifest.block_size
+        needed = min(len(ids) + params.max_tokens, context)
+        if needed > capacity:
+            raise ValueError(f"prompt + max_tokens = {needed} tokens exceeds the KV cache "
+                             f"({capacity} tokens); lower max_tokens")
+        req = Request(request_id, ids, params, arrival_index=next(self._arrivals))
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request at any point; its blocks and state row are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        return self._finish(req, FinishReason.ABORT, [])
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[TokenEvent]:
+        plan = self.planner.plan(self.running, list(self.waiting))
+        for req in plan.preempted:
+            self.running.remove(req)
+        if plan.preempted:
+            self.waiting.extend(plan.preempted)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_index))
+        for req in plan.admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival_index)
+        if not plan.scheduled:
+            return []
+        self.num_steps += 1
+        drafts = self._propose(s for s in plan.scheduled if s.num_drafts)
+        out = self._verify(plan.scheduled, drafts)
+        return self._commit(plan.scheduled, drafts, out)
+
+    def _propose(self, drafting: Iterable[ScheduledRequest]) -> dict[str, _Drafts]:
+        """MTP head: catch up on committed rows, then chain single-row forwards for K drafts.
+
+            head row p pairs the main model's hidden[p] with token p+1 and predicts token p+2;
+            catch-up rows [num_head, num_computed) end at the newest token, so their last row
+            gives d0; chained row num_computed+i-1 takes d(i-1) and the head's own hidden out.
+        """
+        drafting = list(drafting)
+        if not drafting:
+            return {}
+        rows, hidden = [], []
+        for s in drafting:
+            r = s.request
+            rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_computed + 1], r.num_head,
+                                   self.head_pool.block_table(r.request_id)))
+            hidden.extend(r.pending_hidden)
+        out = self.runner.run_head(rows, np.concatenate(hidden))
+        last = np.cumsum([len(p.token_ids) for p in rows]) - 1
+        logits, head_hidden = out.logits[last], out.hidden[last]
+        result: dict[str, _Drafts] = {}
+        for s in drafting:
+            r = s.request
+            r.num_head = r.num_computed
+            r.pending_hidden = []
+            self.head_pool.commit(r.request_id, r.num_head)
+            result[r.request_id] = _Drafts([], [])
+        active = drafting
+        for i in range(max(s.num_drafts for s in drafting)):
+            if i > 0:
+                rows = [PackedRows([result[s.request.request_id].tokens[-1]],
+                                   s.request.num_computed + i - 1,
+                                   self.head_pool.block_table(s.request.request_id)) for s in active]
+                out = self.runner.run_head(rows, head_hidden)
+                logits, head_hidden = out.logits, out.hidden
+            tokens, q = self._draft_tokens(active, logits)
+            for j, s in enumerate(active):
+                d = result[s.request.request_id]
+                d.tokens.append(int(tokens[j]))
+                d.q.append(None if q is None or s.request.params.is_greedy else q[j])
+            keep = [j for j, s in enumerate(active) if s.num_drafts > i + 1]
+            active = [active[j] for j in keep]
+            logits, head_hidden = logits[keep], head_hidden[keep]
+            if not active:
+                break
+        return result
+
+    def _draft_tokens(self, active: list[ScheduledRequest], logits: np.ndarray):
+        params = [s.request.params for s in active]
+        if all(p.is_greedy for p in params):
+            return logits.argmax(axis=1), None
+        return propose_drafts(logits, params, [s.request.rng for s in active])
+
+    def _verify(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts]):
+        rows = []
+        for s in scheduled:
+            r = s.request
+            tokens = r.token_ids[r.num_computed:r.num_computed + s.num_tokens]
+            if s.num_drafts:
+                tokens = tokens + drafts[r.request_id].tokens
+            rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_table(r.request_id)))
+        states = self.state_bank.gather_step_inputs([s.request.request_id for s in scheduled])
+        capture = np.array([s.num_drafts for s in scheduled], np.int32)
+        return self.runner.run_main(rows, states, capture)
+
+    def _commit(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts], out) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        num_fed, num_kept, new_tokens = [], [], []
+        start = 0
+        for s in scheduled:
+            r = s.request
+            n = s.num_tokens + s.num_drafts
+            row_logits = out.logits[start:start + n]
+            emitted, kept = [], s.num_tokens
+            if s.samples:
+                if s.num_drafts:
+                    d = drafts[r.request_id]
+                    if r.params.is_greedy:
+                        emitted, accepted = verify_greedy(row_logits[-(s.num_drafts + 1):], d.tokens)
+                    else:
+                        target = probs(row_logits[-(s.num_drafts + 1):], r.params)
+                        emitted, accepted = verify_sampled(target, np.stack(d.q), d.tokens, r.rng)
+                    kept = accepted + 1
+                else:
+                    accepted = 0
+                    emitted = [int(sample(row_logits[-1:], r.params, r.rng)[0])]
+                r.stats.record_step(s.num_drafts, accepted, len(emitted))
+                self.stats.record_step(s.num_drafts, accepted, len(emitted))
+            if self.head_pool is not None:
+                r.pending_hidden.append(out.hidden[start:start + kept])
+            num_fed.append(n)
+            num_kept.append(kept)
+            new_tokens.append(emitted)
+            start += n
+        rids = [s.request.request_id for s in scheduled]
+        self.state_bank.commit_step(rids, out.present, num_fed, num_kept, out.captures)
+        for s, kept, emitted in zip(scheduled, num_kept, new_tokens):
+            r = s.request
+            r.num_computed += kept
+            self.kv_pool.commit(r.request_id, r.num_computed)
+            event = self._append_tokens(r, emitted) if emitted else None
+            if event is not None:
+                events.append(event)
+        return events
+
+    # ------------------------------------------------------------------ tokens out
+    def _append_tokens(self, req: Request, tokens: list[int]) -> TokenEvent | None:
+        """Append emitted tokens up to the first stop; emit the text that is safe to show."""
+        p = req.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.manifest.eos_token_ids))
+        finish = None
+        added = []
+        for t in tokens:
+            req.token_ids.append(t)
+            added.append(t)
+            if t in stop_ids:
+                finish = FinishReason.STOP
+                break
+            if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.manifest.context_length:
+                finish = FinishReason.LENGTH
+                break
+        detok = self._detok[req.request_id]
+        detok.update(req.output_token_ids)
+        text_end = len(detok.text)
+        if p.stop:
+            hit = min((i for i in (detok.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                finish, text_end = FinishReason.STOP, hit
+            elif finish is None:   # hold back what may be the start of a stop string
+                text_end = max(req.num_emitted_text, text_end - max(map(len, p.stop)) + 1)
+        text = detok.text[req.num_emitted_text:text_end]
+        req.num_emitted_text = max(req.num_emitted_text, text_end)
+        if finish is not None:
+            self.running.remove(req)
+            return self._finish(req, finish, added, text)
+        return TokenEvent(req.request_id, added, text, None, req.num_prompt_tokens, req.num_output_tokens)
+
+    def _finish(self, req: Request, reason: FinishReason, added: list[int], text: str = "") -> TokenEvent:
+        self.planner.release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        self._detok.pop(req.request_id, None)
+        return TokenEvent(req.request_id, added, text, reason, req.num_prompt_tokens, req.num_output_tokens)
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Pools consistent, and every resident request's KV length equals its state length."""
+        self.kv_pool.check_integrity()
+        self.state_bank.check_integrity()
+        if self.head_pool is not None:
+            self.head_pool.check_integrity()
+        for r in self.running:
+            kv, st = self.kv_pool.committed_len(r.request_id), self.state_bank.committed_len(r.request_id)
+            assert kv == st == r.num_computed, (
+                f"{r.request_id}: committed KV {kv}, state {st}, engine {r.num_computed}")
+        resident = set(self.state_bank.request_ids)
+        assert resident == {r.request_id for r in self.running}, "state rows held by non-running requests"
+        assert set(self.kv_pool.request_ids) <= resident, "KV blocks held by non-resident requests"
+
+    def is_idle_and_empty(self) -> bool:
+        """No requests, and every pool back to empty."""
+        return (not self.has_work and self.state_bank.num_resident_rows == 0
+                and self.kv_pool.num_free_blocks == self.kv_pool.num_usable_blocks
+                and (self.head_pool is None or self.head_pool.num_free_blocks == self.head_pool.num_usable_blocks))
+
+
+def _fixed_state_spec(m: ModelManifest) -> FixedStateSpec:
+    conv = {l.layer_id: l for l in m.conv_layers}
+    layers = tuple(
+        FixedLayerSpec(layer_id=r.layer_id, conv_dim=conv[r.layer_id].conv_dim,
+                       conv_kernel_size=conv[r.layer_id].kernel_size, num_v_heads=r.num_value_heads,
+                       v_head_dim=r.value_head_size, num_k_heads=r.num_key_heads,
+                       k_head_dim=r.key_head_size, conv_dtype=conv[r.layer_id].dtype)
+        for r in m.recurrent_layers)
+    return FixedStateSpec(layers, m.capture_capacity)

@@ -1,0 +1,104 @@
+"""A request's life inside one engine, and the events it streams out.
+
+Token bookkeeping of one request (positions are token indices in `token_ids`):
+
+    token_ids      p0 p1 ... pP-1 | o0 o1 ... on-1          prompt | output
+    num_computed   tokens folded into the main model's KV and recurrent state
+    num_head       tokens whose MTP-head rows are in the head's KV (<= num_computed)
+    pending_hidden main-model hidden states of positions [num_head, num_computed): the head
+                   row at position p pairs hidden[p] with token_ids[p + 1], so it can run once
+                   token p + 1 is known
+
+A step feeds token_ids[num_computed:] (a prefill chunk, or the one newest token of a decode)
+plus this step's drafts. The request is "decoding" when exactly one token is left to feed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mtpserve.engine.sampler import SamplingParams, make_rng
+from mtpserve.engine.speculative import SpecDecodeStats
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"           # EOS, a stop token id or a stop string
+    LENGTH = "length"       # max_tokens or the context length
+    ABORT = "abort"         # cancelled by the caller
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"     # holds no pool resources
+    RUNNING = "running"     # admitted: owns a state row and KV blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenEvent:
+    """What a step produced for one request: new token ids, the text they add, and the end."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    num_head: int = 0
+    pending_hidden: list = field(default_factory=list)    # arrays [n_i, H] covering [num_head, num_computed)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    rng: np.random.Generator | None = None
+    num_emitted_text: int = 0              # characters of output text already streamed out
+    stop_hit_at: int | None = None         # char index where a stop string begins
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.rng is None:
+            self.rng = make_rng(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_to_feed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is RequestStatus.RUNNING and self.num_to_feed == 1
+
+    @property
+    def max_output_left(self) -> int:
+        return self.params.max_tokens - self.num_output_tokens
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: all device state is gone; the tokens so far are recomputed as a prefill."""
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0
+        self.num_head = 0
+        self.pending_hidden = []
+        self.num_preemptions += 1

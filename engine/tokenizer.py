@@ -1,0 +1,82 @@
+"""Tokenization, incremental detokenization and chat templates for a model directory.
+
+`tokenizer.json` is loaded with the `tokenizers` library (the builder writes a tokenizer class name
+that transformers-free code cannot resolve, so we never go through it). Chat templates come from
+`tokenizer_config.json`'s `chat_template`, rendered with jinja2 in a sandbox; a ChatML template
+is the fallback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template") or CHATML_TEMPLATE
+        if isinstance(template, list):  # [{"name": ..., "template": ...}] form
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+        self._chat_template = env.from_string(template)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages [{"role", "content"}] into the prompt text."""
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), str):
+                raise ValueError("each message needs a 'role' and a string 'content'")
+        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes the whole output each time (outputs are short next to the model's cost) and holds back
+    a trailing replacement character, which marks a multi-byte character split across tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> str:
+        """The full output token list so far -> the new text since the last call."""
+        full = self._tokenizer.decode(token_ids)
+        if full.endswith("\ufffd"):
+            full = full.rstrip("\ufffd")
+        if not full.startswith(self.text):   # a later token re-segmented earlier bytes
+            common = 0
+            for a, b in zip(full, self.text):
+                if a != b:
+                    break
+                common += 1
+            self.text = self.text[:common]
+        delta = full[len(self.text):]
+        self.text = full
+        return delta
