@@ -1,7 +1,8 @@
 """The `mtpserve` command line: one subcommand per user job.
 
-    mtpserve info     what a model is
-    mtpserve export   a Qwen3.5 checkpoint -> a servable paged export
+    mtpserve info       what a model is
+    mtpserve export     a Qwen3.5 checkpoint -> a servable paged export
+    mtpserve generate   run the engine in process on prompts
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-capacity", type=int, default=4,
                    help="state transitions captured per step; draft tokens per step <= min(7, this)")
     p.set_defaults(func=cmd_export)
+
+    from mtpserve.cluster.generate import add_generate_parser
+    add_generate_parser(sub)
     return parser
 
 
