@@ -72,6 +72,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.stats = SpecDecodeStats()
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -119,6 +120,7 @@ class Engine:
         for req in plan.preempted:
             self.running.remove(req)
         if plan.preempted:
+            self.num_preemptions += len(plan.preempted)
             self.waiting.extend(plan.preempted)
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_index))
         for req in plan.admitted:

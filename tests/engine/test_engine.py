@@ -1,0 +1,207 @@
+"""The engine end to end on the real bundled model: exactness of MTP, batching, preemption, cancel."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.request import FinishReason
+from mtpserve.engine.runner import PackedRows, Runner
+from mtpserve.engine.sampler import SamplingParams
+
+PROMPTS = [
+    "import os\nimport sys\n",
+    "def main():\n    ",
+    "class Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "    for i in range(",
+    "# Copyright",
+    "        if not isinstance(value, str):\n            raise TypeError(",
+    "from collections import",
+    "def __repr__(self):\n        return ",
+    "\"\"\"Utilities for parsing",
+    "    try:\n        import",
+    "x = [",
+    "    def close(self):\n        \"\"\"Close the",
+    "        self.assertEqual(",
+    "def _check_arg(name, value):\n    if value is None:\n        raise ValueError(\"",
+    "return",
+    "    @property\n    def name(self):\n",
+    "with open(filename, 'rb') as f:\n    data = f.",
+    "        except OSError as exc:\n            ",
+    "__all__ = [",
+    "while True:\n    line = ",
+    "if __name__ == '__main__':\n    ",
+    "    raise NotImplementedError",
+]
+
+
+def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16, policy=None):
+    config = EngineConfig(str(model_dir), num_threads=2,
+                          cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
+                          scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
+                          spec=SpecConfig(num_draft_tokens=k))
+    return Engine(config, policy)
+
+
+def run_all(engine, prompts, params, check_every_step=True):
+    """Submit everything at once, step to the end; returns {request_id: token ids}, finish reasons."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    tokens, reasons = {}, {}
+    while engine.has_work:
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                reasons[ev.request_id] = ev.finish_reason
+        if check_every_step:
+            engine.check_integrity()
+    assert engine.is_idle_and_empty(), "pools not back to empty after every request finished"
+    return tokens, reasons
+
+
+GREEDY64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model_dir):
+    """MTP off: 22 prompts x 64 tokens, 8+ at once, a 48-token budget forcing chunked prefill."""
+    engine = make_engine(model_dir, k=0, budget=48)
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    return tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, greedy_reference, k):
+    engine = make_engine(model_dir, k=k, budget=48)
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    assert tokens == greedy_reference
+    s = engine.stats
+    # the test must exercise both rollback (partial acceptance) and full acceptance
+    assert s.num_draft_tokens > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert s.tokens_per_target_forward > 1.0
+
+
+def reference_decode(model_dir, engine, prompt_ids, num_tokens):
+    """Plain greedy decode: the whole sequence recomputed each token, no cache reuse."""
+    m = engine.manifest
+    runner = Runner(m, num_blocks=64)
+    from mtpserve.engine.state_bank import StepStates
+    seq = list(prompt_ids)
+    for _ in range(num_tokens):
+        zero = StepStates(conv={l.layer_id: np.zeros((1, l.conv_dim, l.kernel_size - 1), l.dtype) for l in m.conv_layers},
+                          recurrent={l.layer_id: np.zeros((1, l.num_value_heads, l.value_head_size, l.key_head_size),
+                                                          np.float32) for l in m.recurrent_layers})
+        blocks = list(range(1, 1 + -(-len(seq) // m.block_size)))
+        out = runner.run_main([PackedRows(seq, 0, blocks)], zero, np.zeros(1, np.int32))
+        seq.append(int(out.logits[-1].argmax()))
+    return seq[len(prompt_ids):]
+
+
+def test_engine_greedy_equals_plain_reference_decode(model_dir, greedy_reference):
+    engine = make_engine(model_dir, k=0)
+    for i in (0, 2, 5):
+        ids = engine.tokenizer.encode(PROMPTS[i])
+        assert greedy_reference[f"r{i}"][:24] == reference_decode(model_dir, engine, ids, 24)
+
+
+def test_preemption_requeues_instead_of_failing_and_output_is_unchanged(model_dir, greedy_reference):
+    # 24 usable blocks of 16 tokens cannot hold 12 requests of ~80 tokens: the planner must preempt
+    engine = make_engine(model_dir, k=2, num_blocks=25, budget=48)
+    prompts = PROMPTS[:12]
+    tokens, reasons = run_all(engine, prompts, [GREEDY64] * len(prompts))
+    assert all(reasons[f"r{i}"] == FinishReason.LENGTH for i in range(len(prompts)))
+    assert tokens == {f"r{i}": greedy_reference[f"r{i}"] for i in range(len(prompts))}
+    assert engine.num_preemptions > 0
+
+
+def test_cancel_mid_generation_frees_blocks_and_rows_at_once(model_dir):
+    engine = make_engine(model_dir, k=3)
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    free_before = engine.kv_pool.num_free_blocks
+    rows_before = engine.state_bank.num_free_rows
+    event = engine.abort("a")
+    assert event.finish_reason == FinishReason.ABORT
+    assert engine.kv_pool.num_free_blocks > free_before
+    assert engine.state_bank.num_free_rows == rows_before + 1
+    engine.check_integrity()
+    assert engine.abort("b").finish_reason == FinishReason.ABORT
+    assert engine.is_idle_and_empty()
+
+
+def test_finish_reasons_stop_strings_and_max_tokens(model_dir, greedy_reference):
+    engine = make_engine(model_dir, k=2)
+    full = engine.tokenizer.decode(greedy_reference["r0"])
+    stop = full[10:14]   # a stop string the greedy output is known to contain
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    engine.add_request("s", PROMPTS[0], params[0])
+    engine.add_request("m", PROMPTS[0], params[1])
+    text, tokens, reasons = {"s": "", "m": ""}, {"s": [], "m": []}, {}
+    while engine.has_work:
+        for ev in engine.step():
+            text[ev.request_id] += ev.text
+            tokens[ev.request_id] += ev.token_ids
+            if ev.finish_reason:
+                reasons[ev.request_id] = ev.finish_reason
+    assert reasons == {"s": FinishReason.STOP, "m": FinishReason.LENGTH}
+    assert stop not in text["s"] and full.startswith(text["s"]) and len(text["s"]) == full.find(stop)
+    assert tokens["m"] == greedy_reference["r0"][:5]
+    assert engine.is_idle_and_empty()
+
+
+def test_bad_requests_are_refused_with_clear_errors(model_dir):
+    engine = make_engine(model_dir, num_blocks=8)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", [], GREEDY64)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request("big", "x" * 10, SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("v", [engine.manifest.vocab_size + 5], GREEDY64)
+    engine.add_request("ok", "x", GREEDY64)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", "x", GREEDY64)
+    engine.abort("ok")
+    assert engine.is_idle_and_empty()
+
+
+def _second_tokens(model_dir, k, params_for_seed, num_seeds, prompt):
+    engine = make_engine(model_dir, k=k, max_rows=64, batch=64, budget=256)
+    tokens, _ = run_all(engine, [prompt] * num_seeds, [params_for_seed(s) for s in range(num_seeds)],
+                        check_every_step=False)
+    return [tuple(tokens[f"r{i}"][:3]) for i in range(num_seeds)], engine.stats
+
+
+def _homogeneity_chi2(a: Counter, b: Counter, min_count=10):
+    """Two-sample chi-square statistic over categories with enough mass (the rest pooled), and dof."""
+    cats = [c for c in set(a) | set(b) if a[c] + b[c] >= min_count]
+    rows = [[a[c] for c in cats] + [sum(a.values()) - sum(a[c] for c in cats)],
+            [b[c] for c in cats] + [sum(b.values()) - sum(b[c] for c in cats)]]
+    obs = np.array(rows, float)
+    obs = obs[:, obs.sum(0) > 0]
+    exp = obs.sum(1, keepdims=True) * obs.sum(0, keepdims=True) / obs.sum()
+    return float(((obs - exp) ** 2 / exp).sum()), obs.shape[1] - 1
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_speculative_sampling_keeps_the_target_distribution(model_dir, temperature, top_p):
+    n = 600
+    def params(seed):
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=3, ignore_eos=True)
+    off, _ = _second_tokens(model_dir, 0, params, n, PROMPTS[1])
+    on, stats = _second_tokens(model_dir, 2, lambda s: params(s + 10_000), n, PROMPTS[1])
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    # tokens 2 and 3 come out of speculative steps when MTP is on
+    for pos in (1, 2):
+        chi2, dof = _homogeneity_chi2(Counter(t[pos] for t in off), Counter(t[pos] for t in on))
+        assert dof >= 3, "the model's next-token distribution is too flat for this test to say anything"
+        # 99.9% critical value of chi-square, Wilson-Hilferty approximation
+        z = 3.09
+        crit = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+        assert chi2 < crit, f"position {pos}: chi2 {chi2:.1f} >= {crit:.1f} (dof {dof})"
