@@ -1,0 +1,285 @@
+"""Sampling: request parameters, per-request RNG, logit processing and token selection.
+
+Array code is written against an array module ``xp`` (numpy by default, cupy on the GPU,
+passed in by the runner); this module never imports cupy. Random numbers always come from
+the request's own ``numpy.random.Generator`` on the host (one uniform per sampled row), and
+only those uniforms go to the device, so a request's tokens depend on its seed and its
+logits, not on which other requests share the batch or on the array module.
+
+Processing order for a row (the order Hugging Face and vLLM use):
+
+    logits / temperature -> keep top-k -> keep nucleus (top-p) -> softmax over kept tokens
+
+Ties are broken towards the lower token id everywhere (greedy argmax, the k-th place of
+top-k, the nucleus boundary), so the kept set is a function of the logits alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+# Below this temperature a request is sampled greedily (logits / 1e-6 overflow float32).
+MIN_TEMPERATURE = 1e-5
+# Top-p without top-k first looks for the nucleus among this many highest-logit tokens.
+NUCLEUS_CANDIDATES = 1024
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _as_tuple(value, name: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a value or a list of values, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. Invalid values raise ``ValueError`` (an HTTP 400).
+
+    temperature: 0 (or below ``MIN_TEMPERATURE``) = greedy argmax.
+    top_p: nucleus mass in (0, 1]; 1 = off.
+    top_k: number of highest-logit tokens kept; 0 or None = off.
+    seed: seeds the request's RNG; None = a fresh random seed. Any int (taken mod 2**64).
+    max_tokens: number of tokens to generate, >= 1.
+    stop: stop strings; stop_token_ids: stop token ids (a single value or None is accepted).
+    ignore_eos: keep generating past the end-of-sequence token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        self.validate()
+
+    def validate(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float, np.floating)) or isinstance(p, bool) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 or null disables it), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"stop_token_ids must hold integers >= 0, got {tok!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def processing_key(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) with 'off' values normalised; rows sharing it are processed together."""
+        if self.is_greedy:
+            return (0.0, 0, 1.0)
+        return (float(self.temperature), int(self.top_k or 0), float(self.top_p))
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    """The request's own RNG: seeded from ``seed`` (mod 2**64), or from OS entropy when None."""
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng(int(seed) % 2**64)
+
+
+def to_host(array) -> np.ndarray:
+    """A numpy copy of a numpy or cupy array (cupy arrays have ``.get()``)."""
+    return array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+def _rows_params(params: SamplingParams | Sequence[SamplingParams], num_rows: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * num_rows
+    params = list(params)
+    assert len(params) == num_rows, f"{len(params)} params for {num_rows} rows"
+    return params
+
+
+def _group_rows(row_params: list[SamplingParams]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(row_params):
+        groups.setdefault(p.processing_key, []).append(i)
+    return groups
+
+
+def _softmax(x, xp):
+    x = x - x.max(axis=1, keepdims=True)
+    e = xp.exp(x)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _one_hot_argmax(x, xp):
+    out = xp.zeros(x.shape, dtype=xp.float32)
+    out[xp.arange(x.shape[0]), x.argmax(axis=1)] = 1.0
+    return out
+
+
+def _top_k_indices(x, k: int, xp):
+    """[N, k] column indices of each row's k largest values, ascending; ties go to lower indices."""
+    n = x.shape[0]
+    kth = -xp.partition(-x, k - 1, axis=1)[:, k - 1 : k]
+    above = x > kth
+    at_kth = x == kth
+    num_at_kth_kept = k - above.sum(axis=1, keepdims=True)
+    keep = above | (at_kth & (xp.cumsum(at_kth, axis=1) <= num_at_kth_kept))
+    return xp.nonzero(keep)[1].reshape(n, k)
+
+
+def _mask_outside_nucleus(x, x_probs, top_p: float, xp):
+    """Set to -inf every column of x outside the smallest highest-prob set with mass >= top_p.
+
+    x_probs are the columns' probabilities under the distribution the nucleus is taken from.
+    Columns are ordered by value, ties by column position (a stable sort), and a column is
+    kept when the mass strictly before it is still < top_p:
+
+        sorted probs  0.5  0.3  0.1  0.1      top_p = 0.8
+        mass before   0.0  0.5  0.8  0.9  ->  keep, keep, drop, drop
+    """
+    order = xp.argsort(-x, axis=1, kind="stable")
+    sorted_probs = xp.take_along_axis(x_probs, order, axis=1)
+    cumulative = xp.cumsum(sorted_probs, axis=1)
+    mass_before = xp.concatenate([xp.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], axis=1)
+    keep = xp.zeros(x.shape, dtype=bool)
+    keep[xp.arange(x.shape[0])[:, None], order] = mass_before < top_p
+    return xp.where(keep, x, -xp.inf)
+
+
+def _nucleus_candidates(x, top_p: float, xp):
+    """Columns [N, NUCLEUS_CANDIDATES] holding every row's nucleus, with their probabilities, or None.
+
+    The nucleus is a prefix of the value order, so it lies inside the top-m columns whenever
+    their mass reaches top_p: then only m columns need sorting instead of the vocabulary.
+    """
+    cols = _top_k_indices(x, NUCLEUS_CANDIDATES, xp)
+    row_max = x.max(axis=1, keepdims=True)
+    total = xp.exp(x - row_max).sum(axis=1, keepdims=True)
+    cand_probs = xp.exp(xp.take_along_axis(x, cols, axis=1) - row_max) / total
+    if bool((cand_probs.sum(axis=1) >= top_p).all()):
+        return cols, cand_probs
+    return None
+
+
+def _process(logits, temperature: float, top_k: int, top_p: float, xp):
+    """Probabilities [N, V] float32 of rows that share one processing key."""
+    if temperature == 0.0:
+        return _one_hot_argmax(logits, xp)
+    x = logits.astype(xp.float32) / xp.float32(temperature)
+    vocab = x.shape[1]
+    found = None
+    if 0 < top_k < vocab:
+        cols = _top_k_indices(x, top_k, xp)
+        found = cols, None
+    elif top_p < 1.0 and vocab > NUCLEUS_CANDIDATES:
+        found = _nucleus_candidates(x, top_p, xp)
+    if found is None:
+        return _softmax(_mask_outside_nucleus(x, _softmax(x, xp), top_p, xp) if top_p < 1.0 else x, xp)
+    cols, cand_probs = found
+    kept = xp.take_along_axis(x, cols, axis=1)
+    if top_p < 1.0:
+        kept = _mask_outside_nucleus(kept, _softmax(kept, xp) if cand_probs is None else cand_probs, top_p, xp)
+    x = xp.full(x.shape, -xp.inf, dtype=xp.float32)
+    x[xp.arange(x.shape[0])[:, None], cols] = kept
+    return _softmax(x, xp)
+
+
+def probs(logits, params: SamplingParams | Sequence[SamplingParams], xp=None):
+    """Processed probabilities [N, V] float32 of logits [N, V], one ``SamplingParams`` per row.
+
+    Greedy rows come back one-hot at the argmax. Rows are grouped by ``processing_key`` and
+    each group is processed in one vectorised pass.
+    """
+    xp = xp or np
+    logits = xp.asarray(logits)
+    assert logits.ndim == 2, f"logits must be [N, V], got shape {logits.shape}"
+    num_rows = logits.shape[0]
+    groups = _group_rows(_rows_params(params, num_rows))
+    if len(groups) == 1:
+        return _process(logits, *next(iter(groups)), xp)
+    out = xp.empty(logits.shape, dtype=xp.float32)
+    for key, rows in groups.items():
+        index = xp.asarray(rows)
+        out[index] = _process(logits[index], *key, xp)
+    return out
+
+
+def _row_rngs(rngs: np.random.Generator | Sequence[np.random.Generator], num_rows: int) -> list:
+    if isinstance(rngs, np.random.Generator):
+        return [rngs] * num_rows
+    rngs = list(rngs)
+    assert len(rngs) == num_rows, f"{len(rngs)} RNGs for {num_rows} rows"
+    return rngs
+
+
+def sample_from_probs(probs_rows, uniforms, xp=None) -> np.ndarray:
+    """Inverse-CDF sampling: token ids (host int64 [N]) of probs [N, V] at uniforms [N] in [0, 1).
+
+    Row i picks the first token whose cumulative mass exceeds ``uniforms[i] * total``;
+    zero-probability tokens can never be picked.
+    """
+    xp = xp or np
+    cdf = xp.cumsum(xp.asarray(probs_rows), axis=1)
+    u = xp.asarray(np.asarray(uniforms, dtype=np.float64).reshape(-1, 1), dtype=cdf.dtype)
+    ids = to_host((cdf <= u * cdf[:, -1:]).sum(axis=1)).astype(np.int64)
+    overshoot = ids >= cdf.shape[1]
+    if overshoot.any():  # u * total rounded up to total: take the last token with mass
+        positive = to_host(xp.asarray(probs_rows)[np.flatnonzero(overshoot)] > 0)
+        ids[overshoot] = positive.shape[1] - 1 - positive[:, ::-1].argmax(axis=1)
+    return ids
+
+
+def sample(
+    logits,
+    params: SamplingParams | Sequence[SamplingParams],
+    rngs: np.random.Generator | Sequence[np.random.Generator],
+    xp=None,
+) -> np.ndarray:
+    """One token id per row of logits [N, V] (host int64 [N]).
+
+    Greedy rows take the argmax (lowest id on ties) and draw nothing from their RNG; other
+    rows draw exactly one uniform from ``rngs[i]`` (a single Generator serves all rows in order).
+    """
+    xp = xp or np
+    logits = xp.asarray(logits)
+    num_rows = logits.shape[0]
+    row_params = _rows_params(params, num_rows)
+    row_rngs = _row_rngs(rngs, num_rows)
+    ids = np.empty(num_rows, dtype=np.int64)
+    greedy = [i for i, p in enumerate(row_params) if p.is_greedy]
+    sampled = [i for i, p in enumerate(row_params) if not p.is_greedy]
+    if greedy:
+        rows = logits if len(greedy) == num_rows else logits[xp.asarray(greedy)]
+        ids[greedy] = to_host(rows.argmax(axis=1))
+    if sampled:
+        rows = logits if len(sampled) == num_rows else logits[xp.asarray(sampled)]
+        uniforms = [row_rngs[i].random() for i in sampled]
+        ids[sampled] = sample_from_probs(probs(rows, [row_params[i] for i in sampled], xp), uniforms, xp)
+    return ids

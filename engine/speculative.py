@@ -1,0 +1,290 @@
+"""Speculative decoding: draft proposal, verification (greedy and exact sampling), stats, draft policy.
+
+A speculative step feeds one request's rows ``[t, d0 .. dK-1]`` to the target model; target
+row i predicts the token after input i, so it is checked against draft d_i, and the last row
+gives the bonus token when every draft is accepted:
+
+    input row     t     d0    d1   ...  dK-1
+    target row    0     1     2    ...  K
+    checks        d0    d1    d2   ...  bonus
+    emitted       accepted drafts d0..d(j-1), then one token from row j   (j = num accepted)
+
+So a step emits j + 1 tokens, 1 <= j + 1 <= K + 1. Array code takes an array module ``xp``
+(numpy default; the runner passes cupy on the GPU); random numbers come from the request's
+host ``numpy.random.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from mtpserve.engine.sampler import SamplingParams, probs, sample_from_probs, to_host
+
+# The most drafts one request may carry in one step (DESIGN.md §3).
+MAX_NUM_DRAFTS = 7
+
+
+def accept_greedy(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy verification on host ids: target_argmax has K+1 entries, draft_tokens K.
+
+    Accepts the longest prefix of drafts equal to the target argmax, then emits the target's
+    token at the first mismatch (or the bonus token). Returns (emitted tokens, num accepted).
+    """
+    num_drafts = len(draft_tokens)
+    assert len(target_argmax) == num_drafts + 1, f"{len(target_argmax)} target rows for {num_drafts} drafts"
+    num_accepted = 0
+    while num_accepted < num_drafts and int(draft_tokens[num_accepted]) == int(target_argmax[num_accepted]):
+        num_accepted += 1
+    emitted = [int(t) for t in draft_tokens[:num_accepted]] + [int(target_argmax[num_accepted])]
+    return emitted, num_accepted
+
+
+def _packed_offsets(num_drafts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """First target row and first draft row of each request in the packed layout.
+
+    request r owns target rows  target_start[r] .. target_start[r] + K_r   (K_r + 1 rows)
+                   draft rows   draft_start[r]  .. draft_start[r] + K_r - 1 (K_r rows)
+
+        K = [2, 0, 1]   target rows  r0 r0 r0 | r1 | r2 r2    target_start = [0, 3, 4]
+                        draft rows   r0 r0 | r2               draft_start  = [0, 2, 2]
+    """
+    counts = np.asarray(num_drafts, dtype=np.int64)
+    draft_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    target_start = draft_start + np.arange(len(counts), dtype=np.int64)
+    return target_start, draft_start
+
+
+def verify_greedy_batch(target_logits, draft_tokens: Sequence[Sequence[int]], xp=None) -> list[tuple[list[int], int]]:
+    """Greedy verification of many requests: target_logits [sum(K_r + 1), V] packed by request
+    (see ``_packed_offsets``), draft_tokens[r] the K_r drafts of request r. One device sync."""
+    xp = xp or np
+    argmax = to_host(xp.asarray(target_logits).argmax(axis=1))
+    target_start, _ = _packed_offsets([len(d) for d in draft_tokens])
+    assert argmax.shape[0] == sum(len(d) + 1 for d in draft_tokens), "target rows != sum(K_r + 1)"
+    return [accept_greedy(argmax[s : s + len(d) + 1], d) for s, d in zip(target_start, draft_tokens)]
+
+
+def verify_greedy(target_logits, draft_tokens: Sequence[int], xp=None) -> tuple[list[int], int]:
+    """Greedy verification of one request: target_logits [K+1, V] (rows for [t, d0..dK-1])."""
+    return verify_greedy_batch(target_logits, [draft_tokens], xp)[0]
+
+
+def verify_sampled_batch(
+    target_probs,
+    draft_probs,
+    draft_tokens: Sequence[Sequence[int]],
+    rngs: np.random.Generator | Sequence[np.random.Generator],
+    xp=None,
+) -> list[tuple[list[int], int]]:
+    """Exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for many requests.
+
+    target_probs [sum(K_r + 1), V]: each request's processed target probabilities p_0..p_K
+    (after its temperature / top-k / top-p); draft_probs [sum(K_r), V]: the q_i each draft was
+    sampled from, processed the same way; both packed by request (see ``_packed_offsets``).
+    draft_tokens[r]: request r's drafts d_0..d_{K_r-1}; rngs[r]: its RNG (one Generator = all).
+
+    Draft d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order. At the first
+    rejection the emitted token is drawn from normalise(max(0, p_i - q_i)) (from p_i if that
+    residual has no mass); after K acceptances the bonus token is drawn from p_K. The emitted
+    tokens are then distributed exactly as tokens sampled from the target one by one.
+
+    Each request draws K_r + 1 uniforms from its RNG (K_r acceptance tests, then the emitted
+    token). Two device syncs for the whole batch. Returns [(emitted tokens, num accepted)].
+    """
+    xp = xp or np
+    target_probs = xp.asarray(target_probs)
+    draft_probs = xp.asarray(draft_probs)
+    num_requests = len(draft_tokens)
+    row_rngs = [rngs] * num_requests if isinstance(rngs, np.random.Generator) else list(rngs)
+    assert len(row_rngs) == num_requests, f"{len(row_rngs)} RNGs for {num_requests} requests"
+    num_drafts = [len(d) for d in draft_tokens]
+    target_start, draft_start = _packed_offsets(num_drafts)
+    assert target_probs.shape[0] == sum(num_drafts) + num_requests, "target rows != sum(K_r + 1)"
+    assert draft_probs.shape[0] == sum(num_drafts), "draft rows != sum(K_r)"
+
+    if num_requests == 0:
+        return []
+    tokens = np.concatenate([np.asarray(d, dtype=np.int64).reshape(-1) for d in draft_tokens])
+    p_at_draft = q_at_draft = np.zeros(0)
+    if tokens.size:
+        draft_rows = xp.asarray(np.arange(tokens.size))
+        target_rows = xp.asarray(np.arange(tokens.size) + np.repeat(np.arange(num_requests), num_drafts))
+        cols = xp.asarray(tokens)
+        at_draft = xp.stack([target_probs[target_rows, cols], draft_probs[draft_rows, cols]])
+        p_at_draft, q_at_draft = to_host(at_draft).astype(np.float64)
+
+    num_accepted = np.zeros(num_requests, dtype=np.int64)
+    final_uniforms = np.empty(num_requests)
+    for r, rng in enumerate(row_rngs):
+        uniforms = rng.random(num_drafts[r] + 1)
+        start, end = draft_start[r], draft_start[r] + num_drafts[r]
+        # u < p/q, written without the division: q = 0 < p accepts, p = 0 rejects.
+        rejected = np.flatnonzero(uniforms[:-1] * q_at_draft[start:end] >= p_at_draft[start:end])
+        num_accepted[r] = rejected[0] if rejected.size else num_drafts[r]
+        final_uniforms[r] = uniforms[-1]
+
+    final_rows = target_probs[xp.asarray(target_start + num_accepted)]
+    was_rejected = num_accepted < np.asarray(num_drafts, dtype=np.int64)
+    if was_rejected.any():
+        rejected_at = np.flatnonzero(was_rejected)
+        p_rows = final_rows[xp.asarray(rejected_at)]
+        q_rows = draft_probs[xp.asarray(draft_start[rejected_at] + num_accepted[rejected_at])]
+        residual = xp.maximum(p_rows - q_rows, 0)
+        has_mass = residual.sum(axis=1, keepdims=True) > 0
+        final_rows[xp.asarray(rejected_at)] = xp.where(has_mass, residual, p_rows)
+    final_tokens = sample_from_probs(final_rows, final_uniforms, xp)
+    return [
+        ([int(t) for t in draft_tokens[r][: num_accepted[r]]] + [int(final_tokens[r])], int(num_accepted[r]))
+        for r in range(num_requests)
+    ]
+
+
+def verify_sampled(
+    target_probs,
+    draft_probs,
+    draft_tokens: Sequence[int],
+    rng: np.random.Generator,
+    xp=None,
+) -> tuple[list[int], int]:
+    """``verify_sampled_batch`` for one request: target_probs [K+1, V], draft_probs [K, V]."""
+    return verify_sampled_batch(target_probs, draft_probs, [draft_tokens], [rng], xp)[0]
+
+
+def propose_drafts(
+    draft_logits,
+    params: SamplingParams | Sequence[SamplingParams],
+    rngs: np.random.Generator | Sequence[np.random.Generator],
+    xp=None,
+):
+    """Sample draft tokens from the MTP head's logits [N, V] (one row per chained draft).
+
+    Returns (token ids host int64 [N], q [N, V] float32): q is the processed distribution each
+    token was drawn from, to keep for verification (``verify_sampled_batch`` wants q packed by
+    request, draft 0..K_r-1 of each request in turn). Every row draws one uniform from its
+    RNG, greedy rows included (their q is one-hot). Greedy requests need no q: use
+    ``sampler.sample`` for them and verify with ``verify_greedy``.
+    """
+    xp = xp or np
+    q = probs(draft_logits, params, xp)
+    num_rows = q.shape[0]
+    if isinstance(rngs, np.random.Generator):
+        uniforms = rngs.random(num_rows)
+    else:
+        assert len(rngs) == num_rows, f"{len(rngs)} RNGs for {num_rows} rows"
+        uniforms = [rng.random() for rng in rngs]
+    return sample_from_probs(q, uniforms, xp), q
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative-decoding counters; the same type serves one request and a whole engine.
+
+    ``record_step`` is called once per target forward that emits tokens for a request (a step
+    with no drafts counts as a forward with 0 drafts). An engine either records every request's
+    steps into its own instance or folds finished requests in with ``merged``.
+    Derived values are properties; with nothing recorded they are 0.0 (acceptance_length 1.0).
+    """
+
+    num_drafts: int = 0  # target forwards that carried >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_target_forwards: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i was proposed
+
+    def record_step(self, num_draft_tokens: int, num_accepted_tokens: int, num_emitted_tokens: int) -> None:
+        """Count one target forward. num_emitted_tokens may be below accepted + 1 when a stop cut the step."""
+        assert 0 <= num_accepted_tokens <= num_draft_tokens, (
+            f"accepted {num_accepted_tokens} of {num_draft_tokens} drafts"
+        )
+        assert 1 <= num_emitted_tokens <= num_accepted_tokens + 1, (
+            f"emitted {num_emitted_tokens} with {num_accepted_tokens} accepted"
+        )
+        self.num_target_forwards += 1
+        self.num_emitted_tokens += num_emitted_tokens
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        _add_prefix_counts(self.drafted_per_position, num_draft_tokens)
+        _add_prefix_counts(self.accepted_per_position, num_accepted_tokens)
+
+    def merged(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        """A new instance holding the sums of both."""
+        out = SpecDecodeStats(
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            num_target_forwards=self.num_target_forwards + other.num_target_forwards,
+            num_emitted_tokens=self.num_emitted_tokens + other.num_emitted_tokens,
+        )
+        for counts in (self.accepted_per_position, other.accepted_per_position):
+            _add_counts(out.accepted_per_position, counts)
+        for counts in (self.drafted_per_position, other.drafted_per_position):
+            _add_counts(out.drafted_per_position, counts)
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + accepted / drafts: mean tokens emitted by a step that carried drafts."""
+        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.num_emitted_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """[i]: accepted / proposed at draft position i."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+
+def _add_prefix_counts(counts: list[int], num_positions: int) -> None:
+    counts.extend([0] * (num_positions - len(counts)))
+    for i in range(num_positions):
+        counts[i] += 1
+
+
+def _add_counts(counts: list[int], other: list[int]) -> None:
+    counts.extend([0] * (len(other) - len(counts)))
+    for i, c in enumerate(other):
+        counts[i] += c
+
+
+class DraftPolicy:
+    """Chooses how many drafts a request carries in its next step.
+
+    ``num_drafts(request_state) -> int`` in 0..MAX_NUM_DRAFTS; 0 turns speculation off for that
+    step. The planner still caps the answer by the state-capture capacity and the request's
+    remaining token budget. An adaptive policy (later work) would read the request's
+    ``SpecDecodeStats`` (per-position acceptance) and a per-worker step-cost model, and pick
+    the K that maximises expected tokens per unit of step time.
+    """
+
+    def num_drafts(self, request_state: Any) -> int:
+        raise NotImplementedError
+
+
+class FixedDraftPolicy(DraftPolicy):
+    """The same draft count for every request and step; 0 = speculation off."""
+
+    def __init__(self, num_drafts: int) -> None:
+        if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or not 0 <= num_drafts <= MAX_NUM_DRAFTS:
+            raise ValueError(f"num_drafts must be an integer in 0..{MAX_NUM_DRAFTS}, got {num_drafts!r}")
+        self._num_drafts = num_drafts
+
+    def num_drafts(self, request_state: Any) -> int:
+        return self._num_drafts
+
+    def __repr__(self) -> str:
+        return f"FixedDraftPolicy({self._num_drafts})"

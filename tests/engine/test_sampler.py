@@ -1,0 +1,139 @@
+"""Sampler: parameter validation, logit processing (temperature, top-k, top-p), seeded sampling."""
+
+import numpy as np
+import pytest
+
+from mtpserve.engine import sampler
+from mtpserve.engine.sampler import SamplingParams, make_rng, probs, sample, sample_from_probs
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=1.5), "max_tokens"),
+        (dict(seed="7"), "seed"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop_token_ids=[2, -1]), "stop_token_ids"),
+        (dict(stop_token_ids=2.5), "stop_token_ids"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+    ],
+)
+def test_invalid_params_raise_value_error_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_params_are_normalised():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=-3, stop="###", stop_token_ids=[1, 2])
+    assert params.stop == ("###",) and params.stop_token_ids == (1, 2)
+    assert SamplingParams(stop=None, stop_token_ids=7).stop_token_ids == (7,)
+    assert params.processing_key == (0.7, 0, 0.9)
+    assert SamplingParams(temperature=0, top_k=5).processing_key == (0.0, 0, 1.0)
+    hash(params)  # frozen and hashable: usable as a grouping key
+    make_rng(params.seed).random()  # negative seeds are accepted
+
+
+def test_temperature_scales_logits_before_softmax():
+    logits = np.array([[1.0, 2.0, 0.5, -1.0]], dtype=np.float32)
+    expected = np.exp(logits[0] / 0.5) / np.exp(logits[0] / 0.5).sum()
+    np.testing.assert_allclose(probs(logits, SamplingParams(temperature=0.5))[0], expected, rtol=1e-5)
+
+
+def test_greedy_is_argmax_lowest_index_on_ties_and_draws_nothing():
+    logits = np.array([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0]], dtype=np.float32)
+    greedy = SamplingParams(temperature=0)
+    rng = make_rng(1)
+    state = rng.bit_generator.state
+    assert sample(logits, greedy, rng).tolist() == [1, 0]
+    assert rng.bit_generator.state == state
+    np.testing.assert_array_equal(probs(logits, greedy), [[0, 1, 0, 0], [1, 0, 0, 0]])
+
+
+def test_top_k_keeps_exactly_k_with_ties_to_lower_ids():
+    logits = np.array([[1.0, 3.0, 3.0, 3.0, 0.0]], dtype=np.float32)
+    kept = probs(logits, SamplingParams(top_k=2))[0]
+    np.testing.assert_allclose(kept, [0, 0.5, 0.5, 0, 0], atol=1e-7)
+
+
+def test_top_p_keeps_smallest_nucleus_with_ties_to_lower_ids():
+    logits = np.log(np.array([[0.4, 0.2, 0.2, 0.2], [0.1, 0.5, 0.3, 0.1]], dtype=np.float32))
+    out = probs(logits, SamplingParams(top_p=0.5))
+    np.testing.assert_allclose(out[0], [2 / 3, 1 / 3, 0, 0], rtol=1e-5)
+    out = probs(logits, SamplingParams(top_p=0.45))
+    np.testing.assert_allclose(out[1], [0, 1, 0, 0], atol=1e-7)
+    out = probs(logits, SamplingParams(top_p=0.75))
+    np.testing.assert_allclose(out[1], [0, 0.625, 0.375, 0], rtol=1e-5)
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    logits = np.log(np.array([[0.3, 0.3, 0.2, 0.1, 0.1]], dtype=np.float32))
+    # top-2 renormalises to [0.5, 0.5]; top_p 0.4 then keeps only the first of the tie
+    np.testing.assert_allclose(probs(logits, SamplingParams(top_k=2, top_p=0.4))[0], [1, 0, 0, 0, 0], atol=1e-7)
+    np.testing.assert_allclose(probs(logits, SamplingParams(top_k=3, top_p=0.7))[0], [0.5, 0.5, 0, 0, 0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_candidate_shortcut_matches_full_sort(monkeypatch, top_p):
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(6, 400)) * np.array([[0.5], [1], [2], [4], [8], [16]])).astype(np.float32)
+    logits[:, 7] = logits[:, 8]  # a tie somewhere
+    params = SamplingParams(top_p=top_p)
+    full = probs(logits, params)
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", 16)
+    np.testing.assert_array_equal(probs(logits, params), full)
+
+
+def test_rows_with_different_params_match_rows_processed_alone():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, 50)).astype(np.float32)
+    row_params = [
+        SamplingParams(top_k=5),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.6, temperature=0.8),
+        SamplingParams(top_k=5),
+        SamplingParams(),
+    ]
+    batched = probs(logits, row_params)
+    for i, params in enumerate(row_params):
+        np.testing.assert_array_equal(batched[i], probs(logits[i : i + 1], params)[0])
+
+
+def test_seeded_request_samples_the_same_tokens_alone_or_in_a_batch():
+    rng = np.random.default_rng(1)
+    steps = [rng.normal(size=(3, 64)).astype(np.float32) for _ in range(20)]
+    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    others = [SamplingParams(temperature=1.3, seed=5), SamplingParams(temperature=0)]
+
+    alone_rng = make_rng(mine.seed)
+    alone = [int(sample(x[:1], mine, alone_rng)[0]) for x in steps]
+    batch_rngs = [make_rng(mine.seed), make_rng(5), make_rng(None)]
+    batched = [int(sample(x, [mine, *others], batch_rngs)[0]) for x in steps]
+    assert alone == batched
+    assert alone != [int(sample(x[:1], mine, make_rng(4321))[0]) for x in steps]
+
+
+def test_sampled_frequencies_follow_processed_probs():
+    logits = np.log(np.array([[0.35, 0.25, 0.2, 0.1, 0.05, 0.05]], dtype=np.float32))
+    params = SamplingParams(top_k=4, temperature=1.0)
+    num_trials = 20000
+    ids = sample(np.repeat(logits, num_trials, axis=0), params, make_rng(11))
+    expected = probs(logits, params)[0]
+    assert set(ids.tolist()) <= {0, 1, 2, 3}
+    frequencies = np.bincount(ids, minlength=6) / num_trials
+    assert 0.5 * np.abs(frequencies - expected).sum() < 0.02  # total variation; ~0.005 expected
+    assert 0.5 * np.abs(frequencies - probs(logits, SamplingParams())[0]).sum() > 0.05
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    row = np.array([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]], dtype=np.float32)
+    for u in [0.0, 0.4999, 0.5, np.nextafter(1.0, 0.0)]:
+        assert sample_from_probs(row, [u])[0] in (1, 3)
+    assert sample_from_probs(row, [np.nextafter(1.0, 0.0)])[0] == 3
