@@ -26,9 +26,9 @@ from mtpserve.engine.manifest import ModelManifest, load_manifest
 from mtpserve.engine.planner import ScheduledRequest, StepPlanner
 from mtpserve.engine.request import FinishReason, Request, RequestStatus, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import SamplingParams, probs, sample
-from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDecodeStats,
-                                         propose_drafts, verify_greedy, verify_sampled)
+from mtpserve.engine.sampler import SamplingParams, probs, sample, to_host
+from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDecodeStats, accept_greedy,
+                                         propose_drafts, verify_sampled)
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -50,18 +50,19 @@ class Engine:
         if config.device == "cpu":
             from mtpserve.engine.cpu_adapter import adapt_for_cpu
             self.manifest: ModelManifest = load_manifest(adapt_for_cpu(source.path))
-            providers = ("CPUExecutionProvider",)
+            self.xp = np
         else:
+            import cupy   # the GPU extra: pip install 'mtpserve[gpu]'
             self.manifest = source
-            providers = ("CUDAExecutionProvider", "CPUExecutionProvider")
+            self.xp = cupy
         m = self.manifest
         self.tokenizer = Tokenizer(m.path)
         num_blocks = config.cache.num_blocks
-        self.runner = Runner(m, num_blocks, config.num_threads, providers)
+        self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp)
         self.kv_pool = KVPool(num_blocks, m.block_size)
         use_mtp = m.mtp is not None and config.spec.num_draft_tokens > 0
         self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
-        self.state_bank = StateBank(_fixed_state_spec(m), config.cache.max_resident_requests)
+        self.state_bank = StateBank(_fixed_state_spec(m), config.cache.max_resident_requests, self.xp)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.planner = StepPlanner(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length)
@@ -150,7 +151,7 @@ class Engine:
             rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_computed + 1], r.num_head,
                                    self.head_pool.block_table(r.request_id)))
             hidden.extend(r.pending_hidden)
-        out = self.runner.run_head(rows, np.concatenate(hidden))
+        out = self.runner.run_head(rows, self.xp.concatenate(hidden))
         last = np.cumsum([len(p.token_ids) for p in rows]) - 1
         logits, head_hidden = out.logits[last], out.hidden[last]
         result: dict[str, _Drafts] = {}
@@ -180,11 +181,11 @@ class Engine:
                 break
         return result
 
-    def _draft_tokens(self, active: list[ScheduledRequest], logits: np.ndarray):
+    def _draft_tokens(self, active: list[ScheduledRequest], logits):
         params = [s.request.params for s in active]
         if all(p.is_greedy for p in params):
-            return logits.argmax(axis=1), None
-        return propose_drafts(logits, params, [s.request.rng for s in active])
+            return to_host(logits.argmax(axis=1)), None
+        return propose_drafts(logits, params, [s.request.rng for s in active], self.xp)
 
     def _verify(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts]):
         rows = []
@@ -199,26 +200,29 @@ class Engine:
         return self.runner.run_main(rows, states, capture)
 
     def _commit(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts], out) -> list[TokenEvent]:
+        xp = self.xp
         events: list[TokenEvent] = []
         num_fed, num_kept, new_tokens = [], [], []
+        argmax = to_host(out.logits.argmax(axis=1))        # the one device -> host copy of a greedy step
         start = 0
         for s in scheduled:
             r = s.request
             n = s.num_tokens + s.num_drafts
-            row_logits = out.logits[start:start + n]
             emitted, kept = [], s.num_tokens
             if s.samples:
-                if s.num_drafts:
+                last = start + n - s.num_drafts - 1       # row of the newest real token
+                if r.params.is_greedy:
+                    d = drafts[r.request_id].tokens if s.num_drafts else []
+                    emitted, accepted = accept_greedy(argmax[last:start + n], d)
+                elif s.num_drafts:
                     d = drafts[r.request_id]
-                    if r.params.is_greedy:
-                        emitted, accepted = verify_greedy(row_logits[-(s.num_drafts + 1):], d.tokens)
-                    else:
-                        target = probs(row_logits[-(s.num_drafts + 1):], r.params)
-                        emitted, accepted = verify_sampled(target, np.stack(d.q), d.tokens, r.rng)
-                    kept = accepted + 1
+                    target = probs(out.logits[last:start + n], r.params, xp)
+                    emitted, accepted = verify_sampled(target, xp.stack(d.q), d.tokens, r.rng, xp)
                 else:
                     accepted = 0
-                    emitted = [int(sample(row_logits[-1:], r.params, r.rng)[0])]
+                    emitted = [int(sample(out.logits[last:last + 1], r.params, r.rng, xp)[0])]
+                if s.num_drafts:
+                    kept = accepted + 1
                 r.stats.record_step(s.num_drafts, accepted, len(emitted))
                 self.stats.record_step(s.num_drafts, accepted, len(emitted))
             if self.head_pool is not None:

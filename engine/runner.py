@@ -7,24 +7,27 @@ Packed step inputs (the same layout for both graphs), for B requests feeding n_b
     cumulative_sequence_lengths [B+1]   0, n_0, n_0+n_1, ...
     past_sequence_lengths [B]       tokens already in each request's KV
     block_table          [B, MB]    pages of each request, padded with the scratch block 0
-    attention_metadata   [3]        [max n_b, max past_b + n_b, min past_b + n_b]
+    attention_metadata   [3]        [max n_b, max past_b + n_b, min past_b + n_b]   (host memory)
 
-The KV pools are allocated once and bound through IOBinding as both the `past_key_values.L.*`
-input and the `present.L.*` output, so ORT writes new K/V rows in place and nothing is copied per
-step. Fixed state rows are gathered by the state bank into contiguous [B, ...] buffers.
-Arrays are numpy on the CPU (the CUDA path adds device buffers bound by pointer).
+Every array is bound through IOBinding by pointer, on the session's device: the KV pools are
+allocated once and bound as both the `past_key_values.L.*` input and the `present.L.*` output, so
+ORT writes new K/V rows in place; outputs go into buffers allocated here with their known shapes.
+Arrays come from an array module `xp`: numpy on the CPU, cupy on CUDA (nothing else changes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from mtpserve.engine.manifest import ModelManifest, PagedKVLayer
 from mtpserve.engine.state_bank import StepCaptures, StepStates
+
+Array = Any   # numpy or cupy ndarray
+HOST_INPUTS = {"attention_metadata"}   # read on the host by the paged attention kernel
 
 
 @dataclass
@@ -37,16 +40,16 @@ class PackedRows:
 
 @dataclass
 class MainOutputs:
-    logits: np.ndarray            # [T, V]
-    hidden: np.ndarray            # [T, H]
+    logits: Array                 # [T, V]
+    hidden: Array                 # [T, H]
     present: StepStates
     captures: StepCaptures | None
 
 
 @dataclass
 class HeadOutputs:
-    logits: np.ndarray            # [T, V]
-    hidden: np.ndarray            # [T, H] (hidden_states_out: feeds the next chained row)
+    logits: Array                 # [T, V]
+    hidden: Array                 # [T, H] (hidden_states_out: feeds the next chained row)
 
 
 def pack_rows(rows: Sequence[PackedRows], scratch_block: int = 0) -> dict[str, np.ndarray]:
@@ -70,26 +73,53 @@ def pack_rows(rows: Sequence[PackedRows], scratch_block: int = 0) -> dict[str, n
     }
 
 
-class _PagedPool:
-    """The K/V arrays of one graph's paged layers, with OrtValues aliasing them."""
+class _Binding:
+    """An IOBinding that binds arrays by pointer and keeps them alive until the run."""
 
-    def __init__(self, layers: Sequence[PagedKVLayer], num_blocks: int, block_size: int):
+    def __init__(self, session: ort.InferenceSession, xp, device: str):
+        self.io = session.io_binding()
+        self.xp, self.device = xp, device
+        self._keep: list = []
+        self.outputs: dict[str, Array] = {}
+
+    def _ptr(self, arr) -> int:
+        return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+
+    def input(self, name: str, arr) -> None:
+        if name in HOST_INPUTS or self.xp is np:
+            arr = np.ascontiguousarray(arr)
+            device = "cpu"
+        else:
+            arr = self.xp.ascontiguousarray(self.xp.asarray(arr))
+            device = self.device
+        self._keep.append(arr)
+        self.io.bind_input(name, device, 0, arr.dtype.type, list(arr.shape), self._ptr(arr))
+
+    def output(self, name: str, shape: tuple, dtype, into=None) -> Array:
+        arr = self.xp.empty(shape, dtype) if into is None else into
+        self.io.bind_output(name, self.device if self.xp is not np else "cpu", 0, arr.dtype.type,
+                            list(arr.shape), self._ptr(arr))
+        self.outputs[name] = arr
+        return arr
+
+
+class _PagedPool:
+    """The K/V arrays of one graph's paged layers (zero-filled: masked keys must be finite)."""
+
+    def __init__(self, layers: Sequence[PagedKVLayer], num_blocks: int, block_size: int, xp):
         self.layers = tuple(layers)
-        self.arrays: dict[str, np.ndarray] = {}
-        self.ort_values: dict[str, ort.OrtValue] = {}
+        self.arrays: dict[str, Array] = {}
         for layer in self.layers:
             for name in (layer.key_input, layer.value_input):
-                arr = np.zeros((num_blocks, block_size, layer.num_kv_heads, layer.head_size), layer.dtype)
-                self.arrays[name] = arr
-                self.ort_values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+                self.arrays[name] = xp.zeros((num_blocks, block_size, layer.num_kv_heads, layer.head_size),
+                                             layer.dtype)
 
-    def bind(self, io: ort.IOBinding, output_names: list[str]) -> None:
+    def bind(self, b: _Binding) -> None:
         for layer in self.layers:
             for name_in, name_out in ((layer.key_input, layer.key_output),
                                       (layer.value_input, layer.value_output)):
-                io.bind_ortvalue_input(name_in, self.ort_values[name_in])
-                io.bind_ortvalue_output(name_out, self.ort_values[name_in])
-                output_names.append(name_out)
+                b.input(name_in, self.arrays[name_in])
+                b.output(name_out, None, None, into=self.arrays[name_in])
 
     @property
     def nbytes(self) -> int:
@@ -100,71 +130,75 @@ class Runner:
     """Runs packed steps of the main model and the MTP head on one device."""
 
     def __init__(self, manifest: ModelManifest, num_blocks: int, num_threads: int = 0,
-                 providers: Sequence[str] = ("CPUExecutionProvider",)):
-        self.manifest = manifest
+                 device: str = "cpu", xp=np):
+        self.manifest, self.xp, self.device = manifest, xp, device
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if num_threads:
             so.intra_op_num_threads = num_threads
             so.inter_op_num_threads = 1
-        path = manifest.path
-        self.session = ort.InferenceSession(str(path / "model.onnx"), so, providers=list(providers))
-        self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size)
-        self.head_session = None
-        self.head_kv = None
-        if manifest.mtp is not None:
-            self.head_session = ort.InferenceSession(str(path / manifest.mtp.filename), so,
-                                                     providers=list(providers))
-            self.head_kv = _PagedPool(manifest.mtp.kv_layers, num_blocks, manifest.block_size)
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=providers)
+        self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self._main_inputs = {i.name for i in self.session.get_inputs()}
+        self.head_session = self.head_kv = None
+        if manifest.mtp is not None:
+            self.head_session = ort.InferenceSession(str(manifest.path / manifest.mtp.filename), so,
+                                                     providers=providers)
+            self.head_kv = _PagedPool(manifest.mtp.kv_layers, num_blocks, manifest.block_size, xp)
+            self._head_inputs = {i.name for i in self.head_session.get_inputs()}
+        self.hidden_dtype = next(t.dtype for t in manifest.outputs if t.name == manifest.hidden_output)
 
     def run_main(self, rows: Sequence[PackedRows], states: StepStates,
                  capture_counts: np.ndarray) -> MainOutputs:
-        """One packed forward of the main model. capture_counts[b] transitions are captured."""
-        m = self.manifest
-        io = self.session.io_binding()
-        for name, arr in pack_rows(rows).items():
+        """One packed forward of the main model; capture_counts[b] transitions are captured."""
+        m, xp = self.manifest, self.xp
+        b = _Binding(self.session, xp, self.device)
+        packed = pack_rows(rows)
+        for name, arr in packed.items():
             if name in self._main_inputs:
-                io.bind_cpu_input(name, arr)
+                b.input(name, arr)
+        num_tokens, batch = packed["input_ids"].size, len(rows)
         capture = bool(capture_counts.any())
-        io.bind_cpu_input("state_update_capture_count", capture_counts.astype(np.int32))
-        io.bind_cpu_input("state_update_active", np.array([int(capture)], np.int32))
-        names = []
-        for layer, arr in [(l, states.conv[l.layer_id]) for l in m.conv_layers] + \
-                          [(l, states.recurrent[l.layer_id]) for l in m.recurrent_layers]:
-            io.bind_cpu_input(layer.state_input, np.ascontiguousarray(arr))
-            names += [layer.state_output, layer.capture_output]
-        names += [m.logits_output, m.hidden_output]
-        for name in names:
-            io.bind_output(name)
-        self.kv.bind(io, names)
-        self.session.run_with_iobinding(io)
-        out = dict(zip(names, io.get_outputs()))
-        present = StepStates(
-            conv={l.layer_id: out[l.state_output].numpy() for l in m.conv_layers},
-            recurrent={l.layer_id: out[l.state_output].numpy() for l in m.recurrent_layers})
+        b.input("state_update_capture_count", capture_counts.astype(np.int32))
+        b.input("state_update_active", np.array([int(capture)], np.int32))
+        C = m.capture_capacity
+        for layer in m.conv_layers:
+            state = states.conv[layer.layer_id]
+            b.input(layer.state_input, state)
+            b.output(layer.state_output, state.shape, state.dtype)
+            b.output(layer.capture_output, (batch, C, layer.conv_dim), layer.dtype)
+        for layer in m.recurrent_layers:
+            state = states.recurrent[layer.layer_id]
+            b.input(layer.state_input, state)
+            b.output(layer.state_output, state.shape, state.dtype)
+            b.output(layer.capture_output, (batch, C * layer.capsule_width_per_token), np.float32)
+        b.output(m.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
+        b.output(m.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
+        self.kv.bind(b)
+        self.session.run_with_iobinding(b.io)
+        out = b.outputs
+        present = StepStates(conv={l.layer_id: out[l.state_output] for l in m.conv_layers},
+                             recurrent={l.layer_id: out[l.state_output] for l in m.recurrent_layers})
         captures = None
         if capture:
             captures = StepCaptures(
-                conv_value={l.layer_id: out[l.capture_output].numpy() for l in m.conv_layers},
-                recurrent_capsule={l.layer_id: out[l.capture_output].numpy() for l in m.recurrent_layers})
-        return MainOutputs(out[m.logits_output].numpy(), out[m.hidden_output].numpy(), present, captures)
+                conv_value={l.layer_id: out[l.capture_output] for l in m.conv_layers},
+                recurrent_capsule={l.layer_id: out[l.capture_output] for l in m.recurrent_layers})
+        return MainOutputs(out[m.logits_output], out[m.hidden_output], present, captures)
 
-    def run_head(self, rows: Sequence[PackedRows], hidden: np.ndarray) -> HeadOutputs:
+    def run_head(self, rows: Sequence[PackedRows], hidden: Array) -> HeadOutputs:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""
-        head = self.manifest.mtp
-        io = self.head_session.io_binding()
-        for name, arr in pack_rows(rows).items():
-            io.bind_cpu_input(name, arr)
-        io.bind_cpu_input(head.hidden_input, np.ascontiguousarray(hidden, dtype=self.hidden_dtype))
-        names = [head.logits_output, head.hidden_output]
-        for name in names:
-            io.bind_output(name)
-        self.head_kv.bind(io, names)
-        self.head_session.run_with_iobinding(io)
-        out = dict(zip(names, io.get_outputs()))
-        return HeadOutputs(out[head.logits_output].numpy(), out[head.hidden_output].numpy())
-
-    @property
-    def hidden_dtype(self) -> str:
-        return next(t.dtype for t in self.manifest.outputs if t.name == self.manifest.hidden_output)
+        m, head = self.manifest, self.manifest.mtp
+        b = _Binding(self.head_session, self.xp, self.device)
+        packed = pack_rows(rows)
+        for name, arr in packed.items():
+            if name in self._head_inputs:
+                b.input(name, arr)
+        num_tokens = packed["input_ids"].size
+        b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
+        b.output(head.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
+        b.output(head.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
+        self.head_kv.bind(b)
+        self.head_session.run_with_iobinding(b.io)
+        return HeadOutputs(b.outputs[head.logits_output], b.outputs[head.hidden_output])
