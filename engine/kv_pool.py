@@ -1,0 +1,208 @@
+"""Paged KV block pool: which block ids each request holds, and how many of its tokens count.
+
+One instance per paged cache (the main model's and the MTP head's, same block count). It hands
+out block ids only; the engine owns the ``[num_blocks, block_size, Hkv, D]`` arrays.
+
+Every usable block is in exactly one of three states, derived from the per-request tables:
+
+- **free**: in the free queue;
+- **committed**: in a request's table and holding at least one committed token
+  (the first ``cdiv(committed_len, block_size)`` entries of its table);
+- **reserved**: in a request's table past its committed blocks (lookahead for this step's
+  prefill chunk, decode token and drafts).
+
+A step does ``reserve(rid, committed_len + num_fed)`` (all-or-nothing, ``False`` = no room, the
+planner decides), runs, then ``commit(rid, committed_len + num_kept)``. Blocks that were reserved
+for a rejected draft suffix **stay reserved to the request**: the next step's lookahead almost
+always needs them again, so keeping them saves a free/re-reserve round trip. ``trim(rid)`` hands
+them back when the planner needs room (before preempting someone). ``free(rid)`` returns all of a
+request's blocks at once (finish, cancel, preempt).
+
+The first ``num_scratch_blocks`` block ids (default 1: block 0) are never handed out. The CPU
+adapter points writes that must be skipped at the scratch block, since a ``-1`` slot cannot be
+expressed in its ScatterND; padding entries of a block table may point there too.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVPool:
+    """Block-id manager for one paged KV cache (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_scratch_blocks: int = 1):
+        if block_size <= 0 or num_scratch_blocks < 0 or num_blocks <= num_scratch_blocks:
+            raise ValueError(f"bad pool shape: num_blocks={num_blocks} block_size={block_size} "
+                             f"num_scratch_blocks={num_scratch_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_scratch_blocks = num_scratch_blocks
+        self._free: deque[int] = deque(range(num_scratch_blocks, num_blocks))
+        self._tables: dict[str, list[int]] = {}
+        self._committed: dict[str, int] = {}
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (total minus scratch)."""
+        return self.num_blocks - self.num_scratch_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_committed_blocks(self) -> int:
+        return sum(cdiv(n, self.block_size) for n in self._committed.values())
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(t) for t in self._tables.values()) - self.num_committed_blocks
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    # ---- reservation --------------------------------------------------------------------
+    def num_blocks_needed(self, request_id: str, num_tokens_total: int) -> int:
+        """Blocks ``reserve(request_id, num_tokens_total)`` would take from the free queue."""
+        have = len(self._tables.get(request_id, ()))
+        return max(0, cdiv(num_tokens_total, self.block_size) - have)
+
+    def can_reserve(self, request_id: str, num_tokens_total: int) -> bool:
+        return self.num_blocks_needed(request_id, num_tokens_total) <= len(self._free)
+
+    def reserve(self, request_id: str, num_tokens_total: int) -> bool:
+        """Make the request's table cover token slots ``[0, num_tokens_total)``.
+
+        All or nothing: returns False and changes nothing when the free blocks are not there.
+        Registers an unknown request. Never shrinks a table (see ``trim``). To reserve for
+        several requests atomically, sum ``num_blocks_needed`` and compare with
+        ``num_free_blocks`` first.
+        """
+        if num_tokens_total < 0:
+            raise ValueError(f"num_tokens_total must be >= 0, got {num_tokens_total}")
+        need = self.num_blocks_needed(request_id, num_tokens_total)
+        if need > len(self._free):
+            return False
+        table = self._tables.setdefault(request_id, [])
+        self._committed.setdefault(request_id, 0)
+        table.extend(self._free.popleft() for _ in range(need))
+        return True
+
+    def commit(self, request_id: str, committed_len: int) -> None:
+        """Set the request's committed token count (monotone, within its reserved slots)."""
+        self._require(request_id)
+        old, cap = self._committed[request_id], len(self._tables[request_id]) * self.block_size
+        if not old <= committed_len <= cap:
+            raise AssertionError(f"commit({request_id!r}, {committed_len}): must lie in "
+                                 f"[committed {old}, reserved slots {cap}]")
+        self._committed[request_id] = committed_len
+
+    def trim(self, request_id: str) -> int:
+        """Return the request's reserved blocks past its committed length; the number freed."""
+        self._require(request_id)
+        table = self._tables[request_id]
+        keep = cdiv(self._committed[request_id], self.block_size)
+        extra = table[keep:]
+        del table[keep:]
+        self._free.extend(extra)
+        return len(extra)
+
+    def free(self, request_id: str) -> int:
+        """Return all the request's blocks and forget it; the number freed (0 if unknown)."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return 0
+        del self._committed[request_id]
+        self._free.extend(table)
+        return len(table)
+
+    # ---- lookups ------------------------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        self._require(request_id)
+        return list(self._tables[request_id])
+
+    def committed_len(self, request_id: str) -> int:
+        self._require(request_id)
+        return self._committed[request_id]
+
+    def slot(self, request_id: str, position: int) -> int:
+        """Flat slot of a token position in the pool viewed as ``[num_blocks * block_size, ...]``.
+
+        ::
+
+            block_size = 4, block_table = [7, 2, 9]
+
+            position p      0 1 2 3 | 4 5 6 7 | 8 9 10 11
+            p // bs         0       | 1       | 2            index into block_table
+            block id        7       | 2       | 9
+            p % bs          0 1 2 3 | 0 1 2 3 | 0 1 2  3     offset inside the block
+            slot = block_table[p // bs] * bs + p % bs    e.g. p=5 -> 2*4+1 = 9, p=10 -> 9*4+2 = 38
+        """
+        table, bs = self._tables[request_id], self.block_size
+        if not 0 <= position < len(table) * bs:
+            raise AssertionError(f"slot({request_id!r}, {position}): outside reserved slots "
+                                 f"[0, {len(table) * bs})")
+        return table[position // bs] * bs + position % bs
+
+    def slots(self, request_id: str, start: int, stop: int) -> np.ndarray:
+        """``slot`` for positions ``[start, stop)``, as int64 (the packed rows of one request)."""
+        table, bs = self._tables[request_id], self.block_size
+        if not 0 <= start <= stop <= len(table) * bs:
+            raise AssertionError(f"slots({request_id!r}, {start}, {stop}): outside reserved "
+                                 f"slots [0, {len(table) * bs})")
+        pos = np.arange(start, stop, dtype=np.int64)
+        return np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def block_table_array(self, request_ids: list[str], num_columns: int | None = None,
+                          pad: int = 0) -> np.ndarray:
+        """The ``block_table`` input, int32 ``[B, num_columns]``, rows padded with ``pad``.
+
+        ``num_columns`` defaults to the longest table (at least 1).
+        """
+        tables = [self._tables[r] for r in request_ids]
+        width = max([1, *map(len, tables)]) if num_columns is None else num_columns
+        out = np.full((len(tables), width), pad, dtype=np.int32)
+        for i, t in enumerate(tables):
+            if len(t) > width:
+                raise AssertionError(f"{request_ids[i]!r} holds {len(t)} blocks > {width} columns")
+            out[i, :len(t)] = t
+        return out
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + reserved + committed == usable and no block is
+        owned twice, every id is a usable id, and each committed length fits its table."""
+        owners: dict[int, str] = {b: "<free>" for b in self._free}
+        if len(owners) != len(self._free):
+            raise AssertionError("free queue holds a block twice")
+        for rid, table in self._tables.items():
+            for b in table:
+                if b in owners:
+                    raise AssertionError(f"block {b} owned by {rid!r} and {owners[b]!r}")
+                owners[b] = rid
+            n = self._committed.get(rid)
+            if n is None or not 0 <= n <= len(table) * self.block_size:
+                raise AssertionError(f"{rid!r}: committed_len {n} does not fit its "
+                                     f"{len(table)} blocks of {self.block_size}")
+        if set(self._committed) != set(self._tables):
+            raise AssertionError("committed lengths and block tables name different requests")
+        if set(owners) != set(range(self.num_scratch_blocks, self.num_blocks)):
+            raise AssertionError(f"{len(owners)} blocks accounted for (free "
+                                 f"{self.num_free_blocks} + reserved {self.num_reserved_blocks} + "
+                                 f"committed {self.num_committed_blocks}), pool has "
+                                 f"{self.num_usable_blocks} usable ids")
+
+    def _require(self, request_id: str) -> None:
+        if request_id not in self._tables:
+            raise AssertionError(f"unknown request {request_id!r} in the KV pool")

@@ -1,0 +1,312 @@
+"""StateBank: residency, gather/commit of a step, prefix replay against a direct gated-delta
+recurrence, against the real ORT ops, and random traffic together with the KV pool."""
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.state_bank import (FixedLayerSpec, FixedStateSpec, StateBank, StepCaptures,
+                                        StepStates, split_capsule)
+
+C = 4
+LAYERS = (FixedLayerSpec(0, conv_dim=5, conv_kernel_size=4, num_v_heads=4, v_head_dim=3,
+                         num_k_heads=2, k_head_dim=2),
+          FixedLayerSpec(2, conv_dim=3, conv_kernel_size=2, num_v_heads=2, v_head_dim=2,
+                         num_k_heads=2, k_head_dim=3, conv_dtype="float16"))
+SPEC = FixedStateSpec(LAYERS, capacity=C)
+
+
+# ---- a direct reference of the op: one request, float64 -----------------------------------
+def ref_gdn(S, k, v, g, beta, capacity):
+    """Gated delta rule over n tokens from S [Hv, Dv, Dk] (V-major). k [n, Hk, Dk] raw keys,
+    v [n, Hv, Dv], g [n, Hv] log-decay, beta [n, Hv]. Returns the final state and the capsule
+    row the op would capture (first min(n, capacity) transitions), laid out as DESIGN §3 says.
+    Slots past n are unspecified in the op; NaN here, so a replay that reads them fails."""
+    n, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1:]
+    kn = k / np.sqrt((k ** 2).sum(-1, keepdims=True) + 1e-6)
+    decay, key = np.full((capacity, Hv), np.nan), np.full((capacity, Hk, Dk), np.nan)
+    delta = np.full((capacity, Hv, Dv), np.nan)
+    S = S.astype(np.float64).copy()
+    for t in range(n):
+        for h in range(Hv):
+            kh = kn[t, h * Hk // Hv]
+            d = beta[t, h] * (v[t, h] - np.exp(g[t, h]) * S[h] @ kh)
+            S[h] = np.exp(g[t, h]) * S[h] + np.outer(d, kh)
+            if t < capacity:
+                delta[t, h] = d
+        if t < capacity:
+            decay[t], key[t] = np.exp(g[t]), kn[t]
+    return S, np.concatenate([decay.ravel(), key.ravel(), delta.ravel()])
+
+
+def ref_conv(history, layer):
+    """Conv carry = the last K-1 inputs a request ever kept (zeros before the first)."""
+    full = np.zeros((layer.conv_kernel_size - 1 + len(history), layer.conv_dim))
+    full[layer.conv_kernel_size - 1:] = np.reshape(history, (-1, layer.conv_dim))
+    return full[len(history):].T
+
+
+def random_tokens(rng, layer, n):
+    Hk, Dk, Hv, Dv = layer.num_k_heads, layer.k_head_dim, layer.num_v_heads, layer.v_head_dim
+    return dict(k=rng.standard_normal((n, Hk, Dk)), v=rng.standard_normal((n, Hv, Dv)),
+                g=-rng.uniform(0.05, 1.0, (n, Hv)), beta=rng.uniform(0, 1, (n, Hv)),
+                x=rng.standard_normal((n, layer.conv_dim)))
+
+
+def run_step(bank, rids, toks_per_rid):
+    """What the model does in a step, from the gathered past: present + captures, [B, ...]."""
+    past = bank.gather_step_inputs(rids)
+    present, caps = StepStates({}, {}), StepCaptures({}, {})
+    for s in LAYERS:
+        L, K = s.layer_id, s.conv_kernel_size
+        fin, rows, convs, vals = [], [], [], []
+        for i, rid in enumerate(rids):
+            tk = toks_per_rid[rid][L]
+            S, capsule = ref_gdn(past.recurrent[L][i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
+            fin.append(S), rows.append(capsule)
+            ext = np.concatenate([past.conv[L][i].astype(np.float64), tk["x"].T], axis=-1)
+            convs.append(ext[:, -(K - 1):])
+            cv = np.full((C, s.conv_dim), np.nan)
+            cv[:min(C, len(tk["x"]))] = tk["x"][:C]
+            vals.append(cv)
+        present.recurrent[L] = np.array(fin, np.float32)
+        present.conv[L] = np.array(convs).astype(s.conv_dtype)
+        caps.recurrent_capsule[L] = np.array(rows, np.float32)
+        caps.conv_value[L] = np.array(vals).astype(s.conv_dtype)
+    return present, caps
+
+
+def test_admit_release_and_rows_are_zeroed_on_reuse():
+    bank = StateBank(SPEC, max_rows=2)
+    assert bank.admit("a") == 0 and bank.admit("b") == 1
+    assert not bank.can_admit() and bank.admit("c") is None
+    toks = {"a": {s.layer_id: random_tokens(np.random.default_rng(0), s, 2) for s in LAYERS}}
+    present, caps = run_step(bank, ["a"], toks)
+    bank.commit_step(["a"], present, [2], [2], caps)
+    assert bank.committed_len("a") == 2 and bank.active_bank("a") == 1
+    assert bank.gather_step_inputs(["a"]).recurrent[0].any()
+    assert bank.release("a") and not bank.release("a")
+    assert bank.admit("c") == 0
+    past = bank.gather_step_inputs(["c"])
+    assert bank.committed_len("c") == 0
+    assert not any(a.any() for a in (*past.conv.values(), *past.recurrent.values()))
+    with pytest.raises(AssertionError, match="already holds"):
+        bank.admit("c")
+    bank.check_integrity()
+
+
+def test_gather_returns_contiguous_batch_in_request_order():
+    bank = StateBank(SPEC, max_rows=3)
+    for r in "abc":
+        bank.admit(r)
+    bank.recurrent[0][0, 2] = 7.0                           # row of "c", bank 0 (active)
+    past = bank.gather_step_inputs(["c", "a"])
+    assert past.recurrent[0].shape == (2, 4, 3, 2) and past.recurrent[0].flags.c_contiguous
+    assert (past.recurrent[0][0] == 7).all() and not past.recurrent[0][1].any()
+    assert past.conv[2].dtype == np.float16 and past.conv[2].shape == (2, 3, 1)
+    with pytest.raises(AssertionError, match="twice"):
+        bank.gather_step_inputs(["a", "a"])
+
+
+@pytest.mark.parametrize("kept", [[1, 0, 3], [2, 3, 4], [1, 2, 2], [0, 1, 4]])
+def test_commit_step_mixed_kept_prefixes_match_running_only_the_kept_tokens(kept):
+    """One batch: a prefill chunk longer than C (all kept), drafts partly kept, discarded rows."""
+    rng = np.random.default_rng(sum(kept))
+    rids, fed, kept = ["p", "d", "z", "e"], [6, 2, 3, 4], [6, *kept]
+    bank = StateBank(SPEC, max_rows=4)
+    for r in rids:
+        bank.admit(r)
+    warm = {r: {s.layer_id: random_tokens(rng, s, 2) for s in LAYERS} for r in rids}
+    bank.commit_step(rids, *run_step(bank, rids, warm)[:1], [2] * 4, [2] * 4)   # publish only
+    before = bank.gather_step_inputs(rids)
+    toks = {r: {s.layer_id: random_tokens(rng, s, n) for s in LAYERS} for r, n in zip(rids, fed)}
+    present, caps = run_step(bank, rids, toks)
+    bank.commit_step(rids, present, fed, kept, caps)
+    bank.check_integrity()
+    after = bank.gather_step_inputs(rids)
+    for i, (r, j) in enumerate(zip(rids, kept)):
+        assert bank.committed_len(r) == 2 + j
+        for s in LAYERS:
+            L, tk = s.layer_id, {k: a[:j] for k, a in toks[r][s.layer_id].items()}
+            want, _ = ref_gdn(before.recurrent[L][i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
+            np.testing.assert_allclose(after.recurrent[L][i], want, atol=2e-6)
+            ext = np.concatenate([before.conv[L][i], tk["x"].T.astype(s.conv_dtype)], axis=-1)
+            np.testing.assert_array_equal(after.conv[L][i], ext[:, ext.shape[1] - (s.conv_kernel_size - 1):])
+
+
+def test_commit_step_rejects_bad_steps_without_changing_state():
+    bank = StateBank(SPEC, max_rows=2)
+    bank.admit("a")
+    toks = {"a": {s.layer_id: random_tokens(np.random.default_rng(1), s, 6) for s in LAYERS}}
+    present, caps = run_step(bank, ["a"], toks)
+    with pytest.raises(AssertionError, match="capacity"):
+        bank.commit_step(["a"], present, [6], [5], caps)     # 5 kept > C=4 captured
+    with pytest.raises(AssertionError, match="captures"):
+        bank.commit_step(["a"], present, [6], [2], None)
+    with pytest.raises(AssertionError, match="num_kept"):
+        bank.commit_step(["a"], present, [6], [7], caps)
+    assert bank.committed_len("a") == 0 and bank.active_bank("a") == 0
+    assert not bank.gather_step_inputs(["a"]).recurrent[0].any()
+
+
+def test_split_capsule_offsets():
+    s = LAYERS[0]                                            # Hv 4, Hk 2, Dk 2, Dv 3
+    W = s.num_v_heads + s.num_k_heads * s.k_head_dim + s.num_v_heads * s.v_head_dim
+    cap = np.arange(2 * C * W, dtype=np.float32).reshape(2, C * W)
+    decay, key, delta = split_capsule(cap, s, C)
+    assert decay.shape == (2, C, 4) and key.shape == (2, C, 2, 2) and delta.shape == (2, C, 4, 3)
+    assert decay[1, 0, 0] == C * W and key[0, 0, 0, 0] == C * 4 and delta[0, 0, 0, 0] == C * 8
+    assert key[0, 1, 1, 0] == C * 4 + 4 + 2 and delta[0, C - 1, 3, 2] == C * W - 1
+    assert SPEC.bytes_per_row() == 2 * (5 * 3 * 4 + 4 * 3 * 2 * 4 + 3 * 1 * 2 + 2 * 2 * 3 * 4)
+
+
+# ---- against the real ORT contrib ops (pins the capsule / conv_value layout) ----------------
+def _session(op, inputs, outputs, **attrs):
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    F, I32 = TensorProto.FLOAT, TensorProto.INT32
+    vis = [helper.make_tensor_value_info(n, I32 if n in ("cu", "cap") else F, None) for n in inputs if n]
+    node = helper.make_node(op, inputs, outputs, domain="com.microsoft", **attrs)
+    g = helper.make_graph([node], op, vis, [helper.make_tensor_value_info(n, F, None) for n in outputs])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 1, 3
+    try:
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # an onnxruntime without the op
+        pytest.skip(f"{op} unavailable: {e}")
+
+
+def test_replay_matches_the_real_ops():
+    Hk, Hv, Dk, Dv, D, K = 2, 4, 8, 6, 10, 4
+    layer = FixedLayerSpec(5, D, K, Hv, Dv, Hk, Dk)
+    bank = StateBank(FixedStateSpec((layer,), capacity=4), max_rows=3)
+    gdn = _session("GatedDeltaNet", ["q", "k", "v", "cu", "g", "b", "s0", "a_log", "dt", "cap"],
+                   ["o", "s1", "su"], qk_l2_norm=1, gate_activation="softplus",
+                   beta_activation="sigmoid", update_rule="gated_delta", state_update_capacity=4)
+    conv = _session("VarlenCausalConvWithState", ["x", "w", "cu", "bias", "c0", "cap"],
+                    ["y", "c1", "cv"], activation="silu", state_update_capacity=4)
+    rng = np.random.default_rng(3)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    w, bias, a_log, dt = f32(D, 1, K), f32(D), np.log(rng.uniform(1, 8, Hv)).astype(np.float32), f32(Hv)
+    rids, fed, kept = ["a", "b", "c"], [4, 2, 3], [2, 2, 0]
+    for r in rids:
+        bank.admit(r)
+    s0, c0 = (0.5 * f32(3, Hv, Dv, Dk)), f32(3, D, K - 1)
+    bank.commit_step(rids, StepStates({5: c0}, {5: s0}), [1] * 3, [1] * 3)   # load a pre-state
+    cu = np.array([0, 4, 6, 9], np.int32)
+    T = int(cu[-1])
+    q, k, v, g, b, x = f32(T, Hk, Dk), f32(T, Hk, Dk), f32(T, Hv, Dv), f32(T, Hv), f32(T, Hv), f32(T, D)
+
+    def gdn_run(sl, cu_, S, cap):
+        return gdn.run(None, dict(q=q[sl], k=k[sl], v=v[sl], cu=cu_, g=g[sl], b=b[sl], s0=S,
+                                  a_log=a_log, dt=dt, cap=cap))
+
+    def conv_run(sl, cu_, c, cap):
+        return conv.run(None, dict(x=x[sl], w=w, cu=cu_, bias=bias, c0=c, cap=cap))
+
+    past = bank.gather_step_inputs(rids)
+    cap = np.array(fed, np.int32)
+    _, s1, su = gdn_run(slice(None), cu, past.recurrent[5], cap)
+    _, c1, cv = conv_run(slice(None), cu, past.conv[5], cap)
+    bank.commit_step(rids, StepStates({5: c1}, {5: s1}), fed, kept,
+                     StepCaptures({5: cv}, {5: su}))
+    after = bank.gather_step_inputs(rids)
+    for i, j in enumerate(kept):
+        sl, one, none = slice(cu[i], cu[i] + j), np.array([0, j], np.int32), np.zeros(1, np.int32)
+        want_s = gdn_run(sl, one, s0[i:i + 1], none)[1][0] if j else s0[i]
+        want_c = conv_run(sl, one, c0[i:i + 1], none)[1][0] if j else c0[i]
+        np.testing.assert_allclose(after.recurrent[5][i], want_s, atol=1e-5)
+        np.testing.assert_array_equal(after.conv[5][i], want_c)
+        assert bank.committed_len(rids[i]) == 1 + j
+
+
+# ---- random traffic: the bank and the KV pool together -------------------------------------
+class Traffic(RuleBasedStateMachine):
+    """Admit, step (reserve, run, keep a prefix, commit both pools), trim, cancel, preempt.
+    The bank's state must always equal a reference that only ever saw the kept tokens."""
+
+    @initialize(max_rows=st.integers(1, 3), num_blocks=st.integers(2, 10))
+    def make(self, max_rows, num_blocks):
+        self.bank, self.kv = StateBank(SPEC, max_rows), KVPool(num_blocks, block_size=2)
+        self.ref = {}                # rid -> {layer: (S, conv history)}
+        self.next_id = 0
+
+    @rule()
+    def admit(self):
+        if self.bank.can_admit():
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            assert self.bank.admit(rid) is not None and self.kv.reserve(rid, 0)
+            self.ref[rid] = {s.layer_id: (np.zeros(s.recurrent_shape), []) for s in LAYERS}
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data(), seed=st.integers(0, 2 ** 16))
+    def step(self, data, seed):
+        rng = np.random.default_rng(seed)
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.ref)), min_size=1, unique=True))
+        fed, kept = [], []
+        for r in list(rids):
+            n = data.draw(st.integers(1, 6))
+            if not self.kv.reserve(r, self.kv.committed_len(r) + n):
+                rids.remove(r)                                 # no room: the planner drops it
+                continue
+            fed.append(n)
+            kept.append(n if n > C else data.draw(st.integers(0, n)))
+        if not rids:
+            return
+        toks = {r: {s.layer_id: random_tokens(rng, s, n) for s in LAYERS} for r, n in zip(rids, fed)}
+        present, caps = run_step(self.bank, rids, toks)
+        self.bank.commit_step(rids, present, fed, kept, caps)
+        for r, j in zip(rids, kept):
+            self.kv.commit(r, self.kv.committed_len(r) + j)
+            for s in LAYERS:
+                S, hist = self.ref[r][s.layer_id]
+                tk = {k: a[:j] for k, a in toks[r][s.layer_id].items()}
+                S, _ = ref_gdn(S, tk["k"], tk["v"], tk["g"], tk["beta"], C)
+                self.ref[r][s.layer_id] = (S, hist + list(tk["x"].astype(s.conv_dtype)))
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def trim(self, data):
+        self.kv.trim(data.draw(st.sampled_from(sorted(self.ref))))
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def cancel_or_preempt(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ref)))
+        assert self.bank.release(rid)
+        self.kv.free(rid)
+        del self.ref[rid]
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "bank"):
+            return
+        self.bank.check_integrity()
+        self.kv.check_integrity()
+        assert self.bank.num_resident_rows == len(self.ref)
+        for rid, layers in self.ref.items():
+            assert self.kv.committed_len(rid) == self.bank.committed_len(rid)
+            past = self.bank.gather_step_inputs([rid])
+            for s in LAYERS:
+                S, hist = layers[s.layer_id]
+                np.testing.assert_allclose(past.recurrent[s.layer_id][0], S, atol=2e-5)
+                np.testing.assert_array_equal(past.conv[s.layer_id][0],
+                                              ref_conv(hist, s).astype(s.conv_dtype))
+
+    def teardown(self):
+        if not hasattr(self, "bank"):
+            return
+        for rid in list(self.ref):
+            self.bank.release(rid), self.kv.free(rid)
+        self.bank.check_integrity(), self.kv.check_integrity()
+        assert self.bank.num_free_rows == self.bank.max_rows
+        assert self.kv.num_free_blocks == self.kv.num_usable_blocks
+
+
+TestTraffic = Traffic.TestCase
+TestTraffic.settings = settings(max_examples=40, stateful_step_count=15, deadline=None)
