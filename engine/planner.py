@@ -34,11 +34,10 @@ class ScheduledRequest:
     request: Request
     num_tokens: int          # tokens fed from request.token_ids[num_computed:]
     num_drafts: int = 0      # draft rows appended after them (verified this step)
+    samples: bool = field(init=False)   # the step reaches the end of the tokens: new tokens come out
 
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of the request's tokens, so it produces new tokens."""
-        return self.num_tokens == self.request.num_to_feed
+    def __post_init__(self) -> None:
+        self.samples = self.num_tokens == self.request.num_to_feed
 
 
 @dataclass
