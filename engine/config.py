@@ -36,12 +36,21 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: draft tokens per request per step (0 = MTP off)."""
+    """Speculative decoding: draft tokens per request per step (0 = MTP off).
+
+    synthetic_acceptance: benchmarking only, for models whose MTP head is untrained: the verifier
+    accepts each draft with this probability instead of comparing it with the target (greedy
+    requests). The output is then NOT the model's; every report labels such runs synthetic.
+    """
     num_draft_tokens: int = 0
+    synthetic_acceptance: float | None = None
 
     def validate(self) -> None:
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        a = self.synthetic_acceptance
+        if a is not None and not 0.0 <= a <= 1.0:
+            raise ValueError(f"synthetic acceptance must be in [0, 1], got {a}")
 
 
 @dataclass(frozen=True)

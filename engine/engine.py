@@ -74,6 +74,8 @@ class Engine:
         self.stats = SpecDecodeStats()
         self.num_steps = 0
         self.num_preemptions = 0
+        a = config.spec.synthetic_acceptance
+        self._synthetic = np.random.default_rng(0) if a is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -214,6 +216,9 @@ class Engine:
                 if r.params.is_greedy:
                     d = drafts[r.request_id].tokens if s.num_drafts else []
                     emitted, accepted = accept_greedy(argmax[last:start + n], d)
+                    if self._synthetic is not None and d:
+                        accepted = int(np.argmin(np.append(self._synthetic.random(len(d)) < self.config.spec.synthetic_acceptance, False)))
+                        emitted = d[:accepted] + [int(argmax[last + accepted])]
                 elif s.num_drafts:
                     d = drafts[r.request_id]
                     target = probs(out.logits[last:start + n], r.params, xp)
