@@ -27,7 +27,7 @@ from mtpserve.engine.manifest import ModelManifest, PagedKVLayer
 from mtpserve.engine.state_bank import StepCaptures, StepStates
 
 Array = Any   # numpy or cupy ndarray
-HOST_INPUTS = {"attention_metadata"}   # read on the host by the paged attention kernel
+HOST_INPUTS = {"attention_metadata", "state_update_active"}   # read on the host by the CUDA kernels
 
 
 @dataclass
@@ -137,7 +137,13 @@ class Runner:
         if num_threads:
             so.intra_op_num_threads = num_threads
             so.inter_op_num_threads = 1
-        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            ort.preload_dlls()          # the CUDA 13 libraries that come with the nvidia-* wheels
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeError("CUDA requested but onnxruntime has no CUDAExecutionProvider: "
+                                   "install onnxruntime-gpu instead of onnxruntime (see README)")
+            providers = ["CUDAExecutionProvider"]
         self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=providers)
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self._main_inputs = {i.name for i in self.session.get_inputs()}

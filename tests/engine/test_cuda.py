@@ -1,0 +1,70 @@
+"""The CUDA path on the real bundled model (runs where onnxruntime-gpu and cupy see a GPU; skipped elsewhere)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.sampler import SamplingParams
+
+from test_engine import PROMPTS, run_all
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy
+        import onnxruntime as ort
+        ort.preload_dlls()
+        return cupy.cuda.runtime.getDeviceCount() > 0 and "CUDAExecutionProvider" in ort.get_available_providers()
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU with onnxruntime-gpu and cupy")
+
+
+def engine_on(model_dir, device, k=0, budget=64):
+    return Engine(EngineConfig(str(model_dir), device=device,
+                               cache=CacheConfig(num_blocks=512, max_resident_requests=32),
+                               scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
+                               spec=SpecConfig(num_draft_tokens=k)))
+
+
+def _prefill_logits(engine, prompts):
+    """Logits of one packed prefill step of several prompts, straight from the runner."""
+    from mtpserve.engine.runner import PackedRows
+    from mtpserve.engine.sampler import to_host
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1))
+    plan = engine.planner.plan(engine.running, list(engine.waiting))
+    rows = [PackedRows(s.request.token_ids, 0, engine.kv_pool.block_table(s.request.request_id))
+            for s in plan.scheduled]
+    states = engine.state_bank.gather_step_inputs([s.request.request_id for s in plan.scheduled])
+    out = engine.runner.run_main(rows, states, np.zeros(len(rows), np.int32))
+    return to_host(out.logits).astype(np.float32)
+
+
+def test_cuda_logits_agree_with_the_cpu_adapted_model(model_dir):
+    prompts = PROMPTS[:4]
+    cpu = _prefill_logits(engine_on(model_dir, "cpu"), prompts)
+    gpu = _prefill_logits(engine_on(model_dir, "cuda"), prompts)
+    scale = np.abs(cpu).max()
+    err = np.abs(cpu - gpu).max()
+    agree = (cpu.argmax(1) == gpu.argmax(1)).mean()
+    print(f"CUDA fp16 vs CPU fp32 logits: max abs err {err:.4f} (|logits| max {scale:.2f}), argmax agreement {agree:.4f}")
+    assert err <= 0.02 * scale + 0.05
+    assert agree >= 0.97
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(PROMPTS)
+    ref, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48), PROMPTS, params)
+    engine = engine_on(model_dir, "cuda", k=k, budget=48)
+    out, _ = run_all(engine, PROMPTS, params)
+    mismatched = [r for r in ref if ref[r] != out[r]]
+    print(f"K={k}: {len(mismatched)} of {len(ref)} requests differ; acceptance {engine.stats.acceptance_rate:.3f}, "
+          f"tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
+    assert not mismatched
+    assert engine.stats.num_accepted_tokens > 0
