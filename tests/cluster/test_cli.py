@@ -1,0 +1,57 @@
+"""The `mtpserve` command line as a user runs it, on the bundled model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def mtpserve(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_info_json_reports_the_bundled_hybrid_model():
+    info = json.loads(mtpserve("info", "--json").stdout)
+    groups = {g["kind"]: g for g in info["state_groups"]}
+    assert set(groups) == {"paged_kv", "fixed_conv", "fixed_recurrent"}
+    assert groups["fixed_recurrent"]["layer_ids"] == groups["fixed_conv"]["layer_ids"]
+    # the real Qwen3.5 pattern: three Gated DeltaNet layers for each full-attention layer
+    assert info["layers_by_kind"]["linear_attention"] == 3 * info["layers_by_kind"]["full_attention"]
+    assert info["mtp"] is not None and "hidden_states" in info["mtp"]["inputs"]
+    assert info["capture_capacity"] >= 4
+    assert info["total_bytes"] <= 20 * 10**6, "the bundled export must stay within 20 MB"
+    assert info["num_parameters"] > 1_000_000
+
+
+def test_info_names_the_problem_for_a_bad_model_dir(tmp_path):
+    proc = mtpserve("info", "--model", str(tmp_path), check=False)
+    assert proc.returncode == 2
+    assert "genai_config.json is missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_json_runs_prompts_concurrently_with_mtp(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\\nimport sys\\n\ndef main():\\n    \nclass Config:\n")
+    proc = mtpserve("generate", "--prompts-file", str(prompts), "--max-tokens", "24",
+                    "--draft-tokens", "3", "--json")
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == 3
+    for r in results:
+        assert len(r["token_ids"]) == 24 and r["finish_reason"] == "length" and r["text"]
+        s = r["stats"]
+        assert s["draft_tokens"] > 0 and 0 <= s["acceptance_rate"] <= 1
+        assert s["tokens_per_target_forward"] == pytest.approx(24 / s["target_forwards"], abs=1e-3)
+    off = [json.loads(line) for line in mtpserve("generate", "--prompts-file", str(prompts), "--max-tokens",
+                                                  "24", "--draft-tokens", "0", "--json").stdout.splitlines()]
+    assert [r["token_ids"] for r in off] == [r["token_ids"] for r in results]
+
+
+def test_generate_refuses_bad_parameters_cleanly():
+    proc = mtpserve("generate", "--prompt", "x", "--temperature", "-1", check=False)
+    assert proc.returncode == 2 and "temperature" in proc.stderr and "Traceback" not in proc.stderr
