@@ -55,3 +55,21 @@ def test_generate_json_runs_prompts_concurrently_with_mtp(tmp_path):
 def test_generate_refuses_bad_parameters_cleanly():
     proc = mtpserve("generate", "--prompt", "x", "--temperature", "-1", check=False)
     assert proc.returncode == 2 and "temperature" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_export_turns_a_checkpoint_into_a_servable_model(tiny_checkpoint, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "exported"
+    proc = mtpserve("export", "--checkpoint", str(tiny_checkpoint), "--out", str(out))
+    assert "MTP head: yes" in proc.stdout
+    info = json.loads(mtpserve("info", "--model", str(out), "--json").stdout)
+    assert info["block_size"] == 16 and info["capture_capacity"] == 4 and info["mtp"] is not None
+    generated = json.loads(mtpserve("generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "4",
+                                    "--json").stdout)
+    assert len(generated["token_ids"]) == 4
+
+
+def test_export_refuses_what_is_not_a_qwen35_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    proc = mtpserve("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "Qwen3.5" in proc.stderr
