@@ -1,0 +1,152 @@
+"""Draft counts from measured acceptance and load: the math the planner actor and workers share.
+
+Acceptance model: each draft is accepted with probability ``alpha`` given that the ones before
+it were (prefix acceptance). A step with K drafts then emits on average
+
+    E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
+
+and costs ``1 + K * draft_cost * (1 + load)`` plain decode steps: a draft adds an MTP-head row
+and a verify row, and those rows compete with other requests' tokens more as the replica fills
+(``load`` = resident requests / state rows, 1 when requests are queueing). The chosen K
+maximises tokens per unit cost; ties go to the smaller K.
+
+The estimator: a step that drafted K and had j accepted observed j successes in
+``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
+``AcceptanceEMA`` smooths that per request, weighting each step by its trials.
+
+``ActorDraftPolicy`` is the engine's ``DraftPolicy`` on a worker: the planner actor's latest
+per-request K when it has one, otherwise the same choice made locally from the request's EMA.
+A request held at K = 0 still drafts one token every ``probe_interval`` steps so its EMA keeps
+moving (otherwise a request once judged hopeless could never recover).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS, DraftPolicy
+
+
+@dataclass(frozen=True)
+class DraftCostModel:
+    """Cost of a step with K drafts, in units of a plain decode step."""
+    draft_cost: float = 0.15
+
+    def step_cost(self, num_drafts: int, load: float) -> float:
+        return 1.0 + num_drafts * self.draft_cost * (1.0 + min(max(load, 0.0), 1.0))
+
+
+def expected_tokens(alpha: float, num_drafts: int) -> float:
+    """Mean tokens one step emits with ``num_drafts`` drafts under prefix acceptance ``alpha``."""
+    return sum(alpha ** i for i in range(num_drafts + 1))
+
+
+def choose_num_drafts(alpha: float, load: float, max_drafts: int,
+                      cost: DraftCostModel = DraftCostModel()) -> int:
+    """The K in 0..max_drafts with the most expected tokens per unit of step cost."""
+    best_k, best = 0, 1.0 / cost.step_cost(0, load)
+    for k in range(1, max_drafts + 1):
+        value = expected_tokens(alpha, k) / cost.step_cost(k, load)
+        if value > best + 1e-9:
+            best_k, best = k, value
+    return best_k
+
+
+class AcceptanceEMA:
+    """Prefix-acceptance probability, exponentially smoothed over draft trials."""
+
+    def __init__(self, prior: float = 0.6, halflife_trials: float = 16.0):
+        self.value = prior
+        self.num_trials = 0
+        self._decay = 0.5 ** (1.0 / halflife_trials)
+
+    def observe_step(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified step: ``num_accepted`` of ``num_drafts`` drafts kept."""
+        if num_drafts <= 0:
+            return
+        trials = num_accepted + (1 if num_accepted < num_drafts else 0)
+        weight = 1.0 - self._decay ** trials
+        self.value += weight * (num_accepted / trials - self.value)
+        self.num_trials += trials
+
+
+@dataclass
+class _Track:
+    ema: AcceptanceEMA
+    seen_steps: int = 0            # request.stats.num_drafts already folded in
+    seen_draft_tokens: int = 0
+    seen_accepted: int = 0
+    calls_at_zero: int = 0
+
+
+class ActorDraftPolicy(DraftPolicy):
+    """Per-request K: the planner's plan when present, else a local choice from the EMA.
+
+    ``num_drafts`` runs on the engine's owner thread once per decoding request per step;
+    ``set_plan`` / ``set_load`` come from the worker's reporting thread (a dict swap each).
+    """
+
+    def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
+                 prior: float = 0.6, probe_interval: int = 8):
+        if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
+            raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
+        self.max_drafts = max_drafts
+        self.cost = cost
+        self.prior = prior
+        self.probe_interval = probe_interval
+        self.load = 0.0
+        self._plan: dict[str, int] = {}
+        self._tracks: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    # ---- from the planner (reporting thread) ---------------------------------------------
+    def set_plan(self, num_drafts: dict[str, int], prior: float | None = None) -> None:
+        self._plan = dict(num_drafts)
+        if prior is not None:
+            self.prior = prior
+
+    def set_load(self, load: float) -> None:
+        self.load = load
+
+    # ---- the engine's hook (owner thread) -------------------------------------------------
+    def num_drafts(self, request) -> int:
+        track = self._observe(request)
+        planned = self._plan.get(request.request_id)
+        k = planned if planned is not None else choose_num_drafts(
+            track.ema.value, self.load, self.max_drafts, self.cost)
+        k = min(k, self.max_drafts)
+        if k == 0 and self.max_drafts > 0:
+            track.calls_at_zero += 1
+            if track.calls_at_zero % self.probe_interval == 0:
+                return 1
+        return k
+
+    def _observe(self, request) -> _Track:
+        rid, stats = request.request_id, request.stats
+        track = self._tracks.get(rid)
+        if track is None:
+            with self._lock:
+                track = self._tracks[rid] = _Track(AcceptanceEMA(self.prior))
+        new_steps = stats.num_drafts - track.seen_steps
+        if new_steps > 0:
+            drafted = stats.num_draft_tokens - track.seen_draft_tokens
+            accepted = stats.num_accepted_tokens - track.seen_accepted
+            # normally one step; if several were folded together, observe their mean
+            per_step = drafted // new_steps
+            for i in range(new_steps):
+                share = accepted // new_steps + (1 if i < accepted % new_steps else 0)
+                track.ema.observe_step(per_step, min(share, per_step))
+            track.seen_steps, track.seen_draft_tokens, track.seen_accepted = (
+                stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        return track
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its EMA."""
+        with self._lock:
+            self._tracks.pop(request_id, None)
+
+    def acceptance(self) -> dict[str, tuple[float, int]]:
+        """{request id: (EMA of prefix acceptance, trials seen)} for the report to the planner."""
+        with self._lock:
+            return {rid: (t.ema.value, t.ema.num_trials) for rid, t in self._tracks.items()}

@@ -1,0 +1,413 @@
+"""The engine's owner thread: one thread steps the engine; asyncio callers stream from it.
+
+    asyncio side (any event loop)             owner thread
+    ---------------------------------         -------------------------------------------------
+    submit(rid, ids, params) ---- inbox --->  pending FIFO --(ledger fits?)--> engine.add_request
+    abort(rid) / set_grant / call(fn) ---->   applied between steps
+    RequestStream (asyncio.Queue)  <-------   engine.step() events, one call_soon_threadsafe per
+                                              event loop per step
+    snapshot (a frozen dataclass)  <-------   published every snapshot_interval_s
+
+``engine.step()`` is blocking numpy / ONNX Runtime work, so nothing else ever touches the
+engine: every command reaches it through the inbox. A request waits in ``pending`` until its
+worst-case footprint fits the replica's grant (see ``admission``), so a burst queues and the
+engine never has to preempt. Closing a stream before its end aborts the request, which frees
+its blocks and state row at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mtpserve.actors.admission import Footprint, ReservationLedger, request_footprint
+from mtpserve.actors.draft_policy import ActorDraftPolicy
+from mtpserve.engine.request import FinishReason, TokenEvent
+from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.speculative import SpecDecodeStats
+
+
+class Overloaded(RuntimeError):
+    """Too many requests are already waiting on this replica (HTTP 429)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised during a step; this replica must be restarted (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """What the owner thread last published: pools, ledger, queues, acceptance, counters."""
+    num_usable_blocks: int = 0
+    num_free_blocks: int = 0
+    num_rows: int = 0
+    num_free_rows: int = 0
+    num_blocks_granted: int = 0
+    num_rows_granted: int = 0
+    num_reserved_blocks: int = 0
+    num_reserved_rows: int = 0
+    peak_reserved_blocks: int = 0
+    peak_reserved_rows: int = 0
+    num_running: int = 0
+    num_pending: int = 0
+    max_pending_seen: int = 0
+    sessions: tuple[str, ...] = ()
+    acceptance: dict[str, tuple[float, int]] = field(default_factory=dict)
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_steps: int = 0
+    step_time_ema_s: float = 0.0
+    failed: str | None = None
+    taken_at: float = 0.0
+
+    @property
+    def load(self) -> float:
+        """Resident requests / state rows; 1.0 as soon as anything waits for admission."""
+        if self.num_pending:
+            return 1.0
+        return self.num_reserved_rows / self.num_rows_granted if self.num_rows_granted else 1.0
+
+
+class RequestStream:
+    """One request's TokenEvents as an async iterator; ends after the finishing event."""
+
+    def __init__(self, request_id: str, loop_owner: "EngineLoop"):
+        self.request_id = request_id
+        self._owner = loop_owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.event_loop = asyncio.get_running_loop()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def cancel(self) -> None:
+        """Stop reading: abort the request unless it has already finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    footprint: Footprint
+    stream: RequestStream
+    session_id: str | None
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+    event_loop: asyncio.AbstractEventLoop
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Owns an ``Engine`` on a thread of its own; see the module docstring."""
+
+    def __init__(self, engine, policy: ActorDraftPolicy | None = None, max_pending: int = 1024,
+                 snapshot_interval_s: float = 0.05, session_ttl_s: float = 600.0):
+        self.engine = engine
+        self.policy = policy
+        self.max_pending = max_pending
+        self.snapshot_interval_s = snapshot_interval_s
+        self.session_ttl_s = session_ttl_s
+        m = engine.manifest
+        self.block_size, self.context_length, self.vocab_size = m.block_size, m.context_length, m.vocab_size
+        self.num_usable_blocks = engine.kv_pool.num_usable_blocks
+        self.num_rows = engine.state_bank.max_rows
+        self.ledger = ReservationLedger(self.num_usable_blocks, self.num_rows)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque[_Add] = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._sessions: dict[str, float] = {}         # session id -> last seen (monotonic)
+        self._request_session: dict[str, str] = {}
+        self._num_queued = 0                          # submitted, not yet admitted or dropped
+        self._queued_lock = threading.Lock()
+        self._max_pending_seen = 0
+        self._step_time_ema = 0.0
+        self._failed: BaseException | None = None
+        self._published_at = 0.0
+        self.snapshot = LoopSnapshot()
+        self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
+
+    # ------------------------------------------------------------------ caller side (any thread)
+    def start(self) -> "EngineLoop":
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failed
+
+    def footprint(self, num_prompt_tokens: int, params: SamplingParams) -> Footprint:
+        """Validate a request's size against this replica; ValueError when it can never run."""
+        return request_footprint(num_prompt_tokens, params.max_tokens, self.context_length,
+                                 self.block_size, self.num_usable_blocks)
+
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               session_id: str | None = None) -> RequestStream:
+        """Queue a request; call from a running event loop. Raises ValueError (bad request),
+        Overloaded (queue full) or EngineFailed before anything is queued."""
+        if self._failed is not None:
+            raise EngineFailed(f"the engine failed: {self._failed!r}")
+        footprint = self.footprint(len(token_ids), params)
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if not self.ledger.fits_grant(footprint):
+            raise Overloaded("this replica is draining or its grant is too small for the request")
+        with self._queued_lock:
+            if self._num_queued >= self.max_pending:
+                raise Overloaded(f"{self._num_queued} requests are already waiting on this replica")
+            self._num_queued += 1
+        stream = RequestStream(request_id, self)
+        self._inbox.put(_Add(request_id, list(token_ids), params, footprint, stream, session_id))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def set_grant(self, num_blocks: int, num_rows: int) -> None:
+        self._inbox.put(("grant", min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows)))
+
+    async def call(self, fn: Callable[[Any], Any]):
+        """Run ``fn(engine)`` on the owner thread between steps; its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Call(fn, future, loop))
+        return await future
+
+    # ------------------------------------------------------------------ owner thread
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_work and self._failed is None
+            for command in self._take_commands(block=not busy):
+                if command is _STOP:
+                    self._fail_all(EngineFailed("the replica is shutting down"), stopping=True)
+                    return
+                self._apply(command)
+            if self._failed is None:
+                self._admit()
+                if self.engine.has_work:
+                    self._step()
+            if time.monotonic() - self._published_at >= self.snapshot_interval_s or not self.engine.has_work:
+                self._publish()
+
+    def _take_commands(self, block: bool) -> list:
+        """Everything in the inbox; when idle, first wait (a while) for something to arrive."""
+        commands = []
+        if block:
+            try:
+                commands.append(self._inbox.get(timeout=self.snapshot_interval_s * 4))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            if self._failed is not None:
+                self._dequeued()
+                _deliver([(command.stream, EngineFailed(f"the engine failed: {self._failed!r}"))],
+                         command.stream.event_loop)
+                return
+            self._pending.append(command)
+            self._max_pending_seen = max(self._max_pending_seen, len(self._pending))
+            if command.session_id:
+                self._sessions[command.session_id] = time.monotonic()
+                self._request_session[command.request_id] = command.session_id
+        elif isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as e:  # handed back to the caller
+                result, error = None, e
+            command.event_loop.call_soon_threadsafe(_settle, command.future, result, error)
+        elif command[0] == "abort":
+            self._abort(command[1])
+        elif command[0] == "grant":
+            self.ledger.set_grant(command[1], command[2])
+
+    def _admit(self) -> None:
+        while self._pending and self.ledger.can_reserve(self._pending[0].footprint):
+            add = self._pending.popleft()
+            self._dequeued()
+            self.ledger.reserve(add.request_id, add.footprint)
+            try:
+                self.engine.add_request(add.request_id, add.token_ids, add.params)
+            except ValueError as e:
+                self._finish_bookkeeping(add.request_id)
+                _deliver([(add.stream, e)], add.stream.event_loop)
+                continue
+            self._streams[add.request_id] = add.stream
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception as e:  # the engine's state is unknown now: fail everyone, stop stepping
+            self._failed = e
+            self._fail_all(EngineFailed(f"the engine failed during a step: {e!r}"))
+            return
+        elapsed = time.perf_counter() - started
+        self._step_time_ema = elapsed if not self._step_time_ema else 0.9 * self._step_time_ema + 0.1 * elapsed
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if event.finish_reason is not None:
+                self._streams.pop(event.request_id, None)
+                self._finish_bookkeeping(event.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.event_loop, []).append((stream, event))
+        for loop, items in by_loop.items():
+            _deliver(items, loop)
+
+    def _abort(self, request_id: str) -> None:
+        for i, add in enumerate(self._pending):
+            if add.request_id == request_id:
+                del self._pending[i]
+                self._dequeued()
+                self._finish_bookkeeping(request_id)
+                event = TokenEvent(request_id, [], "", FinishReason.ABORT, len(add.token_ids), 0)
+                _deliver([(add.stream, event)], add.stream.event_loop)
+                return
+        event = self.engine.abort(request_id)
+        if event is not None:
+            self._dispatch([event])
+
+    def _finish_bookkeeping(self, request_id: str) -> None:
+        self.ledger.release(request_id)
+        self._request_session.pop(request_id, None)
+        if self.policy is not None:
+            self.policy.forget(request_id)
+
+    def _dequeued(self) -> None:
+        with self._queued_lock:
+            self._num_queued -= 1
+
+    def _fail_all(self, error: BaseException, stopping: bool = False) -> None:
+        items = [(a.stream, error) for a in self._pending] + [(s, error) for s in self._streams.values()]
+        for add in list(self._pending):
+            self._dequeued()
+            self._finish_bookkeeping(add.request_id)
+        self._pending.clear()
+        for rid in list(self._streams):
+            if stopping:
+                self.engine.abort(rid)
+            self._finish_bookkeeping(rid)
+        self._streams.clear()
+        self._publish()                       # before anyone hears of the failure
+        by_loop: dict = {}
+        for stream, err in items:
+            by_loop.setdefault(stream.event_loop, []).append((stream, err))
+        for loop, batch in by_loop.items():
+            _deliver(batch, loop)
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        active = set(self._request_session.values())
+        self._sessions = {s: t for s, t in self._sessions.items() if now - t < self.session_ttl_s or s in active}
+        e, ledger = self.engine, self.ledger
+        self.snapshot = LoopSnapshot(
+            num_usable_blocks=self.num_usable_blocks, num_free_blocks=e.kv_pool.num_free_blocks,
+            num_rows=self.num_rows, num_free_rows=e.state_bank.num_free_rows,
+            num_blocks_granted=ledger.num_blocks_granted, num_rows_granted=ledger.num_rows_granted,
+            num_reserved_blocks=ledger.num_reserved_blocks, num_reserved_rows=ledger.num_reserved_rows,
+            peak_reserved_blocks=ledger.peak_reserved_blocks, peak_reserved_rows=ledger.peak_reserved_rows,
+            num_running=len(e.running) + len(e.waiting), num_pending=len(self._pending),
+            max_pending_seen=self._max_pending_seen, sessions=tuple(self._sessions),
+            acceptance=self.policy.acceptance() if self.policy is not None else {},
+            spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,
+            step_time_ema_s=self._step_time_ema,
+            failed=None if self._failed is None else repr(self._failed), taken_at=time.time())
+        self._published_at = now
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver(items: list, loop: asyncio.AbstractEventLoop) -> None:
+    """Hand (stream, event-or-exception) pairs to their event loop in one wake-up."""
+    def put_all():
+        for stream, item in items:
+            stream.put(item)
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # that event loop is closed: its callers are gone
+        pass
+
+
+async def merge_streams(streams: list[RequestStream]):
+    """Yield (index, event) from several streams as events arrive; cancels them all on exit."""
+    try:
+        if len(streams) == 1:
+            async for event in streams[0]:
+                yield 0, event
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for event in stream:
+                    merged.put_nowait((i, event))
+            except Exception as e:
+                merged.put_nowait((i, e))
+            merged.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            num_open = len(streams)
+            while num_open:
+                i, item = await merged.get()
+                if item is None:
+                    num_open -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.cancel()

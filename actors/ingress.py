@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP surface (FastAPI through ``serve.ingress``) of the worker replica.
+
+    GET  /health                 200 while the engine runs, 503 once it failed
+    GET  /v1/models              the served model
+    POST /v1/completions         prompt(s) -> text; SSE with "stream": true
+    POST /v1/chat/completions    messages -> the model's chat template -> text
+    GET  /metrics                Prometheus text (every replica, see ``metrics``)
+
+``OpenAIRoutes`` is a mixin: the routes run on the worker replica (``worker.LLMServer``), next
+to the engine, so a request's tokens take one hop. Errors use OpenAI's envelope:
+400 bad parameters or a prompt too long, 401 missing/wrong API key, 404 unknown model,
+429 too many requests waiting, 503 engine failed. A client that disconnects cancels the handler,
+which closes the request's streams, which aborts the engine requests (freeing blocks and rows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mtpserve.actors.engine_loop import EngineFailed, Overloaded
+from mtpserve.actors.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
+                                      chunk_choice, completion_body, sse_chunk, usage)
+
+REPLICA_HEADER = "x-mtpserve-replica"
+SESSION_HEADER = "x-session-id"
+
+api = FastAPI(title="mtpserve", description="OpenAI-compatible serving of hybrid GDN/attention models "
+                                             "with MTP speculative decoding")
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    err = APIError(400, f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc),
+                   "invalid_request_error", param)
+    return JSONResponse(err.body(), status_code=400)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+class OpenAIRoutes:
+    """HTTP routes over the worker's ``open`` / ``run`` (see ``worker.Worker``)."""
+
+    @api.get("/health")
+    async def health(self):
+        if self.loop.failed is not None:
+            return JSONResponse({"status": "failed", "error": repr(self.loop.failed)}, status_code=503)
+        return {"status": "ok", "replica": self.replica_id}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        return Response(await self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mtpserve", "max_model_len": self.context_length}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        try:
+            self._check(body, request)
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+            return await self._respond(body, prompts, request, chat=False)
+        except APIError as e:
+            return self._error(e)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        try:
+            self._check(body, request)
+            try:
+                text = self.tokenizer.apply_chat_template(body.messages_as_dicts())
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            return await self._respond(body, [self.tokenizer.encode(text)], request, chat=True)
+        except APIError as e:
+            return self._error(e)
+
+    # ------------------------------------------------------------------ helpers
+    def _authorize(self, request: Request) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                           "authentication_error", None, "invalid_api_key")
+
+    def _check(self, body, request: Request) -> None:
+        self._authorize(request)
+        if body.model != self.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
+                                f"`{self.model_name}`", "invalid_request_error", "model", "model_not_found")
+        body.refuse_unsupported()
+
+    def _error(self, e: APIError) -> JSONResponse:
+        self.recorder.error(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers={REPLICA_HEADER: self.replica_id})
+
+    async def _respond(self, body, prompts: list[list[int]], request: Request, chat: bool):
+        started = time.perf_counter()
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        params = []
+        for ids in prompts:
+            max_tokens = body.max_tokens
+            if chat and body.max_completion_tokens is not None:
+                max_tokens = body.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = self.max_new_tokens(len(ids))
+            params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
+        try:
+            streams = self.open(request_id, prompts, params, request.headers.get(SESSION_HEADER))
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt" if not chat else "messages") from None
+        except Overloaded as e:
+            raise APIError(429, str(e), "rate_limit_error", None, "overloaded") from None
+        except EngineFailed as e:
+            raise APIError(503, str(e), "server_error", None, "unavailable") from None
+        headers = {REPLICA_HEADER: self.replica_id}
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            return StreamingResponse(self._sse(request_id, body, streams, chat, num_prompt_tokens, started),
+                                     media_type="text/event-stream", headers=headers)
+        texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
+        try:
+            async for i, event in self.run(streams, started):
+                texts[i] += event.text
+                if event.finish_reason is not None:
+                    finish[i], num_out[i] = event.finish_reason.value, event.num_output_tokens
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        except EngineFailed as e:
+            raise APIError(503, str(e), "server_error", None, "unavailable") from None
+        return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
+                                            usage(num_prompt_tokens, sum(num_out)), chat), headers=headers)
+
+    async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float):
+        created, model, with_usage = int(time.time()), self.model_name, body.include_usage
+        num_out = [0] * len(streams)
+        if chat:
+            for i in range(len(streams)):
+                yield sse_chunk(request_id, model, created, chat, [chunk_choice(i, "", None, chat, first=True)], with_usage)
+        try:
+            async for i, event in self.run(streams, started):
+                reason = None if event.finish_reason is None else event.finish_reason.value
+                if reason is not None:
+                    num_out[i] = event.num_output_tokens
+                if event.text or reason is not None:
+                    choice = chunk_choice(i, event.text or (None if chat else ""), reason, chat)
+                    yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
+            if with_usage:
+                yield sse_chunk(request_id, model, created, chat, [], True, usage(num_prompt_tokens, sum(num_out)))
+        except (EngineFailed, ValueError) as e:
+            err = APIError(400, str(e), param="prompt") if isinstance(e, ValueError) else \
+                APIError(503, str(e), "server_error", None, "unavailable")
+            self.recorder.error(err.status)
+            yield f"data: {json.dumps(err.body())}\n\n"
+        yield SSE_DONE

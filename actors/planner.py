@@ -1,0 +1,207 @@
+"""The planner actor: cluster-wide admission grants, placement view, sessions and draft counts.
+
+One named, detached Ray actor per Serve application. It is never on the per-step path and not on
+the per-request path either: workers report to it every ``report_interval_s`` and get their
+plan back in the reply; routers pull its placement view a few times a second.
+
+    worker --WorkerReport (full snapshot)--> planner --WorkerPlan--> worker (grant, K per request)
+    router --placement()----------------->  planner --PlacementView--> router (loads, sessions)
+    router --bind_session(sid, replica)-->  planner   (fire and forget)
+
+Reports are full snapshots, never deltas, so the planner's view is rebuilt from scratch by the
+next round of reports: after a worker restart (the new replica reports under a new id, the old
+one stops and expires after ``replica_ttl_s``, its sessions are re-placed) and after the
+planner itself is restarted (workers report the sessions they hold).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from mtpserve.actors.draft_policy import DraftCostModel, choose_num_drafts
+from mtpserve.actors.engine_loop import LoopSnapshot
+from mtpserve.actors.metrics import MetricsSnapshot
+
+NAMESPACE = "mtpserve"
+
+
+def planner_name(app_name: str) -> str:
+    return f"mtpserve-planner-{app_name}"
+
+
+@dataclass
+class WorkerReport:
+    """A replica's full state as its owner thread last published it."""
+    replica_id: str
+    incarnation: str                 # new on every worker start
+    loop: LoopSnapshot
+    metrics: MetricsSnapshot
+    max_drafts: int                  # the replica's cap on drafts per step (0 = MTP off)
+    adaptive: bool                   # whether the replica follows planned draft counts
+
+
+@dataclass
+class WorkerPlan:
+    """The planner's answer to a report."""
+    num_blocks_granted: int
+    num_rows_granted: int
+    num_drafts: dict[str, int] = field(default_factory=dict)   # request id -> K
+    prior_acceptance: float = 0.6                               # for requests not planned yet
+
+
+@dataclass
+class ReplicaLoad:
+    """What a router needs to rank a replica."""
+    num_running: int
+    num_pending: int
+    kv_usage: float
+    headroom_blocks: int             # grant - worst-case reservations
+    drained: bool
+
+
+@dataclass
+class PlacementView:
+    replicas: dict[str, ReplicaLoad]
+    sessions: dict[str, str]         # session id -> replica id
+    taken_at: float
+
+
+class PlannerState:
+    """The planner's logic without Ray (the actor below wraps it)."""
+
+    def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 5.0,
+                 session_ttl_s: float = 600.0, prior_acceptance: float = 0.6):
+        self.cost = cost
+        self.replica_ttl_s = replica_ttl_s
+        self.session_ttl_s = session_ttl_s
+        self.prior_acceptance = prior_acceptance
+        self.reports: dict[str, tuple[WorkerReport, float]] = {}   # replica -> (report, received)
+        self.sessions: dict[str, tuple[str, float]] = {}           # session -> (replica, last seen)
+        self.drained: set[str] = set()
+        self.plans: dict[str, dict[str, tuple[float, int]]] = {}   # replica -> rid -> (alpha, K)
+
+    def report(self, report: WorkerReport, now: float) -> WorkerPlan:
+        rid = report.replica_id
+        previous = self.reports.get(rid)
+        if previous is not None and previous[0].incarnation != report.incarnation:
+            self._forget_replica(rid)                      # same id, fresh process: start over
+        self.reports[rid] = (report, now)
+        for session in report.loop.sessions:
+            self.sessions[session] = (rid, now)
+        self._update_prior(report)
+        self.expire(now)
+        loop = report.loop
+        plan = WorkerPlan(0 if rid in self.drained else loop.num_usable_blocks,
+                          0 if rid in self.drained else loop.num_rows,
+                          prior_acceptance=self.prior_acceptance)
+        planned = {}
+        if report.adaptive and report.max_drafts > 0:
+            for request_id, (alpha, _) in loop.acceptance.items():
+                k = choose_num_drafts(alpha, loop.load, report.max_drafts, self.cost)
+                plan.num_drafts[request_id] = k
+                planned[request_id] = (alpha, k)
+        self.plans[rid] = planned
+        return plan
+
+    def _update_prior(self, report: WorkerReport) -> None:
+        """Cluster-wide acceptance: a trial-weighted mean over reported requests, smoothed."""
+        trials = sum(n for _, n in report.loop.acceptance.values())
+        if trials:
+            mean = sum(a * n for a, n in report.loop.acceptance.values()) / trials
+            self.prior_acceptance += 0.2 * (mean - self.prior_acceptance)
+
+    def bind_session(self, session_id: str, replica_id: str, now: float) -> str:
+        """Place a session on a replica unless it already lives on a live one; the owner."""
+        owner = self.sessions.get(session_id)
+        if owner is not None and owner[0] in self.reports and owner[0] != replica_id:
+            self.sessions[session_id] = (owner[0], now)
+            return owner[0]
+        self.sessions[session_id] = (replica_id, now)
+        return replica_id
+
+    def drain(self, replica_id: str, drained: bool = True) -> None:
+        """A drained replica gets a zero grant: running requests finish, new ones go elsewhere."""
+        (self.drained.add if drained else self.drained.discard)(replica_id)
+
+    def expire(self, now: float) -> None:
+        for rid, (_, received) in list(self.reports.items()):
+            if now - received > self.replica_ttl_s:
+                self._forget_replica(rid)
+        for sid, (rid, seen) in list(self.sessions.items()):
+            if now - seen > self.session_ttl_s or rid not in self.reports:
+                del self.sessions[sid]
+
+    def _forget_replica(self, replica_id: str) -> None:
+        self.reports.pop(replica_id, None)
+        self.plans.pop(replica_id, None)
+        for sid, (rid, _) in list(self.sessions.items()):
+            if rid == replica_id:
+                del self.sessions[sid]
+
+    def placement(self, now: float) -> PlacementView:
+        self.expire(now)
+        replicas = {}
+        for rid, (r, _) in self.reports.items():
+            s = r.loop
+            replicas[rid] = ReplicaLoad(
+                num_running=s.num_running, num_pending=s.num_pending,
+                kv_usage=1 - s.num_free_blocks / max(s.num_usable_blocks, 1),
+                headroom_blocks=(0 if rid in self.drained else s.num_blocks_granted) - s.num_reserved_blocks,
+                drained=rid in self.drained)
+        return PlacementView(replicas, {sid: rid for sid, (rid, _) in self.sessions.items()}, now)
+
+    def metrics(self) -> dict[str, tuple[MetricsSnapshot, LoopSnapshot]]:
+        return {rid: (r.metrics, r.loop) for rid, (r, _) in self.reports.items()}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class PlannerActor:
+    """The Ray face of ``PlannerState``; every method is a few dict operations."""
+
+    def __init__(self, replica_ttl_s: float = 5.0, draft_cost: float = 0.15):
+        self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s)
+
+    def report(self, report: WorkerReport) -> WorkerPlan:
+        return self.state.report(report, time.time())
+
+    def bind_session(self, session_id: str, replica_id: str) -> str:
+        return self.state.bind_session(session_id, replica_id, time.time())
+
+    def placement(self) -> PlacementView:
+        return self.state.placement(time.time())
+
+    def metrics(self) -> dict:
+        return self.state.metrics()
+
+    def drain(self, replica_id: str, drained: bool = True) -> None:
+        self.state.drain(replica_id, drained)
+
+    def draft_plans(self) -> dict[str, dict[str, tuple[float, int]]]:
+        """{replica: {request id: (acceptance EMA, planned K)}} from the latest reports."""
+        return self.state.plans
+
+
+def get_or_create_planner(app_name: str, replica_ttl_s: float = 5.0, draft_cost: float = 0.15):
+    """The application's planner actor, created (detached, restartable) by the first caller."""
+    return PlannerActor.options(name=planner_name(app_name), namespace=NAMESPACE, lifetime="detached",
+                                get_if_exists=True).remote(replica_ttl_s, draft_cost)
+
+
+def get_planner(app_name: str):
+    """The planner actor if it exists, else None."""
+    try:
+        return ray.get_actor(planner_name(app_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def shutdown_planner(app_name: str) -> bool:
+    """Kill the application's planner (it is detached: deleting the app leaves it running)."""
+    handle = get_planner(app_name)
+    if handle is None:
+        return False
+    ray.kill(handle, no_restart=True)
+    return True

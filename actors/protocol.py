@@ -1,0 +1,180 @@
+"""The OpenAI wire format: request models, their sampling parameters, response bodies, errors.
+
+Only this module and ``ingress`` know about HTTP; the engine sees token ids and
+``SamplingParams``. Parameters the engine cannot honour (logprobs, echo, penalties, logit bias,
+best_of, suffix) are refused with a 400 naming the parameter rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mtpserve.engine.sampler import SamplingParams
+
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's envelope {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, None)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="The served model's name (see /v1/models).")
+    temperature: float | None = Field(None, description="0 = greedy; default 1.")
+    top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; default 1 (off).")
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0, -1 or null = off.")
+    n: int = Field(1, description=f"Choices to generate per prompt (1..{MAX_N}).")
+    stream: bool = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = Field(None, description="Up to 4 strings that end generation.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
+    seed: int | None = Field(None, description="Seeds sampling; choice i of n uses seed + i.")
+    ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
+    logprobs: Any = Field(None, description="Not supported.")
+    presence_penalty: float = Field(0.0, description="Not supported (must be 0).")
+    frequency_penalty: float = Field(0.0, description="Not supported (must be 0).")
+    logit_bias: dict | None = Field(None, description="Not supported.")
+    user: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name in ("logprobs", "logit_bias"):
+            if getattr(self, name) not in (None, False, {}):
+                raise bad_request(f"{name} is not supported by this server", name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by this server (use 0)", name)
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in 1..{MAX_N}, got {self.n}", "n")
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """The engine parameters of choice ``choice``; ValueError -> a 400."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4:
+            raise bad_request("stop takes at most 4 strings", "stop")
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=None if self.top_k in (None, -1) else self.top_k,
+                seed=None if self.seed is None else self.seed + choice,
+                max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists.")
+    max_tokens: int | None = Field(16, description="Tokens to generate per choice (default 16).")
+    echo: bool = Field(False, description="Not supported.")
+    best_of: int | None = Field(None, description="Not supported.")
+    suffix: str | None = Field(None, description="Not supported.")
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        if self.echo or self.best_of not in (None, 1) or self.suffix:
+            raise bad_request("echo, best_of and suffix are not supported by this server")
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise bad_request(f"content parts of type {part.get('type')!r} are not supported", "messages")
+                parts.append(part.get("text", ""))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+    messages: list[ChatMessage] = Field(description="The conversation, rendered with the model's chat template.")
+    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, description="Tokens to generate per choice "
+                                              "(default: as many as the context and the KV cache allow).")
+
+    def messages_as_dicts(self) -> list[dict]:
+        if not self.messages:
+            raise bad_request("messages is empty", "messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---------------------------------------------------------------------------- response bodies
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion_body(request_id: str, model: str, texts: list[str], finish: list[str], usage_: dict,
+                    chat: bool) -> dict:
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish))]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                   for i, (t, f) in enumerate(zip(texts, finish))]
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_}
+
+
+def sse_chunk(request_id: str, model: str, created: int, chat: bool, choices: list[dict],
+              include_usage: bool, usage_: dict | None = None) -> str:
+    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices}
+    if include_usage:
+        body["usage"] = usage_
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: bool,
+                 first: bool = False) -> dict:
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    delta = {} if text is None else {"content": text}
+    if first:
+        delta = {"role": "assistant", "content": text or ""}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+SSE_DONE = "data: [DONE]\n\n"

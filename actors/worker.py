@@ -1,0 +1,257 @@
+"""The worker: a Ray Serve replica that owns one engine and serves it over HTTP and handles.
+
+One replica per GPU (``num_gpus=1``) or N CPU replicas. The replica
+
+- builds an ``Engine`` and runs it on an ``EngineLoop`` (one owner thread);
+- serves the OpenAI routes itself (``ingress.OpenAIRoutes``), so an HTTP request takes one hop,
+  proxy -> replica (DESIGN §5), and Python callers use ``generate`` / ``stream`` on a handle;
+- reports a full snapshot to the planner actor every ``report_interval_s`` from a thread of its
+  own and applies the plan in the reply (grant, per-request draft counts);
+- answers Serve's ``record_routing_stats`` (free blocks and rows, queue, sessions) for routers
+  and ``check_health`` (a failed engine restarts the replica).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from mtpserve.actors.draft_policy import ActorDraftPolicy, DraftCostModel
+from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
+from mtpserve.actors.ingress import OpenAIRoutes, api
+from mtpserve.actors.metrics import MetricsRecorder, render_metrics
+from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.request import TokenEvent
+from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS
+
+logger = logging.getLogger("ray.serve")
+
+ROUTER_CLASS = "mtpserve.actors.router.StateAffinityRouter"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a replica needs; plain values (it travels inside the Serve config)."""
+    model_dir: str
+    model_name: str
+    device: str = "cpu"
+    num_threads: int = 0
+    num_blocks: int = 1024
+    max_resident_requests: int = 64
+    max_tokens_per_step: int = 512
+    max_requests_per_step: int = 64
+    draft_tokens: int | None = None          # None = adaptive (planner), else a fixed K
+    draft_cost: float = 0.15
+    max_pending: int = 1024                  # requests waiting for admission before a 429
+    api_key: str | None = None               # else $MTPSERVE_API_KEY on the replica, else none
+    report_interval_s: float = 0.2
+
+
+@dataclass
+class Generation:
+    """A finished request, as ``generate`` returns it to Python callers."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    replica_id: str
+
+
+class Worker:
+    """The replica's logic (the Serve deployment ``LLMServer`` below adds the HTTP routes)."""
+
+    def __init__(self, config: dict | WorkerConfig):
+        self.config = cfg = config if isinstance(config, WorkerConfig) else WorkerConfig(**config)
+        try:
+            ctx = serve.get_replica_context()
+            self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+        except Exception:             # outside Serve (tests, benchmarks): no planner
+            self.replica_id, self.app_name = "local", None
+        self.incarnation = uuid.uuid4().hex
+        engine_config = EngineConfig(
+            cfg.model_dir, cfg.device, cfg.num_threads,
+            CacheConfig(cfg.num_blocks, cfg.max_resident_requests),
+            SchedulerConfig(cfg.max_tokens_per_step, cfg.max_requests_per_step),
+            SpecConfig(MAX_NUM_DRAFTS if cfg.draft_tokens is None else cfg.draft_tokens))
+        self.policy = None
+        if cfg.draft_tokens is None:
+            self.policy = ActorDraftPolicy(MAX_NUM_DRAFTS, DraftCostModel(cfg.draft_cost))
+        self.engine = Engine(engine_config, draft_policy=self.policy)
+        m = self.engine.manifest
+        self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if self.engine.head_pool is not None else 0
+        if self.policy is not None:          # the cap is known once the engine has read the model
+            self.policy.max_drafts = self.max_drafts
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = cfg.model_name
+        self.context_length = m.context_length
+        self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
+        self.recorder = MetricsRecorder()
+        self.loop = EngineLoop(self.engine, self.policy, cfg.max_pending).start()
+        self._stopping = threading.Event()
+        self._planner = None                     # the planner actor's handle, once known
+        self._reporter = None
+        if self.app_name is not None:
+            self._reporter = threading.Thread(target=self._report_loop, name="mtpserve-report", daemon=True)
+            self._reporter.start()
+
+    # ------------------------------------------------------------------ requests
+    def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
+             session_id: str | None = None) -> list[RequestStream]:
+        """Submit every (prompt, choice) as one engine request, all or none (errors propagate)."""
+        streams: list[RequestStream] = []
+        try:
+            for p, (ids, choice_params) in enumerate(zip(prompts, params)):
+                for c, sp in enumerate(choice_params):
+                    streams.append(self.loop.submit(f"{request_id}-{p}-{c}", ids, sp, session_id))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        return streams
+
+    async def run(self, streams: list[RequestStream], started: float) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Merge the streams, recording TTFT, inter-token latency and finished requests."""
+        last_at: dict[int, float] = {}           # stream index -> time of its last token event
+        async for i, event in merge_streams(streams):
+            now = time.perf_counter()
+            if event.token_ids:
+                if i not in last_at:
+                    self.recorder.observe_ttft(now - started)
+                else:
+                    self.recorder.observe_itl(now - last_at[i])
+                last_at[i] = now
+            if event.finish_reason is not None:
+                self.recorder.request_finished(event.finish_reason.value, event.num_prompt_tokens,
+                                               event.num_output_tokens, now - started)
+            yield i, event
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most a request may generate: to the context end, within one replica's KV cache."""
+        capacity = (self.loop.num_usable_blocks - 1) * self.loop.block_size
+        return max(1, min(self.context_length, capacity) - num_prompt_tokens)
+
+    # ------------------------------------------------------------------ Python handle surface
+    async def generate(self, prompt: str | list[int], sampling: dict | None = None,
+                       session_id: str | None = None) -> Generation:
+        """Run one request to the end. ``sampling``: SamplingParams fields (ValueError if bad)."""
+        tokens, text, last = [], [], None
+        async for event in self.stream(prompt, sampling, session_id):
+            tokens.extend(event.token_ids)
+            text.append(event.text)
+            last = event
+        return Generation("".join(text), tokens, last.finish_reason.value, last.num_prompt_tokens,
+                          last.num_output_tokens, self.replica_id)
+
+    async def stream(self, prompt: str | list[int], sampling: dict | None = None,
+                     session_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Yield the request's TokenEvents; closing the generator aborts the request."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        params = SamplingParams(**(sampling or {}))
+        streams = self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
+        async for _, event in self.run(streams, time.perf_counter()):
+            yield event
+
+    async def engine_status(self) -> dict:
+        """Pools, ledger and integrity, checked on the owner thread between steps."""
+        def inspect(engine):
+            try:
+                engine.check_integrity()
+                self.loop.ledger.check_integrity()
+                integrity = "ok"
+            except AssertionError as e:
+                integrity = str(e)
+            return {"replica_id": self.replica_id, "integrity": integrity,
+                    "idle_and_empty": engine.is_idle_and_empty(),
+                    "num_free_blocks": engine.kv_pool.num_free_blocks,
+                    "num_usable_blocks": engine.kv_pool.num_usable_blocks,
+                    "num_free_rows": engine.state_bank.num_free_rows, "num_rows": engine.state_bank.max_rows,
+                    "num_blocks_granted": self.loop.ledger.num_blocks_granted,
+                    "peak_reserved_blocks": self.loop.ledger.peak_reserved_blocks,
+                    "peak_reserved_rows": self.loop.ledger.peak_reserved_rows,
+                    "max_pending_seen": self.loop.snapshot.max_pending_seen,
+                    "spec": asdict(engine.stats)}
+        return await self.loop.call(inspect)
+
+    # ------------------------------------------------------------------ Serve hooks
+    def record_routing_stats(self) -> dict:
+        s = self.loop.snapshot
+        return {"num_running": s.num_running, "num_pending": s.num_pending,
+                "num_free_blocks": s.num_free_blocks, "num_free_rows": s.num_free_rows,
+                "kv_usage": 1 - s.num_free_blocks / max(s.num_usable_blocks, 1),
+                "num_sessions": len(s.sessions), "drained": s.num_blocks_granted == 0}
+
+    def check_health(self) -> None:
+        if self.loop.failed is not None:
+            raise RuntimeError(f"engine failed: {self.loop.failed!r}")
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus text for every replica the planner knows, this one fresh."""
+        replicas = {}
+        if self._planner is None and self.app_name:
+            self._planner = get_planner(self.app_name)
+        planner = self._planner
+        if planner is not None:
+            try:
+                replicas = await planner.metrics.remote()
+            except Exception as e:
+                logger.warning(f"planner metrics unavailable: {e!r}")
+                self._planner = None
+        replicas[self.replica_id] = (self.recorder.snapshot(), self.loop.snapshot)
+        return render_metrics(self.model_name, replicas)
+
+    # ------------------------------------------------------------------ planner reports
+    def _report_loop(self) -> None:
+        planner = None
+        granted = None
+        while not self._stopping.wait(self.config.report_interval_s):
+            try:
+                if planner is None:
+                    planner = self._planner = get_or_create_planner(self.app_name,
+                                                                    draft_cost=self.config.draft_cost)
+                snapshot = self.loop.snapshot
+                report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.recorder.snapshot(),
+                                      self.max_drafts, adaptive=self.policy is not None)
+                plan = ray.get(planner.report.remote(report), timeout=10)
+            except Exception as e:
+                logger.warning(f"report to the planner failed ({e!r}); retrying")
+                planner = self._planner = None
+                continue
+            if (plan.num_blocks_granted, plan.num_rows_granted) != granted:
+                granted = (plan.num_blocks_granted, plan.num_rows_granted)
+                self.loop.set_grant(*granted)
+            if self.policy is not None:
+                self.policy.set_plan(plan.num_drafts, plan.prior_acceptance)
+                self.policy.set_load(snapshot.load)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self.loop.stop()
+
+    def __del__(self):
+        stopping = getattr(self, "_stopping", None)
+        if stopping is not None and not stopping.is_set():
+            self.shutdown()
+
+
+@serve.deployment(
+    max_ongoing_requests=1024,
+    health_check_period_s=5,
+    ray_actor_options={"num_cpus": 1},
+    request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                              request_routing_stats_period_s=0.5))
+@serve.ingress(api)
+class LLMServer(OpenAIRoutes, Worker):
+    """The deployment: one engine per replica, OpenAI routes on the replica itself."""

@@ -1,0 +1,125 @@
+"""`mtpserve serve`: start (or join) Ray, deploy the OpenAI endpoint, wait for Ctrl-C.
+
+    mtpserve serve                                  local Ray, bundled model, CPU, one replica
+    mtpserve serve --replicas 2 --port 8000         two CPU replicas
+    mtpserve serve --device cuda --replicas 8 --address auto    one replica per GPU of a cluster
+
+With no --address a local Ray is started and shut down on exit; with --address the app is
+deployed onto that cluster and deleted on exit (the cluster keeps running). Serve's HTTP proxy
+binds --host (127.0.0.1 unless told otherwise): pass --api-key when exposing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from mtpserve.cluster.app import ServeOptions, build_app, parse_draft_tokens
+from mtpserve.engine.bundled import MODEL_DIR
+
+DEFAULT_APP_NAME = "mtpserve"
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on Ray Serve")
+    p.add_argument("--model", default=str(MODEL_DIR),
+                   help="paged onnxruntime-genai export directory (default: the bundled model)")
+    p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the folder's name)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas (one per GPU with --device cuda)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--draft-tokens", default="auto", metavar="K|auto",
+                   help="MTP draft tokens per step: a fixed K (0 = off) or auto (planner-chosen per request)")
+    p.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, ray://host:10001) "
+                                                   "instead of starting a local one")
+    p.add_argument("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $MTPSERVE_API_KEY)")
+    p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name")
+    p.add_argument("--num-blocks", type=int, default=1024, help="paged KV blocks per replica")
+    p.add_argument("--max-resident-requests", type=int, default=64, help="state rows per replica")
+    p.add_argument("--num-threads", type=int, default=0, help="ONNX Runtime threads per replica (0 = default)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def options_from_args(args, num_cpus_available: float | None = None) -> ServeOptions:
+    num_cpus = 1.0
+    if args.device == "cpu" and num_cpus_available:   # fit N CPU replicas on a small machine
+        num_cpus = max(0.1, min(1.0, num_cpus_available / args.replicas))
+    return ServeOptions(model_dir=args.model, model_name=args.model_name, device=args.device,
+                        num_replicas=args.replicas, draft_tokens=parse_draft_tokens(args.draft_tokens),
+                        num_threads=args.num_threads, num_blocks=args.num_blocks,
+                        max_resident_requests=args.max_resident_requests, api_key=args.api_key,
+                        num_cpus_per_replica=num_cpus)
+
+
+def cmd_serve(args) -> int:
+    import ray
+    from ray import serve
+
+    from mtpserve.actors.planner import shutdown_planner
+    try:
+        options = options_from_args(args, None)
+        options.validate()
+    except ValueError as e:
+        print(f"mtpserve: error: {e}", file=sys.stderr)
+        return 2
+    started_ray = args.address is None
+    if started_ray:
+        ray.init(include_dashboard=False, logging_level="WARNING")
+        options = options_from_args(args, ray.cluster_resources().get("CPU"))
+    else:
+        ray.init(address=args.address, logging_level="WARNING")
+    stop = _install_signal_handlers()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(options), name=args.app_name, route_prefix="/", blocking=False)
+        url = f"http://{args.host}:{args.port}"
+        print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.device} "
+              f"replica{'s' if options.num_replicas > 1 else ''}) at {url}/v1", flush=True)
+        print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{options.served_model_name}\", \"prompt\": \"def \", \"max_tokens\": 32}}'",
+              flush=True)
+        print("  Ctrl-C to stop", flush=True)
+        while not stop["requested"]:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("mtpserve: shutting down", flush=True)
+        try:
+            serve.delete(args.app_name)
+            shutdown_planner(args.app_name)
+            if started_ray:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    print("mtpserve: stopped", flush=True)
+    return 0
+
+
+def _install_signal_handlers() -> dict:
+    """Ctrl-C and SIGTERM set a flag the wait loop checks (clean shutdown, no traceback)."""
+    state = {"requested": False}
+
+    def request_stop(signum, frame):
+        state["requested"] = True
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtpserve")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The engine's owner thread, without Ray: bursts queue, disconnects free, output is the engine's."""
+import asyncio
+
+import pytest
+
+from mtpserve.actors.draft_policy import ActorDraftPolicy
+from mtpserve.actors.engine_loop import EngineFailed, EngineLoop, Overloaded, merge_streams
+from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.request import FinishReason
+from mtpserve.engine.sampler import SamplingParams
+
+PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def"]
+
+
+@pytest.fixture
+def make_loop(model_dir):
+    loops = []
+
+    def make(num_blocks=64, rows=8, max_pending=1024, adaptive=True):
+        policy = ActorDraftPolicy(4) if adaptive else None
+        config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(num_blocks, rows),
+                              spec=SpecConfig(4))
+        loop = EngineLoop(Engine(config, draft_policy=policy), policy, max_pending).start()
+        loops.append(loop)
+        return loop
+    yield make
+    for loop in loops:
+        loop.stop()
+
+
+async def _collect(loop, rid, ids, params):
+    tokens, last = [], None
+    async for event in loop.submit(rid, ids, params):
+        tokens += event.token_ids
+        last = event
+    return tokens, last
+
+
+def _status(loop) -> dict:
+    """Checked on the owner thread, between steps: integrity, emptiness, ledger peaks."""
+    async def check():
+        def inspect(engine):
+            engine.check_integrity()
+            loop.ledger.check_integrity()
+            return {"idle_and_empty": engine.is_idle_and_empty(), "max_pending_seen": loop._max_pending_seen,
+                    "peak_blocks": loop.ledger.peak_reserved_blocks, "peak_rows": loop.ledger.peak_reserved_rows,
+                    "reserved_blocks": loop.ledger.num_reserved_blocks, "pending": len(loop._pending)}
+        return await loop.call(inspect)
+    return asyncio.run(check())
+
+
+def test_a_burst_of_64_queues_and_never_over_reserves(make_loop):
+    loop = make_loop(num_blocks=40, rows=8)
+    preempted = []
+    planner = loop.engine.planner
+    original = planner.preempt
+    planner.preempt = lambda req, plan: (preempted.append(req.request_id), original(req, plan))
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
+    ids = loop.engine.tokenizer.encode("for i in range(")
+
+    async def burst():
+        return await asyncio.gather(*[_collect(loop, f"b{i}", ids, params) for i in range(64)])
+    results = asyncio.run(burst())
+    assert all(len(t) == 40 and e.finish_reason is FinishReason.LENGTH for t, e in results), "none fail"
+    status = _status(loop)
+    assert status["max_pending_seen"] > 0, "some requests had to wait"
+    assert status["peak_blocks"] <= loop.ledger.num_blocks_granted == loop.num_usable_blocks
+    assert status["peak_rows"] <= 8
+    assert preempted == [], "the engine never had to preempt"
+    assert status["idle_and_empty"]
+
+
+def test_closing_a_stream_aborts_running_and_waiting_requests(make_loop):
+    loop = make_loop(rows=1)
+    ids = loop.engine.tokenizer.encode(PROMPTS[0])
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def scenario():
+        running = loop.submit("run", ids, long)
+        waiting = loop.submit("wait", ids, long)           # one state row: this one queues
+        reader = merge_streams([running])
+        for _ in range(3):
+            await reader.__anext__()
+        await reader.aclose()                              # client went away mid-stream
+        waiting.cancel()
+    asyncio.run(scenario())
+    status = _status(loop)               # the inbox is FIFO: both aborts were applied before this
+    assert status["pending"] == 0 and status["reserved_blocks"] == 0
+    assert status["idle_and_empty"], "blocks and the state row are back"
+
+
+def test_greedy_output_is_the_engines_whatever_the_draft_counts(make_loop, model_dir):
+    loop = make_loop()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [loop.engine.tokenizer.encode(p) for p in PROMPTS]
+
+    async def through_loop():
+        return await asyncio.gather(*[_collect(loop, f"g{i}", p, params) for i, p in enumerate(prompts)])
+    served = [t for t, _ in asyncio.run(through_loop())]
+    direct = Engine(EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 8)))   # MTP off
+    for i, p in enumerate(prompts):
+        direct.add_request(f"d{i}", p, params)
+    out = {f"d{i}": [] for i in range(len(prompts))}
+    while direct.has_work:
+        for event in direct.step():
+            out[event.request_id] += event.token_ids
+    assert served == [out[f"d{i}"] for i in range(len(prompts))]
+
+
+def test_refusals_happen_before_anything_is_queued(make_loop):
+    loop = make_loop(rows=1, max_pending=2)
+    ids = loop.engine.tokenizer.encode(PROMPTS[1])
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        with pytest.raises(ValueError, match="context"):
+            loop.submit("huge", [5] * loop.context_length, long)
+        streams = [loop.submit("a", ids, long)]
+        while loop._num_queued:                            # until 'a' is admitted and holds the only row
+            await asyncio.sleep(0.01)
+        streams += [loop.submit("b", ids, long), loop.submit("c", ids, long)]
+        with pytest.raises(Overloaded):
+            loop.submit("d", ids, long)
+        for s in streams:
+            s.cancel()
+    asyncio.run(scenario())
+    assert _status(loop)["idle_and_empty"]
+
+
+def test_an_engine_failure_fails_every_request_and_refuses_new_ones(make_loop):
+    loop = make_loop()
+    ids = loop.engine.tokenizer.encode(PROMPTS[2])
+
+    def broken_step():
+        raise RuntimeError("device lost")
+    loop.engine.step = broken_step
+
+    async def scenario():
+        with pytest.raises(EngineFailed, match="device lost"):
+            await _collect(loop, "x", ids, SamplingParams(max_tokens=4))
+        with pytest.raises(EngineFailed):
+            loop.submit("y", ids, SamplingParams(max_tokens=4))
+    asyncio.run(scenario())
+    assert loop.snapshot.failed is not None

@@ -1,0 +1,91 @@
+"""The planner's logic without Ray: draft plans, grants, placement, sessions, rebuilding its view."""
+from mtpserve.actors.engine_loop import LoopSnapshot
+from mtpserve.actors.metrics import MetricsSnapshot
+from mtpserve.actors.planner import PlannerState, WorkerReport
+
+
+def report(replica="r1", incarnation="i1", acceptance=None, sessions=(), running=0, pending=0,
+           reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True):
+    loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=100 - reserved_blocks, num_rows=8,
+                        num_free_rows=8 - reserved_rows, num_blocks_granted=granted[0],
+                        num_rows_granted=granted[1], num_reserved_blocks=reserved_blocks,
+                        num_reserved_rows=reserved_rows, num_running=running, num_pending=pending,
+                        sessions=tuple(sessions), acceptance=dict(acceptance or {}))
+    return WorkerReport(replica, incarnation, loop, MetricsSnapshot(), max_drafts, adaptive)
+
+
+def test_plans_lower_k_for_rejected_drafts_and_raise_it_for_accepted_ones():
+    planner = PlannerState()
+    plan = planner.report(report(acceptance={"good": (0.9, 40), "bad": (0.05, 40)}), now=0.0)
+    assert plan.num_drafts["good"] == 4 and plan.num_drafts["bad"] == 0
+    # the same request, later: its drafts started being rejected, then accepted again
+    k_mid = planner.report(report(acceptance={"good": (0.3, 80)}), now=0.1).num_drafts["good"]
+    k_end = planner.report(report(acceptance={"good": (0.85, 120)}), now=0.2).num_drafts["good"]
+    assert k_mid < 4 and k_end > k_mid
+    assert planner.plans["r1"]["good"] == (0.85, k_end)
+
+
+def test_load_lowers_k_and_fixed_replicas_get_no_plan():
+    planner = PlannerState()
+    idle = planner.report(report(acceptance={"x": (0.6, 40)}), now=0.0).num_drafts["x"]
+    queued = planner.report(report(acceptance={"x": (0.6, 40)}, pending=5), now=0.1).num_drafts["x"]
+    assert queued < idle
+    assert planner.report(report("r2", acceptance={"y": (0.9, 40)}, adaptive=False), now=0.2).num_drafts == {}
+
+
+def test_prior_follows_the_cluster_acceptance():
+    planner = PlannerState(prior_acceptance=0.6)
+    for t in range(20):
+        planner.report(report(acceptance={"a": (0.1, 50)}), now=t * 0.1)
+    assert planner.prior_acceptance < 0.2
+
+
+def test_grants_and_drain():
+    planner = PlannerState()
+    assert (planner.report(report(), 0.0).num_blocks_granted, planner.report(report(), 0.0).num_rows_granted) == (100, 8)
+    planner.drain("r1")
+    plan = planner.report(report(reserved_blocks=30), 0.1)
+    assert (plan.num_blocks_granted, plan.num_rows_granted) == (0, 0)
+    view = planner.placement(0.1)
+    assert view.replicas["r1"].drained and view.replicas["r1"].headroom_blocks == -30
+    planner.drain("r1", False)
+    assert planner.report(report(), 0.2).num_blocks_granted == 100
+
+
+def test_placement_view_and_session_binding():
+    planner = PlannerState()
+    planner.report(report("r1", running=3, reserved_blocks=50), 0.0)
+    planner.report(report("r2", running=0), 0.0)
+    view = planner.placement(0.0)
+    assert view.replicas["r1"].num_running == 3 and view.replicas["r1"].kv_usage == 0.5
+    assert view.replicas["r2"].headroom_blocks == 100
+    assert planner.bind_session("s", "r2", 0.1) == "r2"
+    assert planner.bind_session("s", "r1", 0.2) == "r2", "a live session keeps its replica"
+    assert planner.placement(0.2).sessions == {"s": "r2"}
+
+
+def test_view_is_rebuilt_after_a_worker_restart():
+    planner = PlannerState(replica_ttl_s=5.0)
+    planner.report(report("old", sessions=["s1"]), 0.0)
+    planner.report(report("other", sessions=["s2"]), 0.0)
+    # the 'old' replica died; Serve started 'new' in its place; 'other' keeps reporting
+    planner.report(report("new"), 3.0)
+    planner.report(report("other", sessions=["s2"]), 6.0)
+    view = planner.placement(6.0)
+    assert set(view.replicas) == {"new", "other"}
+    assert view.sessions == {"s2": "other"}, "sessions of the dead replica are dropped for re-placement"
+    # a restarted process reporting under the same id (new incarnation) starts with a clean slate
+    planner.report(report("other", incarnation="i2"), 6.1)
+    assert planner.placement(6.1).sessions == {}
+
+
+def test_a_restarted_planner_rebuilds_from_one_round_of_reports():
+    reports = [report("r1", sessions=["a", "b"], running=2), report("r2", sessions=["c"], pending=1)]
+    before, after = PlannerState(), PlannerState()
+    for r in reports:
+        before.report(r, 1.0)
+    for r in reports:                         # a fresh planner sees the next round only
+        after.report(r, 2.0)
+    vb, va = before.placement(2.0), after.placement(2.0)
+    assert va.sessions == vb.sessions == {"a": "r1", "b": "r1", "c": "r2"}
+    assert va.replicas == vb.replicas

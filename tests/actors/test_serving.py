@@ -1,0 +1,212 @@
+"""Two CPU replicas on a local Ray: routing, the planner, bursts, disconnects and restarts."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray")
+requests = pytest.importorskip("requests")
+openai = pytest.importorskip("openai")
+
+from ray import serve  # noqa: E402
+
+from mtpserve.actors.draft_policy import choose_num_drafts  # noqa: E402
+from mtpserve.actors.engine_loop import LoopSnapshot  # noqa: E402
+from mtpserve.actors.metrics import MetricsSnapshot  # noqa: E402
+from mtpserve.actors.planner import (WorkerReport, get_or_create_planner, get_planner,  # noqa: E402
+                                     shutdown_planner)
+from mtpserve.cluster.app import ServeOptions, build_app  # noqa: E402
+from mtpserve.cluster.client import MTPClient  # noqa: E402
+from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from mtpserve.engine.engine import Engine  # noqa: E402
+from mtpserve.engine.manifest import load_manifest  # noqa: E402
+from mtpserve.engine.sampler import SamplingParams  # noqa: E402
+
+APP = "serving"
+NUM_BLOCKS, NUM_ROWS = 160, 8
+PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def"]
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, model_dir):
+    options = ServeOptions(model_dir=str(model_dir), num_replicas=2, num_threads=1, num_blocks=NUM_BLOCKS,
+                           max_resident_requests=NUM_ROWS, num_cpus_per_replica=0.5)
+    serve.run(build_app(options), name=APP, route_prefix=f"/{APP}")
+    base = f"{ray_cluster['url']}/{APP}"
+    _wait_for(lambda: (v := _placement()) is not None and len(v.replicas) == 2, "both replicas report to the planner")
+    yield {"base": base, "model": options.served_model_name, "model_dir": model_dir}
+    serve.delete(APP)
+    shutdown_planner(APP)
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def _placement():
+    """The planner's placement view, or None while it is missing or restarting."""
+    planner = get_planner(APP)
+    try:
+        return ray.get(planner.placement.remote(), timeout=10) if planner is not None else None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def _live_placement():
+    """The placement view, waiting out a planner restart."""
+    views = []
+    _wait_for(lambda: views.append(_placement()) or views[-1] is not None, "the planner answers")
+    return views[-1]
+
+
+def _complete(app, prompt, session=None, **params):
+    body = {"model": app["model"], "prompt": prompt, "max_tokens": 8, **params}
+    headers = {"x-session-id": session} if session else {}
+    r = requests.post(f"{app['base']}/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json(), r.headers["x-mtpserve-replica"]
+
+
+def _status_of_every_replica() -> dict[str, dict]:
+    """engine_status of each replica: bind a fresh session to it, then call through the handle."""
+    handle = serve.get_app_handle(APP)
+    planner = get_planner(APP)
+    out = {}
+    for rid in _live_placement().replicas:
+        sid = f"status-{rid}-{uuid.uuid4().hex[:6]}"
+        ray.get(planner.bind_session.remote(sid, rid))
+        for _ in range(40):                            # until the router's next placement refresh
+            status = handle.options(session_id=sid).engine_status.remote().result()
+            if status["replica_id"] == rid:
+                break
+            time.sleep(0.25)
+        assert status["replica_id"] == rid, "the router honours the planner's session table"
+        out[rid] = status
+    return out
+
+
+def test_sessions_stick_to_a_replica_and_other_load_spreads(app):
+    for s in range(3):
+        seen = {_complete(app, f"x{i} = ", session=f"sess-{s}")[1] for i in range(4)}
+        assert len(seen) == 1, f"session {s} moved between replicas: {seen}"
+    with ThreadPoolExecutor(8) as pool:
+        replicas = set(pool.map(lambda i: _complete(app, f"y{i} = ", max_tokens=48, ignore_eos=True)[1], range(8)))
+    assert len(replicas) == 2, "concurrent requests without a session use both replicas"
+    client = MTPClient(APP)
+    handle_replicas = {client.generate("z = ", session_id="py-sess", max_tokens=4).replica_id for _ in range(3)}
+    assert len(handle_replicas) == 1, "a Python handle session sticks too"
+    events = list(client.stream("w = ", max_tokens=6, ignore_eos=True))
+    assert sum(len(e.token_ids) for e in events) == 6 and events[-1].finish_reason.value == "length"
+
+
+def test_greedy_output_over_http_equals_the_in_process_engine(app):
+    engine = Engine(EngineConfig(str(app["model_dir"]), num_threads=1, cache=CacheConfig(64, 4)))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    texts = {f"r{i}": "" for i in range(len(PROMPTS))}
+    while engine.has_work:
+        for event in engine.step():
+            texts[event.request_id] += event.text
+    for i, p in enumerate(PROMPTS):
+        body, _ = _complete(app, p, temperature=0, max_tokens=24, ignore_eos=True)
+        assert body["choices"][0]["text"] == texts[f"r{i}"]
+        assert body["usage"]["completion_tokens"] == 24
+
+
+def test_a_burst_of_64_waits_instead_of_failing_and_never_over_reserves(app):
+    client = openai.AsyncOpenAI(base_url=f"{app['base']}/v1", api_key="none", max_retries=0, timeout=300)
+
+    async def burst():
+        calls = [client.completions.create(model=app["model"], prompt=f"v{i} = ", max_tokens=100,
+                                           temperature=0.8, seed=i, extra_body={"ignore_eos": True})
+                 for i in range(64)]
+        return await asyncio.gather(*calls)
+    results = asyncio.run(burst())
+    assert all(r.usage.completion_tokens == 100 and r.choices[0].finish_reason == "length" for r in results)
+    statuses = _status_of_every_replica()
+    assert max(s["max_pending_seen"] for s in statuses.values()) > 0, "some requests had to wait"
+    for s in statuses.values():
+        assert s["peak_reserved_blocks"] <= s["num_usable_blocks"] and s["peak_reserved_rows"] <= NUM_ROWS
+        assert s["integrity"] == "ok" and s["idle_and_empty"]
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_blocks_and_rows(app):
+    body = {"model": app["model"], "prompt": "while True:", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with requests.post(f"{app['base']}/v1/completions", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        chunks = [next(lines) for _ in range(10)]
+    assert any(c.startswith(b"data: {") for c in chunks)
+
+    def all_free():
+        return all(s["idle_and_empty"] and s["integrity"] == "ok" for s in _status_of_every_replica().values())
+    _wait_for(all_free, "the aborted request's blocks and rows are free", timeout=20)
+
+
+def test_planner_draft_counts_follow_measured_acceptance(app):
+    planner = get_planner(APP)
+    body = {"model": app["model"], "prompt": "def main():", "max_tokens": 1000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    plans = []
+    with requests.post(f"{app['base']}/v1/completions", json=body, stream=True, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i % 20 == 0:
+                plans += [p for replica in ray.get(planner.draft_plans.remote()).values() for p in replica.values()]
+    assert plans, "the planner planned the live request"
+    alpha, k = plans[-1]
+    cap = min(7, load_manifest(app["model_dir"]).capture_capacity)
+    assert choose_num_drafts(alpha, 1.0, cap) <= k <= choose_num_drafts(alpha, 0.0, cap), "K follows the cost model"
+    if alpha < 0.15:
+        assert k == 0, f"drafts keep being rejected (alpha {alpha:.2f}): K should be 0"
+    elif alpha > 0.7:
+        assert k >= 2, f"drafts are accepted (alpha {alpha:.2f}): K should be high"
+
+    # the same planner logic through a live actor, with fabricated reports: K falls, then rises
+    name = f"unit-{uuid.uuid4().hex[:6]}"
+    fake = get_or_create_planner(name)
+    try:
+        ks = []
+        for alpha in (0.6, 0.05, 0.9):
+            loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=100, num_rows=8, num_free_rows=8,
+                                num_blocks_granted=100, num_rows_granted=8, acceptance={"req": (alpha, 50)})
+            plan = ray.get(fake.report.remote(WorkerReport("w", "i", loop, MetricsSnapshot(), 4, True)))
+            ks.append(plan.num_drafts["req"])
+        assert ks[1] < ks[0] < ks[2], ks
+    finally:
+        shutdown_planner(name)
+
+
+def test_metrics_cover_every_replica(app):
+    text = requests.get(f"{app['base']}/metrics", timeout=30).text
+    for rid in _live_placement().replicas:
+        assert f'replica="{rid}"' in text
+    assert "mtpserve:spec_decode_num_draft_tokens_total" in text
+    assert "mtpserve:time_to_first_token_seconds_bucket" in text
+    assert requests.get(f"{app['base']}/health", timeout=30).json()["status"] == "ok"
+
+
+def test_planner_and_worker_restarts_rebuild_the_view(app):
+    _, home = _complete(app, "a = ", session="survivor")
+    # the planner dies and is restarted by Ray: it relearns replicas and sessions from reports
+    ray.kill(get_planner(APP), no_restart=False)
+    _wait_for(lambda: (v := _placement()) is not None and len(v.replicas) == 2
+              and v.sessions.get("survivor") == home, "the restarted planner rebuilt its view")
+    assert _complete(app, "b = ", session="survivor")[1] == home
+    # a worker dies: Serve replaces it; the planner drops the dead one and learns the new one
+    victim = next(rid for rid in _live_placement().replicas if rid != home)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMServer#{victim}", namespace="serve"), no_restart=True)
+    _wait_for(lambda: (v := _placement()) is not None and victim not in v.replicas and len(v.replicas) == 2,
+              "a new replica replaced the dead one in the planner's view", timeout=120)
+    replicas = {_complete(app, f"c{i} = ")[1] for i in range(6)}
+    assert victim not in replicas
+    assert _complete(app, "d = ", session="survivor")[1] == home

@@ -1,0 +1,164 @@
+"""`mtpserve serve` onto the session's Ray cluster, driven by the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+
+from mtpserve.engine.tokenizer import Tokenizer  # noqa: E402
+
+APP, KEY = "cli", "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, model_dir):
+    port = ray_cluster["url"].rsplit(":", 1)[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
+         "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
+         "--num-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    output, deadline = [], time.monotonic() + 180
+    while not any(line.startswith("mtpserve: serving") for line in output):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(output)
+        try:
+            output.append(lines.get(timeout=1))
+        except queue.Empty:
+            pass
+    model = output[-1].split("`")[1]
+    yield {"base": f"{ray_cluster['url']}/v1", "model": model, "proc": proc, "lines": lines,
+           "reader": reader, "tokenizer": Tokenizer(model_dir)}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def _client(server, key=KEY):
+    return openai.OpenAI(base_url=server["base"], api_key=key, max_retries=0, timeout=120)
+
+
+def test_completions_streamed_and_not_agree_and_usage_adds_up(server):
+    client, model, prompt = _client(server), server["model"], "def add(a, b):"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(server["tokenizer"].encode(prompt))
+    assert whole.usage.completion_tokens == 20
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 20
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    raw = requests.post(f"{server['base']}/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": model, "prompt": prompt, "max_tokens": 4, "stream": True}, timeout=60)
+    assert [line for line in raw.text.split("\n") if line][-1] == "data: [DONE]"
+
+
+def test_chat_completions_async_streamed_and_not(server):
+    client = openai.AsyncOpenAI(base_url=server["base"], api_key=KEY, max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop?"}]
+    kwargs = dict(model=server["model"], messages=messages, max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+
+    async def both():
+        whole = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+        return whole, [c async for c in stream]
+    whole, chunks = asyncio.run(both())
+    tok = server["tokenizer"]
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(messages)))
+    assert whole.usage.completion_tokens == 12
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage == whole.usage
+
+
+def test_stop_strings_are_honoured(server):
+    client, model = _client(server), server["model"]
+    full = client.completions.create(model=model, prompt="for i in", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) >= 8, f"need some text to cut: {full!r}"
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = full[:full.find(stop)]
+    got = client.completions.create(model=model, prompt="for i in", max_tokens=30, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=model, prompt="for i in", max_tokens=30, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_n_choices_with_seeds(server):
+    client, model = _client(server), server["model"]
+    kwargs = dict(model=model, prompt="x = ", max_tokens=8, temperature=1.0, n=3, seed=7,
+                  extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert first.usage.completion_tokens == 24 and first.usage.prompt_tokens == len(server["tokenizer"].encode("x = "))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices], "seeded choices repeat"
+    assert len({c.text for c in first.choices}) > 1, "choice i uses seed + i"
+    streamed = client.completions.create(stream=True, **kwargs)
+    by_index: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert [by_index[i] for i in range(3)] == [c.text for c in first.choices]
+
+
+def test_errors_use_the_openai_envelope(server):
+    client, model = _client(server), server["model"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    bad = [dict(temperature=-1), dict(top_p=2.0), dict(n=0), dict(max_tokens=0),
+           dict(extra_body={"top_k": -5}), dict(logprobs=2), dict(prompt=[7] * context),
+           dict(prompt=[10**7]), dict(prompt="x", stop=["a", "b", "c", "d", "e"])]
+    for params in bad:
+        kwargs = {"model": model, "prompt": "x", **params}
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**kwargs)
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").completions.create(model=model, prompt="x")
+    r = requests.post(f"{server['base']}/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": model, "prompt": "x", "temperature": "hot"}, timeout=30)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["param"] == "temperature"
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in _client(server).models.list().data] == [server["model"]]
+    root = server["base"].rsplit("/v1", 1)[0]
+    assert requests.get(f"{root}/health", timeout=30).json()["status"] == "ok"
+    text = requests.get(f"{root}/metrics", timeout=30).text
+    assert "mtpserve:request_success_total" in text and "mtpserve:spec_decode_num_drafts_total" in text
+
+
+def test_ctrl_c_shuts_down_cleanly(server):
+    from ray import serve
+
+    from mtpserve.actors.planner import get_planner
+    proc = server["proc"]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    server["reader"].join(10)
+    rest = []
+    while not server["lines"].empty():
+        rest.append(server["lines"].get())
+    assert "mtpserve: stopped\n" in rest
+    assert APP not in serve.status().applications
+    assert get_planner(APP) is None

@@ -1,0 +1,79 @@
+"""manifests/: every file is a valid Serve config; the CPU one deploys with `serve run` and answers."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+requests = pytest.importorskip("requests")
+
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from mtpserve.cluster.app import ServeOptions  # noqa: E402
+from mtpserve.engine.bundled import MODEL_DIR  # noqa: E402
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+
+
+def _serve_configs() -> dict[str, dict]:
+    configs = {p.name: yaml.safe_load(p.read_text()) for p in sorted(MANIFESTS.glob("serve-*.yaml"))}
+    rayservice = yaml.safe_load((MANIFESTS / "rayservice.yaml").read_text())
+    assert rayservice["kind"] == "RayService"
+    configs["rayservice.yaml"] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    return configs
+
+
+def test_every_manifest_is_a_valid_serve_config_of_this_package():
+    configs = _serve_configs()
+    assert {"serve-cpu.yaml", "serve-gpu.yaml", "rayservice.yaml"} <= set(configs)
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    for name, config in configs.items():
+        schema = ServeDeploySchema.model_validate(config)
+        for app in schema.applications:
+            module, attr = app.import_path.split(":")
+            assert callable(getattr(importlib.import_module(module), attr)), name
+            assert set(app.args) <= fields, f"{name}: unknown args {set(app.args) - fields}"
+    gpu = configs["serve-gpu.yaml"]["applications"][0]["args"]
+    assert gpu["device"] == "cuda" and gpu["num_gpus_per_replica"] == 1
+
+
+def test_the_cpu_config_deploys_with_serve_run_and_answers(ray_cluster, model_dir, tmp_path):
+    from ray import serve
+
+    from mtpserve.actors.planner import shutdown_planner
+    config = yaml.safe_load((MANIFESTS / "serve-cpu.yaml").read_text())
+    app = config["applications"][0]
+    if Path(model_dir).resolve() != Path(MODEL_DIR).resolve():        # the bundled model is not built
+        app["args"]["model_dir"] = str(model_dir)
+    app["args"]["num_cpus_per_replica"] = 0.5
+    path = tmp_path / "serve-cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking",
+                           "--address", ray_cluster["address"], str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        url = f"{ray_cluster['url']}{app['route_prefix'].rstrip('/')}/v1"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                models = requests.get(f"{url}/models", timeout=10)
+                if models.status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the app never answered"
+            time.sleep(0.5)
+        model = models.json()["data"][0]["id"]
+        r = requests.post(f"{url}/completions", json={"model": model, "prompt": "print(", "max_tokens": 5,
+                                                       "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        serve.delete(app["name"])
+        shutdown_planner(app["name"])
