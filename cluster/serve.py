@@ -79,7 +79,11 @@ def cmd_serve(args) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(options), name=args.app_name, route_prefix="/", blocking=False)
-        url = f"http://{args.host}:{args.port}"
+        host, port = _proxy_address(args.host, args.port)
+        if (host, port) != (args.host, args.port):
+            print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
+                  f"--host/--port do not change it", flush=True)
+        url = f"http://{host}:{port}"
         print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.device} "
               f"replica{'s' if options.num_replicas > 1 else ''}) at {url}/v1", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
@@ -101,6 +105,16 @@ def cmd_serve(args) -> int:
             ray.shutdown()
     print("mtpserve: stopped", flush=True)
     return 0
+
+
+def _proxy_address(host: str, port: int) -> tuple[str, int]:
+    """Where Serve's HTTP proxies really listen (a running Serve keeps its first options)."""
+    try:
+        from ray.serve.context import _get_global_client
+        config = _get_global_client().http_config
+        return config.host, config.port
+    except Exception:  # a private API: fall back to what was asked for
+        return host, port
 
 
 def _install_signal_handlers() -> dict:
