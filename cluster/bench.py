@@ -1,0 +1,279 @@
+"""`mtpserve bench`: serving benchmarks, in process or over HTTP, side by side with og.Engine.
+
+    mtpserve bench --draft-tokens 0,1,2,3 --concurrency 1,16          the engine in process
+    mtpserve bench --device cuda --make-model mid --synthetic-acceptance 0.7 --draft-tokens 0,1,2,3
+    mtpserve bench --device cuda --draft-tokens 0 --concurrency 1,8,64 --compare ortgenai
+    mtpserve bench --url http://127.0.0.1:8000 --concurrency 1,8 --slo-ttft-ms 500 --slo-tpot-ms 50
+    mtpserve bench --request-rate 2,8 --prompts random --input-len 256
+
+Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
+(closed-loop concurrencies, or Poisson request rates) against the same prompts, after a warm-up.
+Figures follow DESIGN §8; speedups are against K=0 of the same run. Results go to
+<results-dir>/<timestamp>-<name>.json (+ .png). With --synthetic-acceptance every draft is
+accepted with that probability instead of checked against the model (for untrained MTP heads):
+such outputs are not the model's, and every report says "synthetic".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mtpserve.cluster import bench_report as report
+from mtpserve.cluster.bench_workload import (BUNDLED_PROMPTS, Load, Workload, random_workload, text_workload)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to an argparse subparsers object; returns its parser."""
+    from mtpserve.engine.bundled import MODEL_DIR
+    p = subparsers.add_parser("bench", help="benchmark the engine (in process or over HTTP), optionally "
+                                            "against onnxruntime-genai's og.Engine",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    g = p.add_argument_group("target")
+    g.add_argument("--model", default=str(MODEL_DIR), help="paged export directory (default: the bundled model)")
+    g.add_argument("--make-model", choices=["tiny", "mid"],
+                   help="first make a random-weight model of this shape and export it (needs mtpserve[export]); "
+                        "mid: hidden 2048, 24 layers 3:1, ~1.4 B parameters; reused if already made")
+    g.add_argument("--model-out", help="where --make-model writes (default: $MTPSERVE_CACHE/bench-models/SHAPE)")
+    g.add_argument("--make-only", action="store_true", help="stop after --make-model")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--num-threads", type=int, default=0, help="ORT intra-op threads (0 = ORT's default)")
+    g.add_argument("--url", help="benchmark this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000)")
+    g.add_argument("--served-model", help="model name to send over HTTP (default: the first of /v1/models)")
+    g.add_argument("--api-key", help="bearer token for the HTTP server")
+    g.add_argument("--compare", choices=["ortgenai"], help="also run onnxruntime-genai's og.Engine (CUDA only)")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompts", default="bundled", choices=["bundled", "random"],
+                   help="bundled code-like prompts of mixed lengths, or random token ids of --input-len")
+    g.add_argument("--prompts-file", help="one prompt per line (\\n for newlines); replaces --prompts")
+    g.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens")
+    g.add_argument("--vocab-size", type=int, help="random token ids range, for --url without a local --model")
+    g.add_argument("--num-prompts", type=int, help="requests per load (default: max(16, 2 x top concurrency))")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    g.add_argument("--concurrency", default=None, help="closed-loop concurrency levels, e.g. 1,16 (default 1)")
+    g.add_argument("--request-rate", default=None, help="open-loop Poisson request rates in req/s, e.g. 2,8")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts, arrivals and sampling")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="stop at EOS (default: always generate --max-tokens)")
+
+    g = p.add_argument_group("configurations")
+    g.add_argument("--draft-tokens", default="0,2", help="MTP draft counts to run, e.g. 0,1,2,3 (0 = MTP off)")
+    g.add_argument("--synthetic-acceptance", type=float, default=None,
+                   help="accept each draft with this probability (untrained MTP heads); labels the run synthetic "
+                        "(with --url it only labels the results: the server must be run that way)")
+    g.add_argument("--num-blocks", type=int, help="KV blocks per pool (default: enough for every resident request)")
+    g.add_argument("--max-resident-requests", type=int, help="state-bank rows (default: the top concurrency)")
+    g.add_argument("--max-tokens-per-step", type=int, help="the step's token budget (default: max(512, rows x (K+1)))")
+    g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
+    g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
+    g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
+    g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
+    g.add_argument("--anchor-stall-s", type=float, default=60.0, help="og.Engine without a token this long = stalled")
+    g.add_argument("--anchor-timeout-s", type=float, default=1800.0, help="kill og.Engine's process after this long")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
+    g.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
+    g.add_argument("--results-dir", default="results", help="where the JSON and PNG go (default ./results)")
+    g.add_argument("--name", help="file name stem after the timestamp (default: mode-model)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--save-requests", action="store_true", help="keep every request's timeline in the JSON")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def parse_list(value: str | None, kind, what: str) -> tuple:
+    if value is None:
+        return ()
+    try:
+        items = tuple(kind(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be a comma-separated list of numbers, got {value!r}") from None
+    if not items:
+        raise ValueError(f"{what} is empty")
+    return items
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_bench(args) -> int:
+    from mtpserve.engine.manifest import ModelLoadError
+    try:
+        return _bench(args)
+    except (ValueError, ModelLoadError, RuntimeError) as e:
+        print(f"mtpserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _loads(args) -> tuple[Load, ...]:
+    if args.concurrency and args.request_rate:
+        raise ValueError("give --concurrency or --request-rate, not both")
+    if args.request_rate:
+        rates = parse_list(args.request_rate, float, "--request-rate")
+        if any(r <= 0 for r in rates):
+            raise ValueError("request rates must be > 0")
+        return tuple(Load(request_rate=r) for r in rates)
+    levels = parse_list(args.concurrency or "1", int, "--concurrency")
+    if any(c < 1 for c in levels):
+        raise ValueError("concurrency levels must be >= 1")
+    return tuple(Load(concurrency=c) for c in levels)
+
+
+def _workload(args, tokenizer, vocab_size: int | None, exclude: tuple[int, ...], num_requests: int) -> Workload:
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        return text_workload(texts, tokenizer.encode if tokenizer else _bytes, num_requests)
+    if args.prompts == "bundled":
+        return text_workload(BUNDLED_PROMPTS, tokenizer.encode if tokenizer else _bytes, num_requests)
+    if vocab_size is None:
+        raise ValueError("random prompts need a vocabulary size: give --model DIR or --vocab-size N")
+    return random_workload(num_requests, args.input_len, vocab_size, args.seed, exclude)
+
+
+def _bytes(text: str) -> list[int]:
+    """Stand-in token count for HTTP runs without a local tokenizer (usage overrides it)."""
+    return list(text.encode())
+
+
+def _bench(args) -> int:
+    draft_tokens = parse_list(args.draft_tokens, int, "--draft-tokens")
+    loads = _loads(args)
+    a = args.synthetic_acceptance
+    if a is not None and args.temperature > 0:
+        raise ValueError("--synthetic-acceptance applies to greedy requests only: use --temperature 0")
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    if args.url and args.compare:
+        raise ValueError("--compare ortgenai runs in process; drop --url")
+    if args.make_model:
+        from mtpserve.cluster.bench_model import make_bench_model
+        from mtpserve.engine.cpu_adapter import default_cache_root
+        out = Path(args.model_out or default_cache_root() / "bench-models" / args.make_model)
+        started = time.perf_counter()
+        args.model = str(make_bench_model(out, args.make_model))
+        _log(f"model {args.model} ready in {time.perf_counter() - started:.0f} s")
+        if args.make_only:
+            return 0
+    peak = max(l.concurrency or 0 for l in loads)
+    num_requests = args.num_prompts or max(16, 2 * peak)
+    synthetic = a is not None and (bool(args.url) or any(draft_tokens))
+    manifest = _manifest(args.model, required=not args.url)
+    tokenizer = None
+    if manifest is not None:
+        from mtpserve.engine.tokenizer import Tokenizer
+        tokenizer = Tokenizer(manifest.path)
+    vocab = args.vocab_size or (manifest.vocab_size if manifest else None)
+    exclude = tuple(manifest.eos_token_ids) if manifest else ()
+    workload = _workload(args, tokenizer, vocab, exclude, num_requests)
+    if synthetic:
+        _log(f"SYNTHETIC acceptance: each draft is accepted with probability {a:g}; the outputs are not the model's")
+
+    runs, anchor_note = [], None
+    if args.url:
+        from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
+        from mtpserve.cluster.bench_workload import per_load
+        target = HttpTarget(args.url.rstrip("/"), args.served_model, args.api_key, args.max_tokens,
+                            args.temperature, args.ignore_eos, args.timeout_s, args.warmup_requests)
+        runs = run_http_loads(target, per_load(workload, loads, args.seed), log=_log)
+        for run in runs:    # the server's own setting; the flag only labels its results
+            run.synthetic_acceptance = a
+    else:
+        if args.compare == "ortgenai":
+            from mtpserve.cluster.bench_anchor import AnchorSweep, run_anchor
+            anchor_k = parse_list(args.anchor_draft_tokens, int, "--anchor-draft-tokens")
+            if not anchor_k:
+                anchor_k = (0,) if synthetic else draft_tokens
+                if synthetic:
+                    _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
+                         "(--anchor-draft-tokens to override)")
+            anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
+                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
+            runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
+        from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
+        sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
+                            args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
+                            args.max_resident_requests, args.max_tokens_per_step, args.warmup_requests, args.timeout_s)
+        runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
+    return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
+
+
+def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, anchor_note: str | None) -> int:
+    """Figures -> JSON (+ PNG) under --results-dir, and a table on stdout."""
+    a = args.synthetic_acceptance
+    summaries = [report.summarize(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in runs]
+    comps = report.comparisons(summaries)
+    mode = "http" if args.url else "engine"
+    model_name = Path(args.model).name if not args.url else args.url.split("//")[-1].replace(":", "_").replace("/", "_")
+    name = args.name or f"{mode}-{model_name}" + ("-synthetic" if synthetic else "")
+    now = _dt.datetime.now()
+    path = Path(args.results_dir) / f"{now.strftime('%Y%m%d-%H%M%S')}-{name}.json"
+    lengths = [len(p) for p in workload.prompt_ids]
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    if args.url:
+        settings["draft_tokens"] = "the server's"
+    payload = {
+        "name": name, "created": now.isoformat(timespec="seconds"), "mode": mode,
+        "command": sys.argv, "git_commit": _git_commit(),
+        "synthetic": {"acceptance": a, "note": "drafts accepted with this probability instead of checked "
+                                               "against the model; outputs are not the model's"} if synthetic else None,
+        "model": _model_info(manifest), "machine": report.machine_info(), "device": args.device,
+        "settings": settings,
+        "workload": {"num_requests": workload.num_requests, "prompt_set": "file" if args.prompts_file else args.prompts,
+                     "prompt_tokens": {"min": min(lengths), "max": max(lengths),
+                                       "mean": round(sum(lengths) / len(lengths), 1)},
+                     "max_tokens": args.max_tokens, "loads": [l.label for l in loads]},
+        "anchor_note": anchor_note,
+        "results": summaries, "comparisons": comps,
+    }
+    if args.save_requests:
+        payload["requests"] = [{"label": r.config_label, "load": r.load_label,
+                                "records": [vars(x) for x in r.records]} for r in runs]
+    report.write_json(path, payload)
+    title = f"{name}: {mode} on {args.device}" + (f" — SYNTHETIC acceptance a={a:g}" if synthetic else "")
+    plot_note = None if args.no_plot else report.plot(summaries, path.with_suffix(".png"), title)
+    if synthetic:
+        print(f"NOTE: SYNTHETIC acceptance a={a:g} (drafts accepted at random, not by the model)")
+    if anchor_note:
+        print(f"NOTE: {anchor_note}")
+    print(report.format_table(summaries, comps))
+    print(f"\nresults: {path}" + ("" if args.no_plot or plot_note else f"\nplot:    {path.with_suffix('.png')}"))
+    if plot_note:
+        print(plot_note)
+    return 0 if all(s["num_completed"] for s in summaries) else 1
+
+
+def _manifest(model: str, required: bool):
+    from mtpserve.engine.manifest import ModelLoadError, load_manifest
+    try:
+        return load_manifest(model)
+    except ModelLoadError:
+        if required:
+            raise
+        return None
+
+
+def _model_info(manifest) -> dict | None:
+    if manifest is None:
+        return None
+    info = manifest.to_dict()
+    info.pop("files", None)
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None

@@ -1,0 +1,160 @@
+"""The in-process side of `mtpserve bench`: one Engine per draft count, driven at each load.
+
+Closed loop (a concurrency C): C requests start at once; each finished request is replaced by the
+next until N have run. Open loop (a request rate): requests are added when their Poisson arrival
+time has passed, checked between steps. A token's time is when the step that produced it
+returned; a request's arrival is when it was due (so queueing counts in its TTFT).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from mtpserve.cluster.bench_report import LoadRun, RequestRecord, distribution_ms
+from mtpserve.cluster.bench_workload import Load, Workload, per_load
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.speculative import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class EngineSweep:
+    """Everything the engine side needs, as plain values."""
+    model_dir: str
+    device: str
+    num_threads: int
+    draft_tokens: tuple[int, ...]
+    synthetic_acceptance: float | None
+    loads: tuple[Load, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    seed: int = 0
+    num_blocks: int | None = None
+    max_resident_requests: int | None = None
+    max_tokens_per_step: int | None = None
+    num_warmup_requests: int = 4
+    timeout_s: float = 600.0
+
+
+def engine_config(sweep: EngineSweep, k: int, block_size: int, max_prompt_len: int, num_requests: int) -> EngineConfig:
+    """Pools sized so every load can keep its requests resident (unless told otherwise)."""
+    peak = max((l.concurrency or num_requests) for l in sweep.loads)
+    resident = sweep.max_resident_requests or max(1, min(peak, 256))
+    per_request = math.ceil((max_prompt_len + sweep.max_tokens + k + 1) / block_size) + 1
+    num_blocks = sweep.num_blocks or max(64, resident * per_request + 8)
+    budget = sweep.max_tokens_per_step or max(512, resident * (k + 1))
+    return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
+                        cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
+                        scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
+                        spec=SpecConfig(num_draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None))
+
+
+def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:
+    return SamplingParams(temperature=sweep.temperature, seed=sweep.seed + i, max_tokens=max_tokens,
+                          ignore_eos=sweep.ignore_eos)
+
+
+def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, log=print) -> list[LoadRun]:
+    """Every draft count at every load, against the same prompts."""
+    runs = []
+    max_prompt = max(len(p) for p in workload.prompt_ids)
+    for k in sweep.draft_tokens:
+        config = engine_config(sweep, k, block_size, max_prompt, workload.num_requests)
+        started = time.perf_counter()
+        engine = Engine(config)
+        log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
+            f"({config.cache.num_blocks} blocks, {config.cache.max_resident_requests} resident)")
+        if sweep.num_warmup_requests:
+            n = min(sweep.num_warmup_requests, workload.num_requests)
+            warm = Workload(workload.prompt_ids[:n], None)
+            run_load(engine, sweep, warm, Load(concurrency=n), k, tag=f"warmup{k}", max_tokens=min(16, sweep.max_tokens))
+        for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
+            run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}")
+            log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
+                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
+            runs.append(run)
+        del engine
+    return runs
+
+
+def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load, k: int, tag: str,
+             max_tokens: int | None = None) -> LoadRun:
+    """Drive `engine` through every request of `workload` at `load`; returns the timeline."""
+    max_tokens = max_tokens or sweep.max_tokens
+    prompts, n = workload.prompt_ids, workload.num_requests
+    arrivals = workload.arrivals_s if load.concurrency is None else None
+    records: dict[str, RequestRecord] = {}
+    requests = []
+    steps0, preempt0 = engine.num_steps, engine.num_preemptions
+    step_times: list[float] = []
+    t0 = time.perf_counter()
+
+    def submit(i: int, arrival: float) -> None:
+        rid = f"{tag}-{i}"
+        requests.append(engine.add_request(rid, prompts[i], sampling_params(sweep, max_tokens, i)))
+        records[rid] = RequestRecord(rid, len(prompts[i]), arrival)
+
+    next_i = 0
+    while arrivals is None and next_i < min(load.concurrency, n):
+        submit(next_i, 0.0)
+        next_i += 1
+    num_done, error = 0, None
+    while num_done < n:
+        now = time.perf_counter() - t0
+        if now > sweep.timeout_s:
+            error = f"timed out after {sweep.timeout_s:g} s with {n - num_done} of {n} requests unfinished"
+            break
+        if arrivals is not None:
+            while next_i < n and arrivals[next_i] <= now:
+                submit(next_i, arrivals[next_i])
+                next_i += 1
+        if not engine.has_work:
+            if arrivals is not None and next_i < n:
+                time.sleep(max(0.0, arrivals[next_i] - (time.perf_counter() - t0)))
+                continue
+            error = f"the engine went idle with {n - num_done} requests unfinished"
+            break
+        s = time.perf_counter()
+        events = engine.step()
+        t = time.perf_counter()
+        step_times.append(t - s)
+        t -= t0
+        for ev in events:
+            rec = records[ev.request_id]
+            if ev.token_ids:
+                rec.add_chunk(t, len(ev.token_ids))
+            if ev.finish_reason is not None:
+                rec.finish_s, rec.finish_reason = t, ev.finish_reason.value
+                rec.num_output_tokens = ev.num_output_tokens
+                num_done += 1
+                if arrivals is None and next_i < n:
+                    submit(next_i, t)
+                    next_i += 1
+    end = time.perf_counter() - t0
+    if error is not None:
+        for rid, rec in records.items():
+            if rec.finish_s is None:
+                engine.abort(rid)
+                rec.error = "unfinished"
+    stats = SpecDecodeStats()
+    for r in requests:
+        stats = stats.merged(r.stats)
+    finished = [r.finish_s for r in records.values() if r.finish_s is not None]
+    extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
+             "step_ms": distribution_ms(step_times),
+             "engine": {"num_blocks": engine.config.cache.num_blocks,
+                        "max_resident_requests": engine.config.cache.max_resident_requests,
+                        "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
+    return LoadRun("mtpserve", k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
+                   end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
+
+
+def _spec_counts(s: SpecDecodeStats) -> dict:
+    return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens, "num_target_forwards": s.num_target_forwards,
+            "num_emitted_tokens": s.num_emitted_tokens, "accepted_per_position": list(s.accepted_per_position),
+            "drafted_per_position": list(s.drafted_per_position)}

@@ -1,0 +1,208 @@
+"""The HTTP side of `mtpserve bench`: streaming completions against any OpenAI-compatible server.
+
+Each request is POST /v1/completions with stream=true and stream_options.include_usage; the
+Server-Sent Events are `data: {json}` lines ending with `data: [DONE]`. A chunk's time is when
+its line arrived. The wire format does not say how many tokens a chunk holds, so ITL is per
+streamed chunk and TPOT uses the final chunk's usage.completion_tokens (or the chunk count when
+the server sends no usage). Speculative counters come from the server's Prometheus /metrics
+(vLLM-style names `*spec_decode_num_drafts_total`, ...), when it has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from mtpserve.cluster.bench_report import LoadRun, RequestRecord
+from mtpserve.cluster.bench_workload import Load, Workload
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    url: str                     # base URL, e.g. http://127.0.0.1:8000
+    model: str | None = None     # the served model's name; None = the first of GET /v1/models
+    api_key: str | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    ignore_eos: bool = True      # a vLLM-style extension field; off for servers that refuse it
+    timeout_s: float = 600.0
+    num_warmup_requests: int = 4
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def run_http_loads(target: HttpTarget, loads: list[tuple[Load, Workload]], log=print) -> list[LoadRun]:
+    """Each (load, workload) in turn: closed loop at load.concurrency, or open loop at the
+    workload's arrival times (load.request_rate)."""
+    return asyncio.run(_run_all(target, loads, log))
+
+
+async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                     headers=target.headers) as session:
+        model = target.model or await _first_model(session, target.url)
+        if target.num_warmup_requests and loads:
+            wl = loads[0][1]
+            n = min(target.num_warmup_requests, wl.num_requests)
+            warm = Workload(wl.prompt_ids[:n], wl.prompt_texts[:n] if wl.prompt_texts else None)
+            await _run_load(session, target, model, warm, Load(concurrency=n), max_tokens=min(16, target.max_tokens))
+        runs = []
+        for load, wl in loads:
+            before = await _scrape_metrics(session, target.url)
+            run = await _run_load(session, target, model, wl, load)
+            after = await _scrape_metrics(session, target.url)
+            run.spec = _spec_delta(before, after)
+            run.extra["model"] = model
+            log(f"http {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
+                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
+            runs.append(run)
+        return runs
+
+
+async def _first_model(session, url: str) -> str:
+    async with session.get(f"{url}/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {url}/v1/models answered {resp.status}; pass --served-model NAME")
+        data = (await resp.json()).get("data") or []
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model; pass --served-model NAME")
+    return data[0]["id"]
+
+
+async def _run_load(session, target: HttpTarget, model: str, workload: Workload, load: Load,
+                    max_tokens: int | None = None) -> LoadRun:
+    n = workload.num_requests
+    records = [None] * n
+    t0 = time.perf_counter()
+
+    async def one(i: int, arrival: float) -> None:
+        prompt = workload.prompt_texts[i] if workload.prompt_texts else workload.prompt_ids[i]
+        rec = RequestRecord(f"http-{i}", len(workload.prompt_ids[i]), arrival)
+        records[i] = rec
+        payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens or target.max_tokens, "stream": True,
+                   "temperature": target.temperature, "stream_options": {"include_usage": True}}
+        if target.ignore_eos:
+            payload["ignore_eos"] = True
+        try:
+            await _stream(session, target.url, payload, rec, t0)
+        except (asyncio.TimeoutError, OSError, ValueError) as e:
+            rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
+        except Exception as e:   # noqa: BLE001 - aiohttp's errors: one failed request must not end the run
+            rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
+
+    if load.concurrency is not None:
+        queue = iter(range(n))
+
+        async def worker() -> None:
+            for i in queue:
+                await one(i, time.perf_counter() - t0)
+        await asyncio.gather(*(worker() for _ in range(min(load.concurrency, n))))
+    else:
+        async def delayed(i: int) -> None:
+            await asyncio.sleep(max(0.0, workload.arrivals_s[i] - (time.perf_counter() - t0)))
+            await one(i, workload.arrivals_s[i])
+        await asyncio.gather(*(delayed(i) for i in range(n)))
+    finished = [r.finish_s for r in records if r.finish_s is not None]
+    failed = sum(1 for r in records if not r.completed)
+    return LoadRun("http", None, None, load.concurrency, load.request_rate,
+                   max(finished, default=time.perf_counter() - t0), records,
+                   extra={"url": target.url}, error=f"{failed} of {n} requests failed" if failed else None)
+
+
+async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:
+    num_chunks = 0
+    async with session.post(f"{url}/v1/completions", json=payload) as resp:
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            now = time.perf_counter() - t0
+            if data == b"[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                rec.error = str(obj["error"].get("message", obj["error"]))[:300]
+                break
+            for choice in obj.get("choices") or []:
+                if choice.get("text"):
+                    rec.add_chunk(now, 1)
+                    num_chunks += 1
+                if choice.get("finish_reason"):
+                    rec.finish_reason = choice["finish_reason"]
+                    rec.finish_s = now
+            usage = obj.get("usage")
+            if usage:
+                rec.num_output_tokens = int(usage.get("completion_tokens", 0))
+                rec.num_prompt_tokens = int(usage.get("prompt_tokens", rec.num_prompt_tokens))
+    if rec.finish_s is None and rec.error is None:
+        rec.error = "the stream ended without a finish_reason"
+    if not rec.num_output_tokens:
+        rec.num_output_tokens = num_chunks
+
+
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_COUNTERS = {"spec_decode_num_drafts_total": "num_drafts",
+             "spec_decode_num_draft_tokens_total": "num_draft_tokens",
+             "spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+             "num_target_forwards_total": "num_target_forwards",
+             "generation_tokens_total": "num_emitted_tokens"}
+_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text -> our counter names, summed over replicas; per-position as a list."""
+    out: dict = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name.endswith(_PER_POSITION):
+            pos = re.search(r'position="(\d+)"', labels or "")
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + v
+            continue
+        for suffix, key in _COUNTERS.items():
+            if name.endswith(suffix):
+                out[key] = out.get(key, 0.0) + v
+    if per_pos:
+        out["accepted_per_position"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)]
+    return out
+
+
+async def _scrape_metrics(session, url: str) -> dict | None:
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            return parse_metrics(await resp.text()) if resp.status == 200 else None
+    except Exception:   # noqa: BLE001 - /metrics is optional
+        return None
+
+
+def _spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    if not before or not after or "num_draft_tokens" not in after:
+        return None
+    out = {}
+    for key, v in after.items():
+        if key == "accepted_per_position":
+            old = before.get(key) or []
+            out[key] = [int(a - (old[i] if i < len(old) else 0)) for i, a in enumerate(v)]
+        else:
+            out[key] = int(v - before.get(key, 0))
+    return out

@@ -1,0 +1,117 @@
+"""What `mtpserve bench` sends: prompts (bundled code-like text, random token ids, or a file) and
+when (closed loop at a concurrency, or Poisson arrivals at a request rate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Code-like prompts of mixed lengths (one line to a page), the traffic MTP drafting helps most.
+BUNDLED_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import numpy as np\n\ndef softmax(x, axis=-1):\n    ",
+    "# Return the n-th prime number.\ndef nth_prime(n: int) -> int:\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "SELECT customer_id, SUM(amount) AS total\nFROM orders\nWHERE created_at >= '2024-01-01'\n",
+    "for (let i = 0; i < items.length; i++) {\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n",
+    "#include <stdio.h>\n\nint main(int argc, char **argv) {\n    for (int i = 1; i < argc; i++) {\n",
+    "from dataclasses import dataclass\n\n@dataclass\nclass Point:\n    x: float\n    y: float\n\n"
+    "    def distance(self, other: 'Point') -> float:\n",
+    "fn parse_line(line: &str) -> Option<(String, u32)> {\n    let mut parts = line.split(',');\n",
+    "import json\nimport sys\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and fill in "
+    "defaults for missing keys.\"\"\"\n    with open(path) as f:\n        config = json.load(f)\n",
+    "def merge_sort(xs):\n    if len(xs) <= 1:\n        return xs\n    mid = len(xs) // 2\n"
+    "    left = merge_sort(xs[:mid])\n    right = merge_sort(xs[mid:])\n",
+    "package main\n\nimport (\n\t\"fmt\"\n\t\"net/http\"\n)\n\nfunc handler(w http.ResponseWriter, r *http.Request) {\n",
+    "class LRUCache:\n    \"\"\"A fixed-capacity cache that evicts the least recently used key.\"\"\"\n\n"
+    "    def __init__(self, capacity: int):\n        self.capacity = capacity\n        self.data = {}\n"
+    "        self.order = []\n\n    def get(self, key):\n        if key not in self.data:\n"
+    "            return None\n        self.order.remove(key)\n        self.order.append(key)\n"
+    "        return self.data[key]\n\n    def put(self, key, value):\n",
+    "import torch\nimport torch.nn as nn\n\n\nclass MLP(nn.Module):\n    def __init__(self, d_in, d_hidden, d_out):\n"
+    "        super().__init__()\n        self.fc1 = nn.Linear(d_in, d_hidden)\n        self.fc2 = nn.Linear(d_hidden, d_out)\n\n"
+    "    def forward(self, x):\n",
+    "#!/usr/bin/env bash\nset -euo pipefail\n\n# Back up every .conf file under /etc into a dated tarball.\n"
+    "backup_dir=\"/var/backups/$(date +%F)\"\nmkdir -p \"$backup_dir\"\n",
+    "def tokenize(text):\n    tokens = []\n    i = 0\n    while i < len(text):\n        c = text[i]\n"
+    "        if c.isspace():\n            i += 1\n            continue\n        if c.isdigit():\n"
+    "            j = i\n            while j < len(text) and text[j].isdigit():\n                j += 1\n"
+    "            tokens.append(('NUM', text[i:j]))\n            i = j\n            continue\n"
+    "        if c.isalpha() or c == '_':\n            j = i\n"
+    "            while j < len(text) and (text[j].isalnum() or text[j] == '_'):\n                j += 1\n"
+    "            tokens.append(('NAME', text[i:j]))\n            i = j\n            continue\n"
+    "        if c in '+-*/()=<>':\n",
+    "interface User {\n  id: number;\n  name: string;\n  email?: string;\n}\n\n"
+    "export async function fetchUsers(baseUrl: string): Promise<User[]> {\n",
+]
+
+
+@dataclass(frozen=True)
+class Load:
+    """A closed-loop concurrency or an open-loop request rate (exactly one is set)."""
+    concurrency: int | None = None
+    request_rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"C={self.concurrency}" if self.concurrency is not None else f"{self.request_rate:g} req/s"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """N requests: their prompt token ids (and text, when there is one) and arrival offsets.
+
+    arrivals_s is None for a closed loop (the driver keeps C requests in flight) and sorted
+    seconds from the start of the run for an open loop.
+    """
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str] | None
+    arrivals_s: list[float] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_ids)
+
+    def with_arrivals(self, arrivals_s: list[float] | None) -> Workload:
+        return Workload(self.prompt_ids, self.prompt_texts, arrivals_s)
+
+
+def text_workload(texts: list[str], encode, num_requests: int) -> Workload:
+    """Cycle through `texts` until `num_requests`; token ids from `encode(text)`."""
+    if not texts:
+        raise ValueError("the prompt set is empty")
+    chosen = [texts[i % len(texts)] for i in range(num_requests)]
+    ids = {t: list(encode(t)) for t in set(chosen)}
+    empty = [t for t, v in ids.items() if not v]
+    if empty:
+        raise ValueError(f"a prompt encodes to no tokens: {empty[0]!r}")
+    return Workload([ids[t] for t in chosen], chosen)
+
+
+def random_workload(num_requests: int, input_len: int, vocab_size: int, seed: int = 0,
+                    exclude: tuple[int, ...] = ()) -> Workload:
+    """Uniform random token ids in [0, vocab_size), skipping `exclude` (EOS and other specials)."""
+    if input_len < 1:
+        raise ValueError(f"input length must be >= 1, got {input_len}")
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude, dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(allowed, size=(num_requests, input_len))
+    return Workload([[int(t) for t in row] for row in ids], None)
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of `rate` requests/s; the first arrives at 0."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    gaps[0] = 0.0
+    return [float(t) for t in np.cumsum(gaps)]
+
+
+def per_load(workload: Workload, loads, seed: int = 0) -> list[tuple[Load, Workload]]:
+    """Pair each load with the workload it runs: open-loop loads get seeded Poisson arrivals."""
+    return [(load, workload if load.concurrency is not None else
+             workload.with_arrivals(poisson_arrivals(workload.num_requests, load.request_rate, seed)))
+            for load in loads]

@@ -1,0 +1,350 @@
+"""`mtpserve bench`: figures from hand-built timelines, the real engine on the tiny export, HTTP
+against a small local OpenAI-style SSE server, and og.Engine's skip / stall reporting."""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from mtpserve.cluster import bench_anchor
+from mtpserve.cluster.bench import add_bench_parser
+from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
+from mtpserve.cluster.bench_model import MID, TINY, num_parameters, text_config
+from mtpserve.cluster.bench_report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
+from mtpserve.cluster.bench_workload import Load, Workload, poisson_arrivals, random_workload
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mtpserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+def only_json(results_dir: Path) -> dict:
+    files = list(results_dir.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def ordered(d: dict) -> bool:
+    return d["p50"] <= d["p90"] <= d["p99"]
+
+
+# ------------------------------------------------------------------ figures, no engine
+def test_figures_from_hand_built_timelines():
+    fast = RequestRecord("a", 10, arrival_s=0.0)
+    for t, n in [(0.1, 1), (0.2, 2), (0.3, 1)]:      # 4 tokens; MTP chunks can carry several
+        fast.add_chunk(t, n)
+    fast.num_output_tokens, fast.finish_s = 4, 0.3
+    slow = RequestRecord("b", 20, arrival_s=0.5)
+    for t in (1.5, 2.5):
+        slow.add_chunk(t, 1)
+    slow.num_output_tokens, slow.finish_s = 2, 2.5
+    failed = RequestRecord("c", 5, arrival_s=0.0, error="HTTP 500")
+    run = LoadRun("mtpserve", 0, None, 2, None, 2.5, [fast, slow, failed])
+    s = summarize(run, slo_ttft_ms=500, slo_tpot_ms=200)
+    assert (s["num_completed"], s["num_failed"], s["num_output_tokens"], s["num_prompt_tokens"]) == (2, 1, 6, 30)
+    assert s["ttft_ms"]["mean"] == pytest.approx(550.0)                  # 100 and 1000
+    assert fast.tpot_s == pytest.approx(0.2 / 3) and slow.tpot_s == pytest.approx(1.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(100.0)                   # 100, 100, 1000
+    assert s["output_token_throughput"] == pytest.approx(6 / 2.5)
+    assert s["goodput"]["num_good"] == 1 and s["goodput"]["fraction"] == pytest.approx(1 / 3, abs=1e-3)
+    assert ordered(s["ttft_ms"]) and ordered(s["e2e_ms"])
+
+
+def test_theory_and_spec_figures():
+    assert theory_tokens_per_forward(0.7, 3) == pytest.approx((1 - 0.7 ** 4) / 0.3)
+    assert theory_tokens_per_forward(1.0, 3) == 4.0 and theory_tokens_per_forward(0.0, 3) == 1.0
+    rec = RequestRecord("a", 3, 0.0, [0.1], [5], 5, 0.1)
+    spec = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3, "num_target_forwards": 2,
+            "num_emitted_tokens": 5, "accepted_per_position": [2, 1], "drafted_per_position": [2, 2, 2]}
+    s = summarize(LoadRun("mtpserve", 3, None, 1, None, 0.1, [rec], spec), None, None)["spec"]
+    assert s["acceptance_rate"] == 0.5 and s["acceptance_length"] == 2.5 and s["tokens_per_target_forward"] == 2.5
+    assert s["acceptance_rate_per_position"] == [1.0, 0.5, 0.0]        # unaccepted positions count as 0
+    assert s["theory_alpha"] == 1.0 and s["theory_tokens_per_forward"] == 4.0
+
+
+def test_random_prompts_and_poisson_arrivals_are_seeded():
+    a, b = random_workload(5, 7, 50, seed=3, exclude=(2,)), random_workload(5, 7, 50, seed=3, exclude=(2,))
+    assert a.prompt_ids == b.prompt_ids and all(len(p) == 7 and 2 not in p for p in a.prompt_ids)
+    arrivals = poisson_arrivals(200, rate=50.0, seed=1)
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+    assert 200 / arrivals[-1] == pytest.approx(50.0, rel=0.25)
+
+
+def test_model_shapes():
+    for shape in (TINY, MID):       # MRoPE sections cover the rotary half-dim (partial factor 0.25)
+        assert sum(shape.mrope_section) == shape.head_dim // 8
+    assert text_config(MID, {"<|im_end|>": 2, "<|endoftext|>": 0})["layer_types"].count("full_attention") == 6
+    assert 1.0e9 < num_parameters(MID) < 1.6e9
+
+
+# ------------------------------------------------------------------ the real engine (tiny export)
+def test_engine_mode_side_by_side(tiny_paged_export, tmp_path, capsys):
+    rc = bench(["--model", str(tiny_paged_export), "--draft-tokens", "0,2", "--synthetic-acceptance", "0.7",
+                "--concurrency", "1,3", "--num-prompts", "5", "--max-tokens", "6", "--warmup-requests", "1",
+                "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--results-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = only_json(tmp_path)
+    results = data["results"]
+    assert [(r["num_draft_tokens"], r["concurrency"]) for r in results] == [(0, 1), (0, 3), (2, 1), (2, 3)]
+    for r in results:
+        assert r["num_completed"] == r["num_requests"] == 5
+        assert r["num_output_tokens"] == 5 * 6 == r["spec"]["num_emitted_tokens"]
+        assert r["output_token_throughput"] > 0 and r["request_throughput"] > 0
+        assert all(ordered(r[key]) for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
+        assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert r["goodput"]["num_good"] == 5
+    k0, k2 = results[0], results[2]
+    assert k0["acceptance"] is None and "synthetic" not in k0["label"]
+    assert k0["spec"]["tokens_per_target_forward"] == 1.0 and k0["tokens_per_chunk"] == 1.0
+    assert k2["acceptance"] == "synthetic" and "synthetic" in k2["label"] and data["synthetic"]["acceptance"] == 0.7
+    assert k2["spec"]["theory_tokens_per_forward"] == pytest.approx(1 + 0.7 + 0.49)
+    assert k2["spec"]["num_draft_tokens"] > 0 and len(k2["spec"]["acceptance_rate_per_position"]) == 2
+    assert {(c["kind"], c["load"]) for c in data["comparisons"]} == {("speedup_vs_k0", "C=1"), ("speedup_vs_k0", "C=3")}
+    assert data["machine"]["cpu_count"] >= 1 and data["model"]["vocab_size"] == TINY.vocab_size
+    assert "SYNTHETIC" in out and "mtpserve K=2 synthetic a=0.7" in out
+    try:
+        import matplotlib  # noqa: F401
+        assert len(list(tmp_path.glob("*.png"))) == 1
+    except ImportError:
+        assert "no plot: matplotlib is not installed" in out
+
+
+def test_open_loop_counts_queueing_from_the_scheduled_arrival(tiny_paged_export):
+    from mtpserve.engine.manifest import load_manifest
+    sweep = EngineSweep(str(tiny_paged_export), "cpu", 0, (0,), None, (Load(request_rate=40.0),), 4,
+                        num_warmup_requests=0)
+    [run] = run_engine_sweep(sweep, random_workload(6, 9, TINY.vocab_size), load_manifest(tiny_paged_export).block_size,
+                             log=lambda m: None)
+    assert run.error is None and run.request_rate == 40.0
+    assert [r.arrival_s for r in run.records] == poisson_arrivals(6, 40.0, seed=0)   # the sweep's seed
+    for r in run.records:
+        assert r.chunk_times_s[0] >= r.arrival_s and sum(r.chunk_num_tokens) == r.num_output_tokens == 4
+    assert run.duration_s >= run.records[-1].arrival_s
+
+
+def test_compare_ortgenai_on_cpu_says_it_needs_cuda(tiny_paged_export, tmp_path, capsys):
+    rc = bench(["--model", str(tiny_paged_export), "--draft-tokens", "0", "--num-prompts", "1", "--max-tokens", "2",
+                "--warmup-requests", "0", "--compare", "ortgenai", "--no-plot", "--results-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "needs CUDA" in out
+    data = only_json(tmp_path)
+    assert "needs CUDA" in data["anchor_note"] and [r["system"] for r in data["results"]] == ["mtpserve"]
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    assert bench(["--concurrency", "1", "--request-rate", "2", "--results-dir", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert bench(["--synthetic-acceptance", "0.7", "--temperature", "1", "--results-dir", str(tmp_path)]) == 2
+    assert "greedy" in capsys.readouterr().err
+    assert bench(["--draft-tokens", "0,x", "--results-dir", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ og.Engine plumbing
+def test_shadow_export_sets_ogs_options_and_leaves_the_export_alone(tiny_paged_export, tmp_path):
+    before = (tiny_paged_export / "genai_config.json").read_text()
+    shadow = bench_anchor.shadow_export(tiny_paged_export, tmp_path / "shadow", 3, 4096, 32)
+    cfg = json.loads((shadow / "genai_config.json").read_text())
+    assert cfg["model"]["mtp"]["enabled"] is True and cfg["speculative"] == {"max_draft_tokens": 3}
+    assert cfg["engine"]["dynamic_batching"]["num_blocks"] == 4096
+    assert json.loads((shadow / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
+    assert (shadow / "model.onnx").resolve() == (tiny_paged_export / "model.onnx").resolve()
+    shadow = bench_anchor.shadow_export(tiny_paged_export, tmp_path / "shadow", 0, 4096, 32)
+    cfg = json.loads((shadow / "genai_config.json").read_text())
+    assert cfg["model"]["mtp"]["enabled"] is False and "speculative" not in cfg
+    assert (tiny_paged_export / "genai_config.json").read_text() == before
+    og = pytest.importorskip("onnxruntime_genai")
+    try:                             # og's config parser accepts every key we wrote
+        og.Model(str(shadow))
+    except Exception as e:           # noqa: BLE001 - without CUDA it fails later, at session creation
+        assert "JSON" not in str(e) and "parsing" not in str(e), e
+
+
+class FakeOg:
+    """Just enough of onnxruntime_genai for og_run_load: one token per pending request per run()."""
+
+    class TurnOptions:
+        def __init__(self, request):
+            self.request = request
+
+        def set_max_generated_tokens(self, n):
+            self.request.max_tokens = n
+
+        def set_min_generated_tokens(self, n):
+            pass
+
+        def set_do_sample(self, flag):
+            pass
+
+    class Event:
+        def __init__(self, request, flags):
+            self.request, self.flags, self.error_code = request, flags, 0
+            self.finish_reason = "FinishReason.MAX_GENERATED_TOKENS"
+
+    class Request:
+        def __init__(self, engine):
+            self.engine, self.num_generated, self.max_tokens = engine, 0, 0
+
+        def begin_turn(self, tokens, options):
+            self.engine.pending.append(self)
+
+    class Engine:
+        def __init__(self, stall_after: int | None = None):
+            self.pending, self.num_runs, self.stall_after = [], 0, stall_after
+
+        def create_request(self):
+            return FakeOg.Request(self)
+
+        def create_event_buffer(self, n):
+            return None
+
+        def get_speculative_stats(self):
+            return {"target_forward_passes": self.num_runs}
+
+        def has_pending_requests(self):
+            return bool(self.pending)
+
+        def run(self, buffer):
+            self.num_runs += 1
+            if self.stall_after is not None and self.num_runs > self.stall_after:
+                time.sleep(0.01)
+                return []
+            events = []
+            for r in list(self.pending):
+                r.num_generated += 1
+                done = r.num_generated == r.max_tokens
+                events.append(FakeOg.Event(r, bench_anchor.TOKEN | (bench_anchor.TURN_FINISHED if done else 0)))
+                if done:
+                    self.pending.remove(r)
+            return events
+
+
+def test_og_driver_counts_tokens_and_reports_a_stall_instead_of_hanging():
+    sweep = bench_anchor.AnchorSweep("unused", (0,), (Load(concurrency=2),), 3, stall_s=0.3)
+    workload = Workload([[1, 2], [3], [4, 5, 6]], None)
+    run = bench_anchor.og_run_load(FakeOg, FakeOg.Engine(), workload, Load(concurrency=2), 0, sweep, 3)
+    assert run.error is None and [r.num_output_tokens for r in run.records] == [3, 3, 3]
+    assert run.records[2].arrival_s == run.records[0].finish_s    # closed loop: the third replaced the first
+    assert summarize(run)["num_completed"] == 3
+    started = time.perf_counter()
+    run = bench_anchor.og_run_load(FakeOg, FakeOg.Engine(stall_after=2), workload, Load(concurrency=2), 0, sweep, 3)
+    assert time.perf_counter() - started < 5
+    assert "stalled" in run.error and summarize(run)["num_completed"] == 0
+
+
+# ------------------------------------------------------------------ HTTP against a local SSE server
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """POST /v1/completions (streaming, one chunk per token), GET /v1/models and /metrics."""
+    lock = threading.Lock()
+    state = {"in_flight": 0, "max_in_flight": 0, "bodies": [], "drafts": 0, "accepted": 0}
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, body, ctype="application/json"):
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}))
+        if self.path == "/metrics":
+            s = self.state
+            return self._send(200, "# TYPE x counter\n"
+                                   f'fake:spec_decode_num_drafts_total{{replica="0"}} {s["drafts"]}\n'
+                                   f'fake:spec_decode_num_draft_tokens_total{{replica="0"}} {2 * s["drafts"]}\n'
+                                   f'fake:spec_decode_num_accepted_tokens_total{{replica="0"}} {s["accepted"]}\n'
+                                   f'fake:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {s["accepted"]}\n',
+                              "text/plain")
+        self._send(404, "{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            self.state["bodies"].append(body)
+            self.state["in_flight"] += 1
+            self.state["max_in_flight"] = max(self.state["max_in_flight"], self.state["in_flight"])
+        try:
+            if body["prompt"] == "refuse me":
+                return self._send(400, json.dumps({"error": {"message": "bad prompt"}}))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = body["max_tokens"]
+            for i in range(n):
+                time.sleep(0.01)
+                chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == n - 1 else None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            with self.lock:
+                self.state["drafts"] += n
+                self.state["accepted"] += n // 2
+        finally:
+            with self.lock:
+                self.state["in_flight"] -= 1
+
+
+@pytest.fixture
+def fake_server():
+    FakeOpenAI.state.update(in_flight=0, max_in_flight=0, bodies=[], drafts=0, accepted=0)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_http_mode_streams_against_an_openai_compatible_server(fake_server, tmp_path, capsys):
+    rc = bench(["--url", fake_server, "--model", str(tmp_path / "no-model"), "--concurrency", "2",
+                "--num-prompts", "4", "--max-tokens", "5", "--timeout-s", "30", "--no-plot", "--warmup-requests", "0",
+                "--results-dir", str(tmp_path)])
+    assert rc == 0
+    [r] = only_json(tmp_path)["results"]
+    assert r["system"] == "http" and r["num_completed"] == 4 and r["num_output_tokens"] == 20
+    assert r["num_prompt_tokens"] == 4 * 7                     # from usage
+    assert r["tokens_per_chunk"] == 1.0 and r["itl_ms"]["p99"] >= 5         # the server sleeps 10 ms a token
+    assert r["spec"]["acceptance_rate"] == pytest.approx(8 / 40) and r["spec"]["acceptance_length"] == pytest.approx(1.4)
+    state = FakeOpenAI.state
+    assert state["max_in_flight"] == 2
+    body = state["bodies"][0]
+    assert body["model"] == "fake-model" and body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 5
+
+
+def test_http_mode_records_refused_requests(fake_server, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nrefuse me\n")
+    rc = bench(["--url", fake_server, "--served-model", "fake-model", "--prompts-file", str(prompts),
+                "--concurrency", "2", "--num-prompts", "4", "--max-tokens", "3", "--no-ignore-eos",
+                "--no-plot", "--results-dir", str(tmp_path / "out")])
+    assert rc == 0
+    [r] = only_json(tmp_path / "out")["results"]
+    assert (r["num_completed"], r["num_failed"]) == (2, 2) and "2 of 4 requests failed" in r["error"]
+    assert any("bad prompt" in e or "400" in e for e in r["request_errors"])
+    assert "ignore_eos" not in FakeOpenAI.state["bodies"][0]
+
+
+def test_anchor_child_reports_an_og_without_cuda(tiny_paged_export):
+    og = pytest.importorskip("onnxruntime_genai")
+    if og.is_cuda_available():
+        pytest.skip("this onnxruntime-genai has CUDA")
+    sweep = bench_anchor.AnchorSweep(str(tiny_paged_export), (0,), (Load(concurrency=1),), 2, num_warmup_requests=0)
+    runs, note = bench_anchor.run_anchor(sweep, Workload([[1, 2, 3]], None), "cuda", log=lambda m: None)
+    assert runs == [] and "no CUDA support" in note
