@@ -3,6 +3,8 @@
     mtpserve info       what a model is
     mtpserve export     a Qwen3.5 checkpoint -> a servable paged export
     mtpserve generate   run the engine in process on prompts
+    mtpserve serve      the OpenAI-compatible endpoint on Ray Serve
+    mtpserve bench      benchmarks: in-process engine or an HTTP endpoint, against onnxruntime-genai
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="state transitions captured per step; draft tokens per step <= min(7, this)")
     p.set_defaults(func=cmd_export)
 
+    from mtpserve.cluster.bench import add_bench_parser
     from mtpserve.cluster.generate import add_generate_parser
+    from mtpserve.cluster.serve import add_serve_parser
     add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
