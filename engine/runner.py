@@ -134,6 +134,7 @@ class Runner:
         self.manifest, self.xp, self.device = manifest, xp, device
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        so.add_session_config_entry("session.set_denormal_as_zero", "1")   # decayed recurrent state
         if num_threads:
             so.intra_op_num_threads = num_threads
             so.inter_op_num_threads = 1
@@ -149,6 +150,9 @@ class Runner:
         self._main_inputs = {i.name for i in self.session.get_inputs()}
         self.head_session = self.head_kv = None
         if manifest.mtp is not None:
+            # the head runs between main-model steps: its threads must not spin after a run and
+            # steal the cores the main model needs next
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             self.head_session = ort.InferenceSession(str(manifest.path / manifest.mtp.filename), so,
                                                      providers=providers)
             self.head_kv = _PagedPool(manifest.mtp.kv_layers, num_blocks, manifest.block_size, xp)
