@@ -48,7 +48,7 @@ class WorkerConfig:
     model_name: str
     device: str = "cpu"
     num_threads: int = 0
-    num_blocks: int = 1024
+    num_blocks: int | None = None
     max_resident_requests: int = 64
     max_tokens_per_step: int = 512
     max_requests_per_step: int = 64

@@ -30,7 +30,7 @@ class ServeOptions:
     num_replicas: int = 1
     draft_tokens: int | None = None           # None = auto: the planner picks K per request
     num_threads: int = 0                      # ORT intra-op threads per replica (0 = ORT default)
-    num_blocks: int = 1024
+    num_blocks: int | None = None
     max_resident_requests: int = 64
     max_tokens_per_step: int = 512
     max_requests_per_step: int = 64

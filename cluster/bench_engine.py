@@ -67,7 +67,7 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
         started = time.perf_counter()
         engine = Engine(config)
         log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
-            f"({config.cache.num_blocks} blocks, {config.cache.max_resident_requests} resident)")
+            f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident)")
         if sweep.num_warmup_requests:
             n = min(sweep.num_warmup_requests, workload.num_requests)
             warm = Workload(workload.prompt_ids[:n], None)
@@ -146,7 +146,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
     extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
              "step_ms": distribution_ms(step_times),
-             "engine": {"num_blocks": engine.config.cache.num_blocks,
+             "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
     return LoadRun("mtpserve", k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,

@@ -70,7 +70,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens-per-step", type=int, default=256, help="the step's token budget")
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per paged pool")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per paged pool (default: sized from the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 

@@ -40,7 +40,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $MTPSERVE_API_KEY)")
     p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name")
-    p.add_argument("--num-blocks", type=int, default=1024, help="paged KV blocks per replica")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="paged KV blocks per replica (default: every resident request at full context, "
+                        "within 2 GiB of KV)")
     p.add_argument("--max-resident-requests", type=int, default=64, help="state rows per replica")
     p.add_argument("--num-threads", type=int, default=0, help="ONNX Runtime threads per replica (0 = default)")
     p.set_defaults(func=cmd_serve)

@@ -9,15 +9,31 @@ from mtpserve.engine.speculative import MAX_NUM_DRAFTS as MAX_DRAFT_TOKENS
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Pool sizes. num_blocks is per paged pool (the main model's and the MTP head's are equal)."""
-    num_blocks: int = 1024
+    """Pool sizes. num_blocks is per paged pool (the main model's and the MTP head's are equal).
+
+    num_blocks None = enough for every resident request at full context, capped so the main
+    model's KV pool takes at most kv_pool_gib (see `resolve_num_blocks`).
+    """
+    num_blocks: int | None = None
     max_resident_requests: int = 64     # fixed-state bank rows (one per resident request)
+    kv_pool_gib: float = 2.0
 
     def validate(self) -> None:
-        if self.num_blocks < 2:
+        if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is scratch), got {self.num_blocks}")
+        if self.kv_pool_gib <= 0:
+            raise ValueError(f"kv_pool_gib must be > 0, got {self.kv_pool_gib}")
         if self.max_resident_requests < 1:
             raise ValueError(f"max_resident_requests must be >= 1, got {self.max_resident_requests}")
+
+
+def resolve_num_blocks(cache: CacheConfig, context_length: int, block_size: int, bytes_per_block: int) -> int:
+    """The block count to allocate: the configured one, or the default described in CacheConfig."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    full_context = cache.max_resident_requests * -(-context_length // block_size) + 1
+    budget = int(cache.kv_pool_gib * 2**30) // max(1, bytes_per_block)
+    return max(2, min(full_context, budget))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import numpy as np
 
-from mtpserve.engine.config import EngineConfig
+from mtpserve.engine.config import EngineConfig, resolve_num_blocks
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, load_manifest
 from mtpserve.engine.planner import ScheduledRequest, StepPlanner
@@ -57,10 +57,12 @@ class Engine:
             self.xp = cupy
         m = self.manifest
         self.tokenizer = Tokenizer(m.path)
-        num_blocks = config.cache.num_blocks
-        self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp)
-        self.kv_pool = KVPool(num_blocks, m.block_size)
+        bytes_per_block = sum(2 * m.block_size * l.num_kv_heads * l.head_size * np.dtype(l.dtype).itemsize
+                              for l in m.kv_layers)
+        num_blocks = resolve_num_blocks(config.cache, m.context_length, m.block_size, bytes_per_block)
         use_mtp = m.mtp is not None and config.spec.num_draft_tokens > 0
+        self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp, with_head=use_mtp)
+        self.kv_pool = KVPool(num_blocks, m.block_size)
         self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
         self.state_bank = StateBank(_fixed_state_spec(m), config.cache.max_resident_requests, self.xp)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)

@@ -130,7 +130,7 @@ class Runner:
     """Runs packed steps of the main model and the MTP head on one device."""
 
     def __init__(self, manifest: ModelManifest, num_blocks: int, num_threads: int = 0,
-                 device: str = "cpu", xp=np):
+                 device: str = "cpu", xp=np, with_head: bool = True):
         self.manifest, self.xp, self.device = manifest, xp, device
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -149,7 +149,7 @@ class Runner:
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self._main_inputs = {i.name for i in self.session.get_inputs()}
         self.head_session = self.head_kv = None
-        if manifest.mtp is not None:
+        if manifest.mtp is not None and with_head:
             # the head runs between main-model steps: its threads must not spin after a run and
             # steal the cores the main model needs next
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
