@@ -74,33 +74,45 @@ def pack_rows(rows: Sequence[PackedRows], scratch_block: int = 0) -> dict[str, n
 
 
 class _Binding:
-    """An IOBinding that binds arrays by pointer and keeps them alive until the run."""
+    """One session's IOBinding, kept across steps: arrays are bound by pointer, the static KV
+    pools once, everything else each step (re-binding a name replaces it)."""
 
     def __init__(self, session: ort.InferenceSession, xp, device: str):
         self.io = session.io_binding()
         self.xp, self.device = xp, device
-        self._keep: list = []
         self.outputs: dict[str, Array] = {}
+        self._keep: list = []
+        on_device = device if xp is not np else "cpu"
+        self._devices = {d: ort.OrtDevice.make(d, 0)._get_c_device() for d in {"cpu", on_device}}
+        self._on_device = on_device
+        self._raw = self.io._iobinding          # the binding itself, without per-call wrapper checks
 
-    def _ptr(self, arr) -> int:
-        return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+    def begin_step(self) -> None:
+        self.outputs = {}
+        self._keep = []
+
+    @staticmethod
+    def _ptr(arr) -> int:
+        return arr.__array_interface__["data"][0] if isinstance(arr, np.ndarray) else arr.data.ptr
 
     def input(self, name: str, arr) -> None:
         if name in HOST_INPUTS or self.xp is np:
-            arr = np.ascontiguousarray(arr)
-            device = "cpu"
+            arr, device = np.ascontiguousarray(arr), "cpu"
         else:
-            arr = self.xp.ascontiguousarray(self.xp.asarray(arr))
-            device = self.device
+            arr, device = self.xp.ascontiguousarray(self.xp.asarray(arr)), self._on_device
         self._keep.append(arr)
-        self.io.bind_input(name, device, 0, arr.dtype.type, list(arr.shape), self._ptr(arr))
+        self._raw.bind_input(name, self._devices[device], arr.dtype.type, list(arr.shape), self._ptr(arr))
 
     def output(self, name: str, shape: tuple, dtype, into=None) -> Array:
         arr = self.xp.empty(shape, dtype) if into is None else into
-        self.io.bind_output(name, self.device if self.xp is not np else "cpu", 0, arr.dtype.type,
-                            list(arr.shape), self._ptr(arr))
+        self._raw.bind_output(name, self._devices[self._on_device], arr.dtype.type, list(arr.shape),
+                              self._ptr(arr))
         self.outputs[name] = arr
         return arr
+
+    def run(self, session: ort.InferenceSession) -> dict[str, Array]:
+        session.run_with_iobinding(self.io)
+        return self.outputs
 
 
 class _PagedPool:
@@ -115,11 +127,13 @@ class _PagedPool:
                                              layer.dtype)
 
     def bind(self, b: _Binding) -> None:
+        """Bind each pool as its layer's past input and present output (once: they never move)."""
         for layer in self.layers:
             for name_in, name_out in ((layer.key_input, layer.key_output),
                                       (layer.value_input, layer.value_output)):
                 b.input(name_in, self.arrays[name_in])
                 b.output(name_out, None, None, into=self.arrays[name_in])
+        b.begin_step()
 
     @property
     def nbytes(self) -> int:
@@ -148,22 +162,28 @@ class Runner:
         self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=providers)
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self._main_inputs = {i.name for i in self.session.get_inputs()}
+        self._main_binding = _Binding(self.session, xp, device)
+        self.kv.bind(self._main_binding)
         self.head_session = self.head_kv = None
         if manifest.mtp is not None and with_head:
             # the head runs between main-model steps: its threads must not spin after a run and
-            # steal the cores the main model needs next
+            # steal the cores the main model needs next; a one-layer head runs best on one thread
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.intra_op_num_threads = 1
             self.head_session = ort.InferenceSession(str(manifest.path / manifest.mtp.filename), so,
                                                      providers=providers)
             self.head_kv = _PagedPool(manifest.mtp.kv_layers, num_blocks, manifest.block_size, xp)
             self._head_inputs = {i.name for i in self.head_session.get_inputs()}
+            self._head_binding = _Binding(self.head_session, xp, device)
+            self.head_kv.bind(self._head_binding)
         self.hidden_dtype = next(t.dtype for t in manifest.outputs if t.name == manifest.hidden_output)
 
     def run_main(self, rows: Sequence[PackedRows], states: StepStates,
                  capture_counts: np.ndarray) -> MainOutputs:
         """One packed forward of the main model; capture_counts[b] transitions are captured."""
         m, xp = self.manifest, self.xp
-        b = _Binding(self.session, xp, self.device)
+        b = self._main_binding
+        b.begin_step()
         packed = pack_rows(rows)
         for name, arr in packed.items():
             if name in self._main_inputs:
@@ -185,9 +205,7 @@ class Runner:
             b.output(layer.capture_output, (batch, C * layer.capsule_width_per_token), np.float32)
         b.output(m.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
         b.output(m.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
-        self.kv.bind(b)
-        self.session.run_with_iobinding(b.io)
-        out = b.outputs
+        out = b.run(self.session)
         present = StepStates(conv={l.layer_id: out[l.state_output] for l in m.conv_layers},
                              recurrent={l.layer_id: out[l.state_output] for l in m.recurrent_layers})
         captures = None
@@ -200,7 +218,8 @@ class Runner:
     def run_head(self, rows: Sequence[PackedRows], hidden: Array) -> HeadOutputs:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""
         m, head = self.manifest, self.manifest.mtp
-        b = _Binding(self.head_session, self.xp, self.device)
+        b = self._head_binding
+        b.begin_step()
         packed = pack_rows(rows)
         for name, arr in packed.items():
             if name in self._head_inputs:
@@ -209,6 +228,5 @@ class Runner:
         b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
         b.output(head.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
         b.output(head.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
-        self.head_kv.bind(b)
-        self.head_session.run_with_iobinding(b.io)
-        return HeadOutputs(b.outputs[head.logits_output], b.outputs[head.hidden_output])
+        out = b.run(self.head_session)
+        return HeadOutputs(out[head.logits_output], out[head.hidden_output])
