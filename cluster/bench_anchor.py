@@ -113,6 +113,11 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
     return shadow
 
 
+# Every og.Request stays referenced until its engine is gone: a dropped one is closed (its late
+# events then name a request nobody holds), and a new one could reuse its id().
+_KEPT: list = []
+
+
 def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep, max_tokens: int) -> LoadRun:
     """Like bench_engine.run_load, for og.Engine: one `engine.run` call is one step."""
     import numpy as np
@@ -121,7 +126,6 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     arrivals = workload.arrivals_s if load.concurrency is None else None
     records: list[RequestRecord] = []
     live = {}                        # id(og.Request) -> (request, record) of unfinished requests
-    kept = []                        # every og.Request of the run stays referenced until it ends
     buffer = engine.create_event_buffer(4096)
     stats0 = _numeric(engine.get_speculative_stats())
     t0 = time.perf_counter()
@@ -137,7 +141,7 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
         req.begin_turn(np.asarray(prompts[i], dtype=np.int32), opts)
         rec = RequestRecord(f"og-{i}", len(prompts[i]), arrival)
         records.append(rec)
-        kept.append(req)
+        _KEPT.append(req)
         live[id(req)] = (req, rec)
 
     next_i = 0
@@ -260,6 +264,7 @@ def child_main(spec_path: str, out_path: str) -> int:
         except Exception as e:   # noqa: BLE001 - report og's failure and go on with the next K
             notes.append(f"K={k}: og.Engine failed: {type(e).__name__}: {str(e)[:300]}")
         engine = model = None
+        _KEPT.clear()
         gc.collect()
         result["note"] = "; ".join(notes) or None
         save()
