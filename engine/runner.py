@@ -12,6 +12,8 @@ Packed step inputs (the same layout for both graphs), for B requests feeding n_b
 Every array is bound through IOBinding by pointer, on the session's device: the KV pools are
 allocated once and bound as both the `past_key_values.L.*` input and the `present.L.*` output, so
 ORT writes new K/V rows in place; outputs go into buffers allocated here with their known shapes.
+The fixed states and captures of all linear-attention layers are stacked `[L, B, ...]` buffers
+(see state_bank): each layer's input and outputs are bound to its contiguous slice `[i]`.
 Arrays come from an array module `xp`: numpy on the CPU, cupy on CUDA (nothing else changes).
 """
 
@@ -192,28 +194,31 @@ class Runner:
         capture = bool(capture_counts.any())
         b.input("state_update_capture_count", capture_counts.astype(np.int32))
         b.input("state_update_active", np.array([int(capture)], np.int32))
-        C = m.capture_capacity
+        C, ids = m.capture_capacity, states.layer_ids
+        index = {layer_id: i for i, layer_id in enumerate(ids)}
+        if not set(index) == {l.layer_id for l in m.conv_layers} == {l.layer_id for l in m.recurrent_layers}:
+            raise AssertionError(f"step states of layers {ids} for a model with linear-attention "
+                                 f"layers {[l.layer_id for l in m.recurrent_layers]}")
+        # stacked [L, B, ...] outputs, allocated once; layer i's name is bound to the slice [i]
+        present = StepStates(ids, xp.empty_like(states.conv), xp.empty_like(states.recurrent))
+        conv0, rec0 = m.conv_layers[0], m.recurrent_layers[0]
+        captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
+                                xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
         for layer in m.conv_layers:
-            state = states.conv[layer.layer_id]
-            b.input(layer.state_input, state)
-            b.output(layer.state_output, state.shape, state.dtype)
-            b.output(layer.capture_output, (batch, C, layer.conv_dim), layer.dtype)
+            i = index[layer.layer_id]
+            b.input(layer.state_input, states.conv[i])
+            b.output(layer.state_output, None, None, into=present.conv[i])
+            b.output(layer.capture_output, None, None, into=captures.conv_value[i])
         for layer in m.recurrent_layers:
-            state = states.recurrent[layer.layer_id]
-            b.input(layer.state_input, state)
-            b.output(layer.state_output, state.shape, state.dtype)
-            b.output(layer.capture_output, (batch, C * layer.capsule_width_per_token), np.float32)
+            i = index[layer.layer_id]
+            b.input(layer.state_input, states.recurrent[i])
+            b.output(layer.state_output, None, None, into=present.recurrent[i])
+            b.output(layer.capture_output, None, None, into=captures.recurrent_capsule[i])
         b.output(m.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
         b.output(m.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
         out = b.run(self.session)
-        present = StepStates(conv={l.layer_id: out[l.state_output] for l in m.conv_layers},
-                             recurrent={l.layer_id: out[l.state_output] for l in m.recurrent_layers})
-        captures = None
-        if capture:
-            captures = StepCaptures(
-                conv_value={l.layer_id: out[l.capture_output] for l in m.conv_layers},
-                recurrent_capsule={l.layer_id: out[l.capture_output] for l in m.recurrent_layers})
-        return MainOutputs(out[m.logits_output], out[m.hidden_output], present, captures)
+        return MainOutputs(out[m.logits_output], out[m.hidden_output], present,
+                           captures if capture else None)
 
     def run_head(self, rows: Sequence[PackedRows], hidden: Array) -> HeadOutputs:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""

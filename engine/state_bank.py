@@ -1,14 +1,24 @@
 """Fixed-state bank for the recurrent (Gated DeltaNet) layers, double-banked (DESIGN §3).
 
-One row per resident request, shared by every fixed group (conv and recurrent, all layers).
-Each layer holds ``conv [2, max_rows, conv_dim, K-1]`` and ``recurrent [2, max_rows, Hv, Dv, Dk]``
-(float32, V-major); the leading axis is the bank. Each row has its own **active bank**: within one
+One row per resident request, shared by every linear-attention layer. All those layers have one
+state shape, so the bank holds them stacked, layer first::
+
+    conv       [L, 2, max_rows, conv_dim, K-1]     conv dtype
+    recurrent  [L, 2, max_rows, Hv, Dv, Dk]        float32, V-major
+                |  |  `- a resident request's row
+                |  `- bank (0 / 1)
+                `- layer, in FixedStateSpec.layers order
+
+and a step's states and captures likewise as ``[L, B, ...]``. Gathering, publishing and replaying
+a step are then each one array op over all layers instead of one per layer (on the GPU every op
+costs 20-100 us of launch overhead whatever its size), and layer i's ``arr[i]`` is a contiguous
+``[B, ...]`` block the runner binds by pointer. Each row has its own **active bank**: within one
 step some requests publish the op's present state, some replay a prefix, and the rest of the
 bank is not in the step at all, so a global flip would force copying rows nobody touched.
 
 A step, for the requests ``rids`` in batch order::
 
-    past = bank.gather_step_inputs(rids)        # active rows -> contiguous [B, ...] buffers
+    past = bank.gather_step_inputs(rids)        # active rows -> contiguous [L, B, ...] buffers
     ... run the model on past, get present + captures ...
     bank.commit_step(rids, present, num_fed, num_kept, captures)
 
@@ -54,36 +64,98 @@ class FixedLayerSpec:
     def recurrent_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.v_head_dim, self.k_head_dim)
 
+    @property
+    def capsule_width_per_token(self) -> int:
+        """W = Hv + Hk*Dk + Hv*Dv floats per captured transition."""
+        return self.num_v_heads + self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+def _state_shape(s: FixedLayerSpec) -> tuple:
+    return (s.conv_dim, s.conv_kernel_size, s.num_v_heads, s.v_head_dim, s.num_k_heads,
+            s.k_head_dim, str(np.dtype(s.conv_dtype)))
+
 
 @dataclass(frozen=True)
 class FixedStateSpec:
-    """All fixed-state layers of a model and the capture capacity C of its state_update outputs."""
+    """All fixed-state layers of a model and the capture capacity C of its state_update outputs.
+
+    The layers must share one state shape (true of Qwen3.5-style models): the bank stacks them.
+    """
     layers: tuple[FixedLayerSpec, ...]
     capacity: int
 
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a fixed-state spec needs at least one linear-attention layer")
+        first = self.layers[0]
+        for s in self.layers[1:]:
+            if _state_shape(s) != _state_shape(first):
+                raise ValueError(
+                    f"linear-attention layers {first.layer_id} and {s.layer_id} have different state "
+                    f"shapes (conv_dim, K, Hv, Dv, Hk, Dk, conv dtype) {_state_shape(first)} != "
+                    f"{_state_shape(s)}; the state bank stacks all layers and needs one shape")
+        if len(set(self.layer_ids)) != len(self.layers):
+            raise ValueError(f"a layer id appears twice: {self.layer_ids}")
+        if first.num_v_heads % first.num_k_heads:
+            raise ValueError(f"Hv={first.num_v_heads} is not a multiple of Hk={first.num_k_heads}")
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(s.layer_id for s in self.layers)
+
+    @property
+    def layer_shape(self) -> FixedLayerSpec:
+        """The per-layer state shapes every layer shares (as the first layer's spec)."""
+        return self.layers[0]
+
     def bytes_per_row(self, num_banks: int = 2) -> int:
         """Device bytes one resident request costs in the bank."""
-        per_bank = sum(int(np.prod(s.conv_shape)) * np.dtype(s.conv_dtype).itemsize
-                       + int(np.prod(s.recurrent_shape)) * 4 for s in self.layers)
-        return num_banks * per_bank
+        s = self.layer_shape
+        per_layer = (int(np.prod(s.conv_shape)) * np.dtype(s.conv_dtype).itemsize
+                     + int(np.prod(s.recurrent_shape)) * 4)
+        return num_banks * len(self.layers) * per_layer
+
+    def zero_states(self, num_rows: int, xp=np) -> StepStates:
+        """Zeroed step states of ``num_rows`` requests (fresh requests, or a stateless forward)."""
+        s = self.layer_shape
+        return StepStates(self.layer_ids,
+                          xp.zeros((len(self.layers), num_rows, *s.conv_shape), s.conv_dtype),
+                          xp.zeros((len(self.layers), num_rows, *s.recurrent_shape), xp.float32))
 
 
 @dataclass
 class StepStates:
-    """Per-layer ``[B, ...]`` state buffers of one step, rows in the step's request order."""
-    conv: dict[int, Array]        # layer_id -> [B, conv_dim, K-1]
-    recurrent: dict[int, Array]   # layer_id -> [B, Hv, Dv, Dk] float32
+    """Fixed state of a step's requests, all layers stacked; rows in the step's request order."""
+    layer_ids: tuple[int, ...]    # axis 0 of both arrays
+    conv: Array                   # [L, B, conv_dim, K-1]
+    recurrent: Array              # [L, B, Hv, Dv, Dk] float32
+
+    def conv_of(self, layer_id: int) -> Array:
+        """Layer ``layer_id``'s conv carry, a contiguous ``[B, conv_dim, K-1]`` view."""
+        return self.conv[self.layer_ids.index(layer_id)]
+
+    def recurrent_of(self, layer_id: int) -> Array:
+        """Layer ``layer_id``'s recurrent state, a contiguous ``[B, Hv, Dv, Dk]`` view."""
+        return self.recurrent[self.layer_ids.index(layer_id)]
 
 
 @dataclass
 class StepCaptures:
-    """The op's ``state_update.L.*`` outputs of one step, rows in the step's request order."""
-    conv_value: dict[int, Array]         # layer_id -> [B, C, conv_dim]
-    recurrent_capsule: dict[int, Array]  # layer_id -> [B, C*(Hv + Hk*Dk + Hv*Dv)] float32
+    """The op's ``state_update.L.*`` outputs of one step, all layers stacked, rows in request order."""
+    layer_ids: tuple[int, ...]    # axis 0 of both arrays
+    conv_value: Array             # [L, B, C, conv_dim]
+    recurrent_capsule: Array      # [L, B, C*(Hv + Hk*Dk + Hv*Dv)] float32
+
+    def conv_value_of(self, layer_id: int) -> Array:
+        return self.conv_value[self.layer_ids.index(layer_id)]
+
+    def recurrent_capsule_of(self, layer_id: int) -> Array:
+        return self.recurrent_capsule[self.layer_ids.index(layer_id)]
 
 
 def split_capsule(capsule: Array, layer: FixedLayerSpec, capacity: int):
-    """Views ``(decay [B,C,Hv], key [B,C,Hk,Dk], delta [B,C,Hv,Dv])`` of ``capsule [B, C*W]``.
+    """Views ``(decay [..., C, Hv], key [..., C, Hk, Dk], delta [..., C, Hv, Dv])`` of
+    ``capsule [..., C*W]`` (any leading axes: rows, or layers and rows).
 
     ::
 
@@ -97,69 +169,91 @@ def split_capsule(capsule: Array, layer: FixedLayerSpec, capacity: int):
     """
     C, Hv, Dv, Hk, Dk = (capacity, layer.num_v_heads, layer.v_head_dim,
                          layer.num_k_heads, layer.k_head_dim)
-    B = capsule.shape[0]
+    lead = capsule.shape[:-1]
     k0, d0 = C * Hv, C * Hv + C * Hk * Dk
-    if capsule.shape[1] != d0 + C * Hv * Dv:
-        raise AssertionError(f"layer {layer.layer_id}: capsule width {capsule.shape[1]} != "
-                             f"C*(Hv + Hk*Dk + Hv*Dv) = {d0 + C * Hv * Dv}")
-    return (capsule[:, :k0].reshape(B, C, Hv), capsule[:, k0:d0].reshape(B, C, Hk, Dk),
-            capsule[:, d0:].reshape(B, C, Hv, Dv))
+    if capsule.shape[-1] != C * layer.capsule_width_per_token:
+        raise AssertionError(f"layer {layer.layer_id}: capsule width {capsule.shape[-1]} != "
+                             f"C*(Hv + Hk*Dk + Hv*Dv) = {C * layer.capsule_width_per_token}")
+    return (capsule[..., :k0].reshape(*lead, C, Hv), capsule[..., k0:d0].reshape(*lead, C, Hk, Dk),
+            capsule[..., d0:].reshape(*lead, C, Hv, Dv))
 
 
 def replay_recurrent(xp, state: Array, decay: Array, key: Array, delta: Array,
                      num_kept: np.ndarray) -> Array:
-    """State after the first ``j = num_kept[b]`` captured transitions of each request.
+    """State after the first ``j = num_kept[b]`` captured transitions of each request b.
 
-    ``state [B, Hv, Dv, Dk]`` is the state before the step. For t < j and each value head h,
-    ``S[h] = decay[t,h] * S[h] + outer(delta[t,h], key[t, h*Hk//Hv])``, unrolled:
+    ``state [..., B, Hv, Dv, Dk]`` float32 is the state before the step (any leading axes, e.g.
+    layers); it is **overwritten** with the result and returned (pass a copy: a gather is one).
+    ``decay [..., B, T, Hv]``, ``key [..., B, T, Hk, Dk]``, ``delta [..., B, T, Hv, Dv]``.
+    For t < j and each value head h (key head h // G, G = Hv / Hk),
+    ``S[h] = decay[t,h] * S[h] + outer(delta[t,h], key[t, h // G])``, unrolled:
 
-        S_j[h] = (prod_{t<j} decay[t,h]) * S_0[h] + sum_{t<j} w[t,h] * outer(delta[t,h], key[t,h'])
+        S_j[h] = (prod_{t<j} decay[t,h]) * S_0[h] + sum_{t<j} w[t,h] * outer(delta[t,h], key[t,h//G])
         w[t,h] = prod_{t<u<j} decay[u,h]
 
-    which is one scale and one batched matmul over [B, Hv] (no loop over steps or heads).
-    Slots t >= j are masked with ``where`` (they may hold anything, NaN included).
+    which is one scale and one batched matmul per key head, its G value heads side by side
+    (no loop over steps, heads or layers). Slots t >= j are masked with ``where`` (they may hold
+    anything, NaN included).
     """
-    B, Hv = state.shape[:2]
-    T, Hk = decay.shape[1], key.shape[2]
-    live = xp.asarray(np.arange(T)[None, :] < num_kept[:, None])[:, :, None]     # [B, T, 1]
-    d = xp.where(live, decay, 1).astype(xp.float32)                              # [B, T, Hv]
-    after = xp.cumprod(d[:, ::-1], axis=1)[:, ::-1]                 # after[t] = prod_{u>=t} d[u]
-    w = xp.concatenate([after[:, 1:], xp.ones_like(after[:, :1])], axis=1)      # prod_{u>t} d[u]
-    wd = xp.where(live[..., None], w[..., None] * delta, 0).astype(xp.float32)  # [B, T, Hv, Dv]
-    k = xp.where(live[..., None], key[:, :, xp.asarray(np.arange(Hv) * Hk // Hv)], 0)
-    outer_sum = wd.transpose(0, 2, 3, 1) @ k.astype(xp.float32).transpose(0, 2, 1, 3)
-    return after[:, 0, :, None, None] * state.astype(xp.float32) + outer_sum
+    Hv, Dv = state.shape[-3:-1]
+    T, Hk = key.shape[-3:-1]
+    live = xp.asarray(np.arange(T)[None, :] < num_kept[:, None])[..., None]       # [B, T, 1]
+    d = xp.where(live, decay, 1).astype(xp.float32, copy=False)                   # [..., B, T, Hv]
+    after = xp.cumprod(d[..., ::-1, :], axis=-2)[..., ::-1, :]      # after[t] = prod_{u>=t} d[u]
+    w = xp.concatenate([after[..., 1:, :], xp.ones_like(after[..., :1, :])], axis=-2)  # prod_{u>t}
+    wd = xp.where(live[..., None], w[..., None] * delta, 0).astype(xp.float32, copy=False)
+    k = xp.where(live[..., None], key, 0).astype(xp.float32, copy=False)          # [..., B, T, Hk, Dk]
+    wd = wd.reshape(*wd.shape[:-2], Hk, (Hv // Hk) * Dv)          # value head h = key head * G + g
+    outer_sum = xp.moveaxis(wd, -3, -1) @ xp.moveaxis(k, -3, -2)  # [..., B, Hk, G*Dv, Dk]
+    state *= after[..., 0, :, None, None]
+    state += outer_sum.reshape(state.shape)
+    return state
 
 
 def replay_conv(xp, state: Array, conv_value: Array, num_kept: np.ndarray) -> Array:
-    """Conv carry after the first ``j = num_kept[b]`` inputs of each request (exact).
+    """Conv carry after the first ``j = num_kept[b]`` inputs of each request b (exact).
 
-    ``concat(state [B, D, K-1], conv_value[:, :j].T, axis=-1)[:, :, -(K-1):]``, i.e. the
-    window of K-1 columns starting at column j of ``ext = [state | conv_value^T]``::
+    ``state [..., B, D, K-1]``, ``conv_value [..., B, C, D]`` (any leading axes, e.g. layers):
+    the K-1 newest of the inputs ``ext = [state^T ; conv_value[:j]]``, i.e. the window of K-1
+    time steps starting at step j of ``ext [..., B, K-1+C, D]``::
 
-        ext columns:  s0 s1 s2 | x0 x1 x2 x3      (K-1 = 3, C = 4)
-        j = 2:              s2   x0 x1            -> columns [j, j + K-1)
+        ext steps:  s0 s1 s2 | x0 x1 x2 x3      (K-1 = 3, C = 4)
+        j = 2:            s2   x0 x1            -> steps [j, j + K-1), each a whole D-vector
     """
-    ext = xp.concatenate([state, conv_value.transpose(0, 2, 1).astype(state.dtype)], axis=-1)
-    cols = xp.asarray(num_kept[:, None] + np.arange(state.shape[2]))             # [B, K-1]
-    return xp.take_along_axis(ext, cols[:, None, :], axis=-1)
+    B, K1 = len(num_kept), state.shape[-1]
+    ext = xp.concatenate([xp.swapaxes(state, -1, -2), conv_value.astype(state.dtype, copy=False)],
+                         axis=-2)
+    rows_steps = np.stack(np.broadcast_arrays(np.arange(B)[:, None], num_kept[:, None] + np.arange(K1)))
+    b, t = xp.asarray(rows_steps)                                                 # [B, K-1] each
+    return xp.swapaxes(ext[..., b, t, :], -1, -2)                                 # [..., B, D, K-1]
+
+
+def _upload(xp, *host: np.ndarray) -> list[Array]:
+    """Device views of several host index arrays, sent in one host -> device copy."""
+    dev = xp.asarray(np.concatenate(host))
+    ends = np.cumsum([len(h) for h in host]).tolist()
+    return [dev[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 class StateBank:
-    """Rows of fixed (conv + recurrent) state for resident requests; see the module docstring."""
+    """Rows of fixed (conv + recurrent) state for resident requests; see the module docstring.
 
-    def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np):
+    ``replay_chunk_bytes`` bounds the temporaries of a partial-keep commit: the recurrent replay
+    runs over as many layers at once as fit in it (it holds two arrays of that size), so a step
+    with few replayed rows is one pass and a large one a few, never one per layer.
+    """
+
+    def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np, replay_chunk_bytes: int = 512 << 20):
         if max_rows <= 0 or spec.capacity < 0:
             raise ValueError(f"bad bank shape: max_rows={max_rows} capacity={spec.capacity}")
         self.spec, self.max_rows, self.xp = spec, max_rows, xp
-        self.conv = {s.layer_id: xp.zeros((2, max_rows, *s.conv_shape), dtype=s.conv_dtype)
-                     for s in spec.layers}
-        self.recurrent = {s.layer_id: xp.zeros((2, max_rows, *s.recurrent_shape), xp.float32)
-                          for s in spec.layers}
-        # [2 * max_rows, ...] views: (bank, row) is flat index bank * max_rows + row
-        self._flat = [(L, self.conv[L].reshape(2 * max_rows, *self.conv[L].shape[2:]),
-                       self.recurrent[L].reshape(2 * max_rows, *self.recurrent[L].shape[2:]))
-                      for L in self.conv]
+        self.replay_chunk_bytes = replay_chunk_bytes
+        s, L = spec.layer_shape, len(spec.layers)
+        self.conv = xp.zeros((L, 2, max_rows, *s.conv_shape), dtype=s.conv_dtype)
+        self.recurrent = xp.zeros((L, 2, max_rows, *s.recurrent_shape), xp.float32)
+        # [L, 2 * max_rows, ...] views: (bank, row) is flat index bank * max_rows + row
+        self._conv_flat = self.conv.reshape(L, 2 * max_rows, *s.conv_shape)
+        self._rec_flat = self.recurrent.reshape(L, 2 * max_rows, *s.recurrent_shape)
         self._rows: dict[str, int] = {}
         self._free_rows: deque[int] = deque(range(max_rows))
         self._active = np.zeros(max_rows, np.int8)
@@ -191,8 +285,8 @@ class StateBank:
         if not self._free_rows:
             return None
         row = self._free_rows.popleft()
-        for arr in (*self.conv.values(), *self.recurrent.values()):
-            arr[:, row] = 0
+        self.conv[:, :, row] = 0
+        self.recurrent[:, :, row] = 0
         self._active[row], self._committed[row] = 0, 0
         self._rows[request_id] = row
         return row
@@ -218,11 +312,11 @@ class StateBank:
 
     # ---- a step -------------------------------------------------------------------------
     def gather_step_inputs(self, request_ids: Sequence[str]) -> StepStates:
-        """Copies of the requests' active rows, contiguous ``[B, ...]``, for ``past.L.*``."""
+        """Copies of the requests' active rows, contiguous ``[L, B, ...]``, for ``past.L.*``."""
         src = self.xp.asarray(self._flat_index(request_ids, inactive=False)[1])
         take = self.xp.take
-        return StepStates(conv={L: take(c, src, axis=0) for L, c, _ in self._flat},
-                          recurrent={L: take(r, src, axis=0) for L, _, r in self._flat})
+        return StepStates(self.spec.layer_ids, take(self._conv_flat, src, axis=1),
+                          take(self._rec_flat, src, axis=1))
 
     def commit_step(self, request_ids: Sequence[str], present: StepStates,
                     num_fed: Sequence[int], num_kept: Sequence[int],
@@ -236,7 +330,6 @@ class StateBank:
         New rows are written into the inactive bank, then flipped active; committed lengths
         advance by ``num_kept``. Nothing visible changes if an argument is rejected.
         """
-        xp, C = self.xp, self.spec.capacity
         fed, kept = np.asarray(num_fed, np.int64), np.asarray(num_kept, np.int64)
         if not len(request_ids) == len(fed) == len(kept):
             raise AssertionError("request_ids, num_fed and num_kept differ in length")
@@ -246,31 +339,50 @@ class StateBank:
         src = (dst + self.max_rows) % (2 * self.max_rows)
         full = np.flatnonzero((kept == fed) & (kept > 0))
         part = np.flatnonzero((kept > 0) & (kept < fed))
-        if len(part) and (captures is None or kept[part].max() > C):
-            raise AssertionError(f"replaying {kept[part]} tokens needs captures of capacity "
-                                 f">= that (capacity {C}, captures given: {captures is not None})")
-        for s in self.spec.layers:
-            L = s.layer_id
-            for pool, new in ((self.conv[L], present.conv[L]),
-                              (self.recurrent[L], present.recurrent[L])):
-                if new.shape != (len(request_ids), *pool.shape[2:]):
-                    raise AssertionError(f"layer {L}: present {new.shape} for "
-                                         f"{len(request_ids)} rows of {pool.shape[2:]}")
-        layers = {s.layer_id: s for s in self.spec.layers}
+        self._check_step(len(request_ids), present, captures, kept[part])
+        fi, fd, pi, pd, ps = _upload(self.xp, full, dst[full], part, dst[part], src[part])
         if len(full):
-            fi = slice(None) if len(full) == len(kept) else xp.asarray(full)
-            fd = xp.asarray(dst[full])
-            for L, conv, rec in self._flat:
-                conv[fd] = present.conv[L][fi]
-                rec[fd] = present.recurrent[L][fi]
+            if len(full) == len(kept):
+                fi = slice(None)
+            self._conv_flat[:, fd] = present.conv[:, fi]
+            self._rec_flat[:, fd] = present.recurrent[:, fi]
         if len(part):
-            pi, pd, ps, pk = xp.asarray(part), xp.asarray(dst[part]), xp.asarray(src[part]), kept[part]
-            for L, conv, rec in self._flat:
-                conv[pd] = replay_conv(xp, conv[ps], captures.conv_value[L][pi], pk)
-                decay, key, delta = split_capsule(captures.recurrent_capsule[L][pi], layers[L], C)
-                rec[pd] = replay_recurrent(xp, rec[ps], decay, key, delta, pk)
+            self._replay(captures, pi, pd, ps, kept[part])
         self._active[rows[kept > 0]] ^= 1
         self._committed[rows] += kept
+
+    def _replay(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray) -> None:
+        """Inactive rows ``pd`` := active rows ``ps`` advanced by the first ``kept`` captured
+        transitions of step rows ``pi``; all layers at once (recurrent: in layer chunks)."""
+        xp, s, C = self.xp, self.spec.layer_shape, self.spec.capacity
+        conv_value = captures.conv_value[:, pi]                                   # [L, P, C, D]
+        self._conv_flat[:, pd] = replay_conv(xp, self._conv_flat[:, ps], conv_value, kept)
+        capsule = captures.recurrent_capsule[:, pi]                               # [L, P, C*W]
+        bytes_per_layer = len(kept) * 4 * int(np.prod(s.recurrent_shape))
+        step = max(1, self.replay_chunk_bytes // bytes_per_layer)
+        for l0 in range(0, len(self.spec.layers), step):
+            ls = slice(l0, l0 + step)
+            decay, key, delta = split_capsule(capsule[ls], s, C)
+            self._rec_flat[ls, pd] = replay_recurrent(xp, self._rec_flat[ls, ps], decay, key, delta, kept)
+
+    def _check_step(self, batch: int, present: StepStates, captures: StepCaptures | None,
+                    kept_part: np.ndarray) -> None:
+        s, L, C = self.spec.layer_shape, len(self.spec.layers), self.spec.capacity
+        want = [(present, "conv", (L, batch, *s.conv_shape)),
+                (present, "recurrent", (L, batch, *s.recurrent_shape))]
+        if len(kept_part):
+            if captures is None or kept_part.max() > C:
+                raise AssertionError(f"replaying {kept_part} tokens needs captures of capacity >= that "
+                                     f"(capacity {C}, captures given: {captures is not None})")
+            want += [(captures, "conv_value", (L, batch, C, s.conv_dim)),
+                     (captures, "recurrent_capsule", (L, batch, C * s.capsule_width_per_token))]
+        for step_arrays, name, shape in want:
+            if tuple(step_arrays.layer_ids) != self.spec.layer_ids:
+                raise AssertionError(f"{name}: layers {step_arrays.layer_ids} != the bank's "
+                                     f"{self.spec.layer_ids}")
+            if getattr(step_arrays, name).shape != shape:
+                raise AssertionError(f"{name}: shape {getattr(step_arrays, name).shape}, expected "
+                                     f"{shape} (layers, rows, ...)")
 
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:

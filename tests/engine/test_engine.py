@@ -89,12 +89,9 @@ def reference_decode(model_dir, engine, prompt_ids, num_tokens):
     """Plain greedy decode: the whole sequence recomputed each token, no cache reuse."""
     m = engine.manifest
     runner = Runner(m, num_blocks=64)
-    from mtpserve.engine.state_bank import StepStates
     seq = list(prompt_ids)
     for _ in range(num_tokens):
-        zero = StepStates(conv={l.layer_id: np.zeros((1, l.conv_dim, l.kernel_size - 1), l.dtype) for l in m.conv_layers},
-                          recurrent={l.layer_id: np.zeros((1, l.num_value_heads, l.value_head_size, l.key_head_size),
-                                                          np.float32) for l in m.recurrent_layers})
+        zero = engine.state_bank.spec.zero_states(1)
         blocks = list(range(1, 1 + -(-len(seq) // m.block_size)))
         out = runner.run_main([PackedRows(seq, 0, blocks)], zero, np.zeros(1, np.int32))
         seq.append(int(out.logits[-1].argmax()))

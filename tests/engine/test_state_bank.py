@@ -10,10 +10,8 @@ from mtpserve.engine.state_bank import (FixedLayerSpec, FixedStateSpec, StateBan
                                         StepStates, split_capsule)
 
 C = 4
-LAYERS = (FixedLayerSpec(0, conv_dim=5, conv_kernel_size=4, num_v_heads=4, v_head_dim=3,
-                         num_k_heads=2, k_head_dim=2),
-          FixedLayerSpec(2, conv_dim=3, conv_kernel_size=2, num_v_heads=2, v_head_dim=2,
-                         num_k_heads=2, k_head_dim=3, conv_dtype="float16"))
+LAYERS = tuple(FixedLayerSpec(L, conv_dim=5, conv_kernel_size=4, num_v_heads=4, v_head_dim=3,
+                              num_k_heads=2, k_head_dim=2, conv_dtype="float16") for L in (0, 2))
 SPEC = FixedStateSpec(LAYERS, capacity=C)
 
 
@@ -58,24 +56,26 @@ def random_tokens(rng, layer, n):
 def run_step(bank, rids, toks_per_rid):
     """What the model does in a step, from the gathered past: present + captures, [B, ...]."""
     past = bank.gather_step_inputs(rids)
-    present, caps = StepStates({}, {}), StepCaptures({}, {})
+    st = {"conv": [], "recurrent": [], "conv_value": [], "recurrent_capsule": []}
     for s in LAYERS:
         L, K = s.layer_id, s.conv_kernel_size
         fin, rows, convs, vals = [], [], [], []
         for i, rid in enumerate(rids):
             tk = toks_per_rid[rid][L]
-            S, capsule = ref_gdn(past.recurrent[L][i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
+            S, capsule = ref_gdn(past.recurrent_of(L)[i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
             fin.append(S), rows.append(capsule)
-            ext = np.concatenate([past.conv[L][i].astype(np.float64), tk["x"].T], axis=-1)
+            ext = np.concatenate([past.conv_of(L)[i].astype(np.float64), tk["x"].T], axis=-1)
             convs.append(ext[:, -(K - 1):])
             cv = np.full((C, s.conv_dim), np.nan)
             cv[:min(C, len(tk["x"]))] = tk["x"][:C]
             vals.append(cv)
-        present.recurrent[L] = np.array(fin, np.float32)
-        present.conv[L] = np.array(convs).astype(s.conv_dtype)
-        caps.recurrent_capsule[L] = np.array(rows, np.float32)
-        caps.conv_value[L] = np.array(vals).astype(s.conv_dtype)
-    return present, caps
+        st["recurrent"].append(np.array(fin, np.float32))
+        st["conv"].append(np.array(convs).astype(s.conv_dtype))
+        st["recurrent_capsule"].append(np.array(rows, np.float32))
+        st["conv_value"].append(np.array(vals).astype(s.conv_dtype))
+    st = {k: np.stack(v) for k, v in st.items()}                  # [L, B, ...]
+    return (StepStates(SPEC.layer_ids, st["conv"], st["recurrent"]),
+            StepCaptures(SPEC.layer_ids, st["conv_value"], st["recurrent_capsule"]))
 
 
 def test_admit_release_and_rows_are_zeroed_on_reuse():
@@ -86,12 +86,12 @@ def test_admit_release_and_rows_are_zeroed_on_reuse():
     present, caps = run_step(bank, ["a"], toks)
     bank.commit_step(["a"], present, [2], [2], caps)
     assert bank.committed_len("a") == 2 and bank.active_bank("a") == 1
-    assert bank.gather_step_inputs(["a"]).recurrent[0].any()
+    assert bank.gather_step_inputs(["a"]).recurrent_of(0).any()
     assert bank.release("a") and not bank.release("a")
     assert bank.admit("c") == 0
     past = bank.gather_step_inputs(["c"])
     assert bank.committed_len("c") == 0
-    assert not any(a.any() for a in (*past.conv.values(), *past.recurrent.values()))
+    assert not past.conv.any() and not past.recurrent.any()
     with pytest.raises(AssertionError, match="already holds"):
         bank.admit("c")
     bank.check_integrity()
@@ -101,21 +101,24 @@ def test_gather_returns_contiguous_batch_in_request_order():
     bank = StateBank(SPEC, max_rows=3)
     for r in "abc":
         bank.admit(r)
-    bank.recurrent[0][0, 2] = 7.0                           # row of "c", bank 0 (active)
+    bank.recurrent[1, 0, 2] = 7.0                  # layer 2 (index 1), bank 0 (active), row of "c"
     past = bank.gather_step_inputs(["c", "a"])
-    assert past.recurrent[0].shape == (2, 4, 3, 2) and past.recurrent[0].flags.c_contiguous
-    assert (past.recurrent[0][0] == 7).all() and not past.recurrent[0][1].any()
-    assert past.conv[2].dtype == np.float16 and past.conv[2].shape == (2, 3, 1)
+    assert past.recurrent.shape == (2, 2, 4, 3, 2) and past.layer_ids == (0, 2)
+    layer2 = past.recurrent_of(2)
+    assert layer2.shape == (2, 4, 3, 2) and layer2.flags.c_contiguous      # bindable by pointer
+    assert (layer2[0] == 7).all() and not layer2[1].any() and not past.recurrent_of(0).any()
+    assert past.conv_of(2).dtype == np.float16 and past.conv_of(2).shape == (2, 5, 3)
     with pytest.raises(AssertionError, match="twice"):
         bank.gather_step_inputs(["a", "a"])
 
 
+@pytest.mark.parametrize("chunk", [1, 1 << 30])      # the recurrent replay one layer / all layers at a time
 @pytest.mark.parametrize("kept", [[1, 0, 3], [2, 3, 4], [1, 2, 2], [0, 1, 4]])
-def test_commit_step_mixed_kept_prefixes_match_running_only_the_kept_tokens(kept):
+def test_commit_step_mixed_kept_prefixes_match_running_only_the_kept_tokens(kept, chunk):
     """One batch: a prefill chunk longer than C (all kept), drafts partly kept, discarded rows."""
     rng = np.random.default_rng(sum(kept))
     rids, fed, kept = ["p", "d", "z", "e"], [6, 2, 3, 4], [6, *kept]
-    bank = StateBank(SPEC, max_rows=4)
+    bank = StateBank(SPEC, max_rows=4, replay_chunk_bytes=chunk)
     for r in rids:
         bank.admit(r)
     warm = {r: {s.layer_id: random_tokens(rng, s, 2) for s in LAYERS} for r in rids}
@@ -130,10 +133,10 @@ def test_commit_step_mixed_kept_prefixes_match_running_only_the_kept_tokens(kept
         assert bank.committed_len(r) == 2 + j
         for s in LAYERS:
             L, tk = s.layer_id, {k: a[:j] for k, a in toks[r][s.layer_id].items()}
-            want, _ = ref_gdn(before.recurrent[L][i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
-            np.testing.assert_allclose(after.recurrent[L][i], want, atol=2e-6)
-            ext = np.concatenate([before.conv[L][i], tk["x"].T.astype(s.conv_dtype)], axis=-1)
-            np.testing.assert_array_equal(after.conv[L][i], ext[:, ext.shape[1] - (s.conv_kernel_size - 1):])
+            want, _ = ref_gdn(before.recurrent_of(L)[i], tk["k"], tk["v"], tk["g"], tk["beta"], C)
+            np.testing.assert_allclose(after.recurrent_of(L)[i], want, atol=2e-6)
+            ext = np.concatenate([before.conv_of(L)[i], tk["x"].T.astype(s.conv_dtype)], axis=-1)
+            np.testing.assert_array_equal(after.conv_of(L)[i], ext[:, ext.shape[1] - (s.conv_kernel_size - 1):])
 
 
 def test_commit_step_rejects_bad_steps_without_changing_state():
@@ -147,8 +150,25 @@ def test_commit_step_rejects_bad_steps_without_changing_state():
         bank.commit_step(["a"], present, [6], [2], None)
     with pytest.raises(AssertionError, match="num_kept"):
         bank.commit_step(["a"], present, [6], [7], caps)
+    swapped = StepStates((2, 0), present.conv[::-1], present.recurrent[::-1])
+    with pytest.raises(AssertionError, match="layers"):
+        bank.commit_step(["a"], swapped, [6], [6], caps)
+    with pytest.raises(AssertionError, match="shape"):
+        bank.commit_step(["a"], StepStates(SPEC.layer_ids, present.conv[:1], present.recurrent), [6], [6])
     assert bank.committed_len("a") == 0 and bank.active_bank("a") == 0
-    assert not bank.gather_step_inputs(["a"]).recurrent[0].any()
+    assert not bank.gather_step_inputs(["a"]).recurrent.any()
+
+
+def test_spec_requires_one_state_shape_for_all_layers():
+    other = FixedLayerSpec(7, conv_dim=5, conv_kernel_size=4, num_v_heads=4, v_head_dim=3,
+                           num_k_heads=2, k_head_dim=4, conv_dtype="float16")
+    with pytest.raises(ValueError, match="layers 0 and 7 have different state shapes"):
+        FixedStateSpec((*LAYERS, other), capacity=C)
+    with pytest.raises(ValueError, match="at least one"):
+        FixedStateSpec((), capacity=C)
+    zero = SPEC.zero_states(3)
+    assert zero.conv.shape == (2, 3, 5, 3) and zero.conv.dtype == np.float16
+    assert zero.recurrent.shape == (2, 3, 4, 3, 2) and not zero.recurrent.any()
 
 
 def test_split_capsule_offsets():
@@ -159,7 +179,9 @@ def test_split_capsule_offsets():
     assert decay.shape == (2, C, 4) and key.shape == (2, C, 2, 2) and delta.shape == (2, C, 4, 3)
     assert decay[1, 0, 0] == C * W and key[0, 0, 0, 0] == C * 4 and delta[0, 0, 0, 0] == C * 8
     assert key[0, 1, 1, 0] == C * 4 + 4 + 2 and delta[0, C - 1, 3, 2] == C * W - 1
-    assert SPEC.bytes_per_row() == 2 * (5 * 3 * 4 + 4 * 3 * 2 * 4 + 3 * 1 * 2 + 2 * 2 * 3 * 4)
+    stacked = split_capsule(np.stack([cap, -cap]), s, C)             # [L, B, ...]: leading axes kept
+    assert stacked[2].shape == (2, 2, C, 4, 3) and (stacked[2][1] == -delta).all()
+    assert SPEC.bytes_per_row() == 2 * 2 * (5 * 3 * 2 + 4 * 3 * 2 * 4)
 
 
 # ---- against the real ORT contrib ops (pins the capsule / conv_value layout) ----------------
@@ -196,7 +218,7 @@ def test_replay_matches_the_real_ops():
     for r in rids:
         bank.admit(r)
     s0, c0 = (0.5 * f32(3, Hv, Dv, Dk)), f32(3, D, K - 1)
-    bank.commit_step(rids, StepStates({5: c0}, {5: s0}), [1] * 3, [1] * 3)   # load a pre-state
+    bank.commit_step(rids, StepStates((5,), c0[None], s0[None]), [1] * 3, [1] * 3)   # a pre-state
     cu = np.array([0, 4, 6, 9], np.int32)
     T = int(cu[-1])
     q, k, v, g, b, x = f32(T, Hk, Dk), f32(T, Hk, Dk), f32(T, Hv, Dv), f32(T, Hv), f32(T, Hv), f32(T, D)
@@ -210,17 +232,17 @@ def test_replay_matches_the_real_ops():
 
     past = bank.gather_step_inputs(rids)
     cap = np.array(fed, np.int32)
-    _, s1, su = gdn_run(slice(None), cu, past.recurrent[5], cap)
-    _, c1, cv = conv_run(slice(None), cu, past.conv[5], cap)
-    bank.commit_step(rids, StepStates({5: c1}, {5: s1}), fed, kept,
-                     StepCaptures({5: cv}, {5: su}))
+    _, s1, su = gdn_run(slice(None), cu, past.recurrent_of(5), cap)
+    _, c1, cv = conv_run(slice(None), cu, past.conv_of(5), cap)
+    bank.commit_step(rids, StepStates((5,), c1[None], s1[None]), fed, kept,
+                     StepCaptures((5,), cv[None], su[None]))
     after = bank.gather_step_inputs(rids)
     for i, j in enumerate(kept):
         sl, one, none = slice(cu[i], cu[i] + j), np.array([0, j], np.int32), np.zeros(1, np.int32)
         want_s = gdn_run(sl, one, s0[i:i + 1], none)[1][0] if j else s0[i]
         want_c = conv_run(sl, one, c0[i:i + 1], none)[1][0] if j else c0[i]
-        np.testing.assert_allclose(after.recurrent[5][i], want_s, atol=1e-5)
-        np.testing.assert_array_equal(after.conv[5][i], want_c)
+        np.testing.assert_allclose(after.recurrent_of(5)[i], want_s, atol=1e-5)
+        np.testing.assert_array_equal(after.conv_of(5)[i], want_c)
         assert bank.committed_len(rids[i]) == 1 + j
 
 
@@ -294,8 +316,8 @@ class Traffic(RuleBasedStateMachine):
             past = self.bank.gather_step_inputs([rid])
             for s in LAYERS:
                 S, hist = layers[s.layer_id]
-                np.testing.assert_allclose(past.recurrent[s.layer_id][0], S, atol=2e-5)
-                np.testing.assert_array_equal(past.conv[s.layer_id][0],
+                np.testing.assert_allclose(past.recurrent_of(s.layer_id)[0], S, atol=2e-5)
+                np.testing.assert_array_equal(past.conv_of(s.layer_id)[0],
                                               ref_conv(hist, s).astype(s.conv_dtype))
 
     def teardown(self):
