@@ -266,10 +266,13 @@ class Engine:
                 finish = FinishReason.LENGTH
                 break
         detok = self._detok[req.request_id]
+        searched = len(detok.text)
         detok.update(req.output_token_ids)
         text_end = len(detok.text)
         if p.stop:
-            hit = min((i for i in (detok.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            # only text that the new tokens could have completed a stop string in
+            start = max(0, searched - max(map(len, p.stop)) + 1)
+            hit = min((i for i in (detok.text.find(s, start) for s in p.stop) if i >= 0), default=-1)
             if hit >= 0:
                 finish, text_end = FinishReason.STOP, hit
             elif finish is None:   # hold back what may be the start of a stop string

@@ -55,28 +55,28 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas, decoding only a short window.
 
-    Decodes the whole output each time (outputs are short next to the model's cost) and holds back
-    a trailing replacement character, which marks a multi-byte character split across tokens.
+    The window starts at `prefix_offset` (a few tokens before the text already emitted, so that
+    tokens whose bytes merge across the boundary decode right) and text is emitted only once it
+    no longer ends in a replacement character (a multi-byte character split across tokens).
+    Each update costs O(new tokens), not O(output length).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self.text = ""
+        self._prefix_offset = 0     # window start
+        self._read_offset = 0       # tokens whose text is already in self.text
 
     def update(self, token_ids: list[int]) -> str:
         """The full output token list so far -> the new text since the last call."""
-        full = self._tokenizer.decode(token_ids)
-        if full.endswith("\ufffd"):
-            full = full.rstrip("\ufffd")
-        if not full.startswith(self.text):   # a later token re-segmented earlier bytes
-            common = 0
-            for a, b in zip(full, self.text):
-                if a != b:
-                    break
-                common += 1
-            self.text = self.text[:common]
-        delta = full[len(self.text):]
-        self.text = full
+        decode = self._tokenizer.decode
+        prefix_text = decode(token_ids[self._prefix_offset:self._read_offset])
+        new_text = decode(token_ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        self.text += delta
         return delta
