@@ -179,26 +179,23 @@ class Runner:
             self._head_binding = _Binding(self.head_session, xp, device)
             self.head_kv.bind(self._head_binding)
         self.hidden_dtype = next(t.dtype for t in manifest.outputs if t.name == manifest.hidden_output)
+        self._linear_layer_ids = {l.layer_id for l in manifest.recurrent_layers}
+        assert self._linear_layer_ids == {l.layer_id for l in manifest.conv_layers}, "conv/recurrent layers differ"
 
     def run_main(self, rows: Sequence[PackedRows], states: StepStates,
                  capture_counts: np.ndarray) -> MainOutputs:
         """One packed forward of the main model; capture_counts[b] transitions are captured."""
         m, xp = self.manifest, self.xp
         b = self._main_binding
-        b.begin_step()
-        packed = pack_rows(rows)
-        for name, arr in packed.items():
-            if name in self._main_inputs:
-                b.input(name, arr)
-        num_tokens, batch = packed["input_ids"].size, len(rows)
+        num_tokens, batch = self._begin(b, rows, self._main_inputs), len(rows)
         capture = bool(capture_counts.any())
         b.input("state_update_capture_count", capture_counts.astype(np.int32))
         b.input("state_update_active", np.array([int(capture)], np.int32))
         C, ids = m.capture_capacity, states.layer_ids
-        index = {layer_id: i for i, layer_id in enumerate(ids)}
-        if not set(index) == {l.layer_id for l in m.conv_layers} == {l.layer_id for l in m.recurrent_layers}:
+        if set(ids) != self._linear_layer_ids:
             raise AssertionError(f"step states of layers {ids} for a model with linear-attention "
-                                 f"layers {[l.layer_id for l in m.recurrent_layers]}")
+                                 f"layers {sorted(self._linear_layer_ids)}")
+        index = {layer_id: i for i, layer_id in enumerate(ids)}
         # stacked [L, B, ...] outputs, allocated once; layer i's name is bound to the slice [i]
         present = StepStates(ids, xp.empty_like(states.conv), xp.empty_like(states.recurrent))
         conv0, rec0 = m.conv_layers[0], m.recurrent_layers[0]
@@ -214,24 +211,32 @@ class Runner:
             b.input(layer.state_input, states.recurrent[i])
             b.output(layer.state_output, None, None, into=present.recurrent[i])
             b.output(layer.capture_output, None, None, into=captures.recurrent_capsule[i])
-        b.output(m.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
-        b.output(m.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
+        self._bind_logits_hidden(b, num_tokens, m.logits_output, m.hidden_output)
         out = b.run(self.session)
         return MainOutputs(out[m.logits_output], out[m.hidden_output], present,
                            captures if capture else None)
 
     def run_head(self, rows: Sequence[PackedRows], hidden: Array) -> HeadOutputs:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""
-        m, head = self.manifest, self.manifest.mtp
+        head = self.manifest.mtp
         b = self._head_binding
+        num_tokens = self._begin(b, rows, self._head_inputs)
+        b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
+        self._bind_logits_hidden(b, num_tokens, head.logits_output, head.hidden_output)
+        out = b.run(self.head_session)
+        return HeadOutputs(out[head.logits_output], out[head.hidden_output])
+
+    @staticmethod
+    def _begin(b: _Binding, rows: Sequence[PackedRows], graph_inputs: set[str]) -> int:
+        """Start a step on a binding with the packed paged inputs; the number of tokens."""
         b.begin_step()
         packed = pack_rows(rows)
         for name, arr in packed.items():
-            if name in self._head_inputs:
+            if name in graph_inputs:
                 b.input(name, arr)
-        num_tokens = packed["input_ids"].size
-        b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
-        b.output(head.logits_output, (num_tokens, m.vocab_size), m.compute_dtype)
-        b.output(head.hidden_output, (num_tokens, m.hidden_size), self.hidden_dtype)
-        out = b.run(self.head_session)
-        return HeadOutputs(out[head.logits_output], out[head.hidden_output])
+        return packed["input_ids"].size
+
+    def _bind_logits_hidden(self, b: _Binding, num_tokens: int, logits: str, hidden: str) -> None:
+        m = self.manifest
+        b.output(logits, (num_tokens, m.vocab_size), m.compute_dtype)
+        b.output(hidden, (num_tokens, m.hidden_size), self.hidden_dtype)
