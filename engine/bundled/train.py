@@ -329,7 +329,7 @@ def cmd_train(args):
            "torch": torch.__version__, "transformers": transformers.__version__,
            "params_main": n_main, "params_mtp": n_mtp, "train_tokens_corpus": len(train_ids),
            "heldout_tokens_corpus": len(held_ids), "history": [], "evals": []}
-    t0 = time.time()
+    t0 = t_cal = time.time()
     step = 0
     while step < total:
         if not args.steps and step == args.calibrate_steps:   # size the run by measured speed

@@ -1,7 +1,6 @@
 """The engine end to end on the real bundled model: exactness of MTP, batching, preemption, cancel."""
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import numpy as np

@@ -1,8 +1,6 @@
 """The step planner on toy pools, no model: budget sharing, chunking, drafts, preemption."""
 from __future__ import annotations
 
-import pytest
-
 from mtpserve.engine.config import SchedulerConfig
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.planner import StepPlanner
