@@ -72,7 +72,7 @@ class PlacementView:
 class PlannerState:
     """The planner's logic without Ray (the actor below wraps it)."""
 
-    def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 5.0,
+    def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 15.0,
                  session_ttl_s: float = 600.0, prior_acceptance: float = 0.6):
         self.cost = cost
         self.replica_ttl_s = replica_ttl_s
@@ -161,7 +161,7 @@ class PlannerState:
 class PlannerActor:
     """The Ray face of ``PlannerState``; every method is a few dict operations."""
 
-    def __init__(self, replica_ttl_s: float = 5.0, draft_cost: float = 0.15):
+    def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):
         self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s)
 
     def report(self, report: WorkerReport) -> WorkerPlan:
@@ -184,7 +184,7 @@ class PlannerActor:
         return self.state.plans
 
 
-def get_or_create_planner(app_name: str, replica_ttl_s: float = 5.0, draft_cost: float = 0.15):
+def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):
     """The application's planner actor, created (detached, restartable) by the first caller."""
     return PlannerActor.options(name=planner_name(app_name), namespace=NAMESPACE, lifetime="detached",
                                 get_if_exists=True).remote(replica_ttl_s, draft_cost)
