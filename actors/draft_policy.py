@@ -5,10 +5,12 @@ it were (prefix acceptance). A step with K drafts then emits on average
 
     E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
 
-and costs ``1 + K * draft_cost * (1 + load)`` plain decode steps: a draft adds an MTP-head row
-and a verify row, and those rows compete with other requests' tokens more as the replica fills
-(``load`` = resident requests / state rows, 1 when requests are queueing). The chosen K
-maximises tokens per unit cost; ties go to the smaller K.
+and costs ``1 + K * draft_cost`` plain decode steps. ``draft_cost`` is measured on each replica
+(``StepCostEstimator``: a least-squares fit of step times against main-model rows and head
+forwards, over decode steps; every 16th step drafts nothing so both regimes stay measured);
+until it has enough steps a static guess stands in: ``0.15 * (1 + load)`` (``load`` = resident
+requests / state rows, 1 when requests are queueing). The chosen K maximises tokens per unit
+cost; ties go to the smaller K.
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -25,16 +27,78 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS, DraftPolicy
 
 
 @dataclass(frozen=True)
 class DraftCostModel:
-    """Cost of a step with K drafts, in units of a plain decode step."""
+    """Cost of a step with K drafts, in units of a plain decode step.
+
+    A static guess scales the per-draft cost with load; a measured one (``StepCostEstimator``)
+    already saw the load in its step times, so ``scale_with_load`` is off for it.
+    """
     draft_cost: float = 0.15
+    scale_with_load: bool = True
 
     def step_cost(self, num_drafts: int, load: float) -> float:
-        return 1.0 + num_drafts * self.draft_cost * (1.0 + min(max(load, 0.0), 1.0))
+        scale = 1.0 + min(max(load, 0.0), 1.0) if self.scale_with_load else 1.0
+        return 1.0 + num_drafts * self.draft_cost * scale
+
+
+class StepCostEstimator:
+    """The replica's measured step time, ``seconds ~ a + b * main_tokens + c * head_forwards``.
+
+    Fitted by exponentially weighted least squares (a small ridge keeps it solvable) over decode
+    steps (steps with a prompt chunk cost differently and are skipped). With B requests decoding,
+    K drafts each add B main-model rows and K head forwards, so the marginal cost of one draft
+    level relative to a plain decode step is ``(b*B + c) / (a + b*B)``: what ``draft_cost()``
+    returns, or None until enough steps with different draft counts were seen.
+    """
+
+    def __init__(self, halflife_steps: float = 200.0, min_steps: int = 32):
+        self._decay = 0.5 ** (1.0 / halflife_steps)
+        self.min_steps = min_steps
+        self.num_steps = 0
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._batch = 0.0
+        self._head_levels: set[int] = set()
+
+    def observe(self, timing) -> None:
+        """One engine step (an ``engine.StepTiming``)."""
+        if timing is None or timing.has_prefill or timing.num_requests == 0:
+            return
+        x = np.array([1.0, timing.num_main_tokens, timing.num_head_forwards])
+        self._xx = self._decay * self._xx + np.outer(x, x)
+        self._xy = self._decay * self._xy + x * timing.seconds
+        w = 0.0 if self.num_steps else 1.0
+        w = max(w, 1.0 - self._decay)
+        self._batch += w * (timing.num_requests - self._batch)
+        self._head_levels.add(timing.num_head_forwards)
+        self.num_steps += 1
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds, or None while the steps seen cannot separate them."""
+        if self.num_steps < self.min_steps or len(self._head_levels) < 2:
+            return None
+        ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(3)
+        a, b, c = np.clip(np.linalg.solve(self._xx + ridge, self._xy), 0.0, None)
+        return float(a), float(b), float(c)
+
+    def draft_cost(self) -> float | None:
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c = coef
+        plain = a + b * self._batch
+        return (b * self._batch + c) / plain if plain > 0.0 else None
+
+    def cost_model(self, fallback: DraftCostModel) -> DraftCostModel:
+        """The measured model when there is one, else ``fallback``."""
+        d = self.draft_cost()
+        return fallback if d is None else DraftCostModel(d, scale_with_load=False)
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -88,7 +152,7 @@ class ActorDraftPolicy(DraftPolicy):
     """
 
     def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
-                 prior: float = 0.6, probe_interval: int = 8):
+                 prior: float = 0.6, probe_interval: int = 8, explore_interval: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -96,6 +160,10 @@ class ActorDraftPolicy(DraftPolicy):
         self.prior = prior
         self.probe_interval = probe_interval
         self.load = 0.0
+        self.estimator = StepCostEstimator()
+        self.explore_interval = explore_interval
+        self._step_index = 0
+        self._step_cost = cost
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
@@ -109,13 +177,38 @@ class ActorDraftPolicy(DraftPolicy):
     def set_load(self, load: float) -> None:
         self.load = load
 
+    # ---- the owner thread: around each engine step ----------------------------------------
+    def begin_step(self) -> None:
+        self._step_index += 1
+        self._step_cost = self.estimator.cost_model(self.cost)
+
+    def observe_step(self, timing) -> None:
+        """Feed the step-cost model with what the step ran and how long it took."""
+        self.estimator.observe(timing)
+
+    @property
+    def exploring(self) -> bool:
+        """Every explore_interval-th step drafts nothing, so step costs with and without drafts
+        both keep being measured."""
+        return self.explore_interval > 0 and self._step_index > 0 and self._step_index % self.explore_interval == 0
+
     # ---- the engine's hook (owner thread) -------------------------------------------------
     def num_drafts(self, request) -> int:
         track = self._observe(request)
+        params = getattr(request, "params", None)
+        if params is not None and params.seed is not None and not params.is_greedy:
+            # a seeded sampled request's tokens depend on its K: choose it from the request's own
+            # history only (not load, timing or exploration), so the same seed gives the same text
+            return self._probe(track, choose_num_drafts(track.ema.value, 0.0, self.max_drafts, self.cost))
+        if self.exploring:
+            return 0
         planned = self._plan.get(request.request_id)
         k = planned if planned is not None else choose_num_drafts(
-            track.ema.value, self.load, self.max_drafts, self.cost)
-        k = min(k, self.max_drafts)
+            track.ema.value, self.load, self.max_drafts, self._step_cost)
+        return self._probe(track, min(k, self.max_drafts))
+
+    def _probe(self, track: _Track, k: int) -> int:
+        """A request held at K = 0 still drafts one token every probe_interval steps."""
         if k == 0 and self.max_drafts > 0:
             track.calls_at_zero += 1
             if track.calls_at_zero % self.probe_interval == 0:

@@ -58,6 +58,7 @@ class LoopSnapshot:
     max_pending_seen: int = 0
     sessions: tuple[str, ...] = ()
     acceptance: dict[str, tuple[float, int]] = field(default_factory=dict)
+    draft_cost: float | None = None    # measured cost of a draft level, in plain decode steps
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_steps: int = 0
     step_time_ema_s: float = 0.0
@@ -274,6 +275,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        if self.policy is not None:
+            self.policy.begin_step()
         try:
             events = self.engine.step()
         except Exception as e:  # the engine's state is unknown now: fail everyone, stop stepping
@@ -281,6 +284,8 @@ class EngineLoop:
             self._fail_all(EngineFailed(f"the engine failed during a step: {e!r}"))
             return
         elapsed = time.perf_counter() - started
+        if self.policy is not None:
+            self.policy.observe_step(self.engine.last_step)
         self._step_time_ema = elapsed if not self._step_time_ema else 0.9 * self._step_time_ema + 0.1 * elapsed
         self._dispatch(events)
 
@@ -351,6 +356,7 @@ class EngineLoop:
             num_running=len(e.running) + len(e.waiting), num_pending=len(self._pending),
             max_pending_seen=self._max_pending_seen, sessions=tuple(self._sessions),
             acceptance=self.policy.acceptance() if self.policy is not None else {},
+            draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
             spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,
             step_time_ema_s=self._step_time_ema,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())

@@ -99,8 +99,9 @@ class PlannerState:
                           prior_acceptance=self.prior_acceptance)
         planned = {}
         if report.adaptive and report.max_drafts > 0:
+            cost = self.cost if loop.draft_cost is None else DraftCostModel(loop.draft_cost, scale_with_load=False)
             for request_id, (alpha, _) in loop.acceptance.items():
-                k = choose_num_drafts(alpha, loop.load, report.max_drafts, self.cost)
+                k = choose_num_drafts(alpha, loop.load, report.max_drafts, cost)
                 plan.num_drafts[request_id] = k
                 planned[request_id] = (alpha, k)
         self.plans[rid] = planned

@@ -14,6 +14,7 @@ One owner drives it (a step loop); nothing in here is shared across threads.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -31,6 +32,16 @@ from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDeco
                                          propose_drafts, verify_sampled)
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one step ran and how long it took: the input of a step-cost model."""
+    num_requests: int
+    num_main_tokens: int        # rows of the main model's forward (fed tokens + drafts)
+    num_head_forwards: int      # MTP head forwards (catch-up + chained), = the step's largest K
+    has_prefill: bool           # the step carried a prompt chunk
+    seconds: float
 
 
 @dataclass
@@ -76,6 +87,7 @@ class Engine:
         self.stats = SpecDecodeStats()
         self.num_steps = 0
         self.num_preemptions = 0
+        self.last_step: StepTiming | None = None
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
 
@@ -135,9 +147,15 @@ class Engine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
+        started = time.perf_counter()
         drafts = self._propose(s for s in plan.scheduled if s.num_drafts)
         out = self._verify(plan.scheduled, drafts)
-        return self._commit(plan.scheduled, drafts, out)
+        events = self._commit(plan.scheduled, drafts, out)
+        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens,
+                                    max((s.num_drafts for s in plan.scheduled), default=0),
+                                    any(s.num_tokens > 1 for s in plan.scheduled),
+                                    time.perf_counter() - started)
+        return events
 
     def _propose(self, drafting: Iterable[ScheduledRequest]) -> dict[str, _Drafts]:
         """MTP head: catch up on committed rows, then chain single-row forwards for K drafts.

@@ -73,3 +73,87 @@ def test_planner_plan_overrides_the_local_choice_and_finished_requests_are_forgo
     assert policy.num_drafts(a) == 4, "the cap still applies to planned counts"
     policy.forget("a")
     assert set(policy.acceptance()) == {"b"}
+
+
+# ---- the measured step-cost model -----------------------------------------------------------
+from mtpserve.actors.draft_policy import StepCostEstimator  # noqa: E402
+from mtpserve.engine.engine import StepTiming  # noqa: E402
+
+
+def feed(estimator, a, b, c, steps=200, seed=0):
+    import random
+    rnd = random.Random(seed)
+    for _ in range(steps):
+        batch, k = rnd.randrange(1, 17), rnd.choice([0, 1, 2, 3])
+        tokens = batch * (1 + k)
+        estimator.observe(StepTiming(batch, tokens, k, False, a + b * tokens + c * k))
+
+
+def test_step_cost_estimator_recovers_the_cost_of_a_draft_level():
+    est = StepCostEstimator(min_steps=10)
+    assert est.draft_cost() is None                       # nothing seen yet
+    feed(est, a=1e-3, b=3e-4, c=6e-4)
+    a, b, c = est.coefficients()
+    assert (a, b, c) == pytest.approx((1e-3, 3e-4, 6e-4), rel=1e-3)
+    batch = est._batch
+    assert est.draft_cost() == pytest.approx((b * batch + c) / (a + b * batch), rel=1e-3)
+
+
+def test_step_cost_estimator_needs_steps_with_different_draft_counts_and_skips_prefill():
+    est = StepCostEstimator(min_steps=4)
+    for _ in range(50):
+        est.observe(StepTiming(8, 32, 3, False, 0.01))    # always K=3: head cost not separable
+        est.observe(StepTiming(8, 400, 0, True, 0.5))     # prefill steps are another regime
+    assert est.draft_cost() is None
+    est.observe(StepTiming(8, 8, 0, False, 0.004))
+    assert est.num_steps == 51
+
+
+def test_measured_expensive_drafts_turn_drafting_off_and_cheap_ones_on():
+    class Req:
+        def __init__(self, rid):
+            from mtpserve.engine.speculative import SpecDecodeStats
+            self.request_id, self.stats = rid, SpecDecodeStats()
+
+    def decide(a, b, c):
+        policy = ActorDraftPolicy(4, prior=0.85, explore_interval=0)
+        feed(policy.estimator, a, b, c)
+        policy.begin_step()
+        return policy.num_drafts(Req("r"))
+
+    # each draft level costs a whole plain step (a compute-bound CPU batch): no drafting pays
+    assert decide(a=0.0, b=1e-3, c=0.0) == 0
+    # drafts nearly free next to the fixed cost of a step (a memory-bound GPU): draft deep
+    assert decide(a=10e-3, b=1e-5, c=1e-5) == 4
+
+
+def test_every_explore_interval_th_step_drafts_nothing():
+    class Req:
+        request_id = "r"
+        from mtpserve.engine.speculative import SpecDecodeStats
+        stats = SpecDecodeStats()
+
+    policy = ActorDraftPolicy(4, prior=0.95, explore_interval=4)
+    ks = []
+    for _ in range(8):
+        policy.begin_step()
+        ks.append(policy.num_drafts(Req()))
+    assert ks[3] == ks[7] == 0 and all(k > 0 for i, k in enumerate(ks) if i not in (3, 7))
+
+
+def test_a_seeded_sampled_request_gets_the_same_k_whatever_the_load_and_exploration():
+    from mtpserve.engine.sampler import SamplingParams
+
+    def ks(load, explore_interval, plan):
+        policy = ActorDraftPolicy(4, explore_interval=explore_interval)
+        policy.set_load(load)
+        policy.set_plan(plan)
+        req = SimpleNamespace(request_id="s", stats=SpecDecodeStats(),
+                              params=SamplingParams(temperature=0.8, seed=7))
+        out = []
+        for _ in range(10):
+            policy.begin_step()
+            out.append(policy.num_drafts(req))
+        return out
+
+    assert ks(0.0, 0, {}) == ks(1.0, 3, {"s": 0}) == ks(0.5, 2, {"s": 4})

@@ -5,12 +5,12 @@ from mtpserve.actors.planner import PlannerState, WorkerReport
 
 
 def report(replica="r1", incarnation="i1", acceptance=None, sessions=(), running=0, pending=0,
-           reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True):
+           reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True, draft_cost=None):
     loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=100 - reserved_blocks, num_rows=8,
                         num_free_rows=8 - reserved_rows, num_blocks_granted=granted[0],
                         num_rows_granted=granted[1], num_reserved_blocks=reserved_blocks,
                         num_reserved_rows=reserved_rows, num_running=running, num_pending=pending,
-                        sessions=tuple(sessions), acceptance=dict(acceptance or {}))
+                        sessions=tuple(sessions), acceptance=dict(acceptance or {}), draft_cost=draft_cost)
     return WorkerReport(replica, incarnation, loop, MetricsSnapshot(), max_drafts, adaptive)
 
 
@@ -23,6 +23,14 @@ def test_plans_lower_k_for_rejected_drafts_and_raise_it_for_accepted_ones():
     k_end = planner.report(report(acceptance={"good": (0.85, 120)}), now=0.2).num_drafts["good"]
     assert k_mid < 4 and k_end > k_mid
     assert planner.plans["r1"]["good"] == (0.85, k_end)
+
+
+def test_a_replicas_measured_draft_cost_decides_its_plans():
+    planner = PlannerState()
+    guessed = planner.report(report(acceptance={"x": (0.85, 40)}), now=0.0).num_drafts["x"]
+    costly = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=1.0), now=0.1).num_drafts["x"]
+    cheap = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=0.02), now=0.2).num_drafts["x"]
+    assert guessed > 0 and costly == 0 and cheap == 4
 
 
 def test_load_lowers_k_and_fixed_replicas_get_no_plan():
