@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -127,8 +128,10 @@ class OpenAIRoutes:
         headers = {REPLICA_HEADER: self.replica_id}
         num_prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            return StreamingResponse(self._sse(request_id, body, streams, chat, num_prompt_tokens, started),
-                                     media_type="text/event-stream", headers=headers)
+            events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started)
+            # a client gone before the body starts leaves the generator un-iterated: abort on collection
+            weakref.finalize(events, _cancel_all, streams)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
         try:
             async for i, event in self.run(streams, started):
@@ -145,10 +148,11 @@ class OpenAIRoutes:
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float):
         created, model, with_usage = int(time.time()), self.model_name, body.include_usage
         num_out = [0] * len(streams)
-        if chat:
-            for i in range(len(streams)):
-                yield sse_chunk(request_id, model, created, chat, [chunk_choice(i, "", None, chat, first=True)], with_usage)
         try:
+            if chat:
+                for i in range(len(streams)):
+                    yield sse_chunk(request_id, model, created, chat, [chunk_choice(i, "", None, chat, first=True)],
+                                    with_usage)
             async for i, event in self.run(streams, started):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
@@ -163,4 +167,12 @@ class OpenAIRoutes:
                 APIError(503, str(e), "server_error", None, "unavailable")
             self.recorder.error(err.status)
             yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            _cancel_all(streams)
         yield SSE_DONE
+
+
+def _cancel_all(streams) -> None:
+    """Abort every request of a response that will not be read to its end (no-op once finished)."""
+    for stream in streams:
+        stream.cancel()

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +17,6 @@ openai = pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
 
-from mtpserve.actors.draft_policy import choose_num_drafts  # noqa: E402
 from mtpserve.actors.engine_loop import LoopSnapshot  # noqa: E402
 from mtpserve.actors.metrics import MetricsSnapshot  # noqa: E402
 from mtpserve.actors.planner import (WorkerReport, get_or_create_planner, get_planner,  # noqa: E402
@@ -214,3 +216,23 @@ def test_planner_and_worker_restarts_rebuild_the_view(app):
     replicas = {_complete(app, f"c{i} = ")[1] for i in range(6)}
     assert victim not in replicas
     assert _complete(app, "d = ", session="survivor")[1] == home
+
+
+def test_a_client_that_closes_without_reading_a_byte_is_aborted(app):
+    def emitted():
+        return sum(s["spec"]["num_emitted_tokens"] for s in _status_of_every_replica().values())
+
+    def all_free():
+        return all(s["idle_and_empty"] and s["integrity"] == "ok" for s in _status_of_every_replica().values())
+
+    before = emitted()
+    url = urllib.parse.urlsplit(app["base"])
+    body = json.dumps({"model": app["model"], "prompt": "for x in range(", "max_tokens": 1900,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    head = (f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.3)              # the replica takes the request; not one byte of the answer is read
+    _wait_for(all_free, "the abandoned request's blocks and rows are free", timeout=30)
+    assert emitted() - before < 600, "the abandoned request ran on instead of being aborted"
