@@ -274,7 +274,6 @@ class EngineLoop:
             self._streams[add.request_id] = add.stream
 
     def _step(self) -> None:
-        started = time.perf_counter()
         if self.policy is not None:
             self.policy.begin_step()
         try:
@@ -283,10 +282,12 @@ class EngineLoop:
             self._failed = e
             self._fail_all(EngineFailed(f"the engine failed during a step: {e!r}"))
             return
-        elapsed = time.perf_counter() - started
-        if self.policy is not None:
-            self.policy.observe_step(self.engine.last_step)
-        self._step_time_ema = elapsed if not self._step_time_ema else 0.9 * self._step_time_ema + 0.1 * elapsed
+        timing = self.engine.last_step
+        if timing is not None:
+            if self.policy is not None:
+                self.policy.observe_step(timing)
+            ema = self._step_time_ema
+            self._step_time_ema = timing.seconds if not ema else 0.9 * ema + 0.1 * timing.seconds
         self._dispatch(events)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:

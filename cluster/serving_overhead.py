@@ -28,6 +28,22 @@ def _pct(values: list[float]) -> tuple[float, float]:
     return float(np.percentile(values, 50)) * 1e3, float(np.percentile(values, 99)) * 1e3
 
 
+class _Latencies:
+    """TTFT and inter-token gaps of requests run one after another."""
+
+    def __init__(self):
+        self.ttft, self.itl = [], []
+        self._started = self._last = None
+
+    def start(self) -> None:
+        self._started, self._last = time.perf_counter(), None
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        (self.ttft if self._last is None else self.itl).append(now - (self._last or self._started))
+        self._last = now
+
+
 def measure_engine(model_dir: str, prompts: list[str], max_tokens: int, draft_tokens: int, threads: int):
     from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
     from mtpserve.engine.engine import Engine
@@ -35,46 +51,30 @@ def measure_engine(model_dir: str, prompts: list[str], max_tokens: int, draft_to
     engine = Engine(EngineConfig(model_dir, num_threads=threads, cache=CacheConfig(1024, 64),
                                  spec=SpecConfig(draft_tokens)))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ttft, itl = [], []
+    lat = _Latencies()
     for i, prompt in enumerate(prompts):
-        started = time.perf_counter()
+        lat.start()
         engine.add_request(f"r{i}", prompt, params)
-        last = None
         while engine.has_work:
             for event in engine.step():
-                now = time.perf_counter()
-                if not event.token_ids:
-                    continue
-                if last is None:
-                    ttft.append(now - started)
-                else:
-                    itl.append(now - last)
-                last = now
-    return ttft, itl
+                if event.token_ids:
+                    lat.token()
+    return lat.ttft, lat.itl
 
 
 def measure_http(url: str, model: str, prompts: list[str], max_tokens: int):
     import requests
     session = requests.Session()
-    ttft, itl = [], []
+    lat = _Latencies()
     for prompt in prompts:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        started = time.perf_counter()
-        last = None
+        lat.start()
         with session.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as r:
             for line in r.iter_lines():
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.perf_counter()
-                if not json.loads(line[6:])["choices"][0]["text"]:
-                    continue
-                if last is None:
-                    ttft.append(now - started)
-                else:
-                    itl.append(now - last)
-                last = now
-    return ttft, itl
+                if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    lat.token()
+    return lat.ttft, lat.itl
 
 
 def _server_ttft(url: str) -> tuple[float, float]:

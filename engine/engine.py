@@ -87,7 +87,7 @@ class Engine:
         self.stats = SpecDecodeStats()
         self.num_steps = 0
         self.num_preemptions = 0
-        self.last_step: StepTiming | None = None
+        self.last_step: StepTiming | None = None    # the latest step that ran something
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
 
@@ -133,6 +133,8 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TokenEvent]:
+        started = time.perf_counter()
+        self.last_step = None
         plan = self.planner.plan(self.running, list(self.waiting))
         for req in plan.preempted:
             self.running.remove(req)
@@ -147,7 +149,6 @@ class Engine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
-        started = time.perf_counter()
         drafts = self._propose(s for s in plan.scheduled if s.num_drafts)
         out = self._verify(plan.scheduled, drafts)
         events = self._commit(plan.scheduled, drafts, out)
@@ -203,6 +204,11 @@ class Engine:
                 break
         return result
 
+    def _synthetic_num_accepted(self, num_drafts: int) -> int:
+        """Benchmark mode: each draft accepted with the configured probability, up to the first miss."""
+        hits = self._synthetic.random(num_drafts) < self.config.spec.synthetic_acceptance
+        return int(np.argmin(np.append(hits, False)))
+
     def _draft_tokens(self, active: list[ScheduledRequest], logits):
         params = [s.request.params for s in active]
         if all(p.is_greedy for p in params):
@@ -237,7 +243,7 @@ class Engine:
                     d = drafts[r.request_id].tokens if s.num_drafts else []
                     emitted, accepted = accept_greedy(argmax[last:start + n], d)
                     if self._synthetic is not None and d:
-                        accepted = int(np.argmin(np.append(self._synthetic.random(len(d)) < self.config.spec.synthetic_acceptance, False)))
+                        accepted = self._synthetic_num_accepted(len(d))
                         emitted = d[:accepted] + [int(argmax[last + accepted])]
                 elif s.num_drafts:
                     d = drafts[r.request_id]

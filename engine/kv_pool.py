@@ -164,21 +164,6 @@ class KVPool:
         pos = np.arange(start, stop, dtype=np.int64)
         return np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
 
-    def block_table_array(self, request_ids: list[str], num_columns: int | None = None,
-                          pad: int = 0) -> np.ndarray:
-        """The ``block_table`` input, int32 ``[B, num_columns]``, rows padded with ``pad``.
-
-        ``num_columns`` defaults to the longest table (at least 1).
-        """
-        tables = [self._tables[r] for r in request_ids]
-        width = max([1, *map(len, tables)]) if num_columns is None else num_columns
-        out = np.full((len(tables), width), pad, dtype=np.int32)
-        for i, t in enumerate(tables):
-            if len(t) > width:
-                raise AssertionError(f"{request_ids[i]!r} holds {len(t)} blocks > {width} columns")
-            out[i, :len(t)] = t
-        return out
-
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + reserved + committed == usable and no block is

@@ -127,10 +127,6 @@ class ModelManifest:
     num_parameters: int
     files: dict = field(default_factory=dict)   # file name -> size in bytes
 
-    @property
-    def input_names(self) -> set[str]:
-        return {t.name for t in self.inputs}
-
     def to_dict(self) -> dict:
         """A JSON-ready summary (what `mtpserve info --json` prints)."""
         def layer_ids(layers):

@@ -63,7 +63,6 @@ class Request:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     rng: np.random.Generator | None = None
     num_emitted_text: int = 0              # characters of output text already streamed out
-    stop_hit_at: int | None = None         # char index where a stop string begins
 
     def __post_init__(self) -> None:
         if not self.token_ids:

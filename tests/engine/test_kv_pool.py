@@ -1,5 +1,4 @@
 """KVPool: reservation, commit, trim, free, slot arithmetic and integrity under random traffic."""
-import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -58,16 +57,6 @@ def test_slot_follows_the_docstring_diagram():
     assert pool.slots("x", 3, 9).tolist() == [pool.slot("x", p) for p in range(3, 9)]
     with pytest.raises(AssertionError):
         pool.slot("x", 12)
-    assert pool.block_table_array(["x"], num_columns=5).tolist() == [[7, 2, 9, 0, 0]]
-
-
-def test_block_table_array_pads_rows():
-    pool = KVPool(num_blocks=8, block_size=2)
-    pool.reserve("a", 5), pool.reserve("b", 1)
-    arr = pool.block_table_array(["b", "a"], pad=0)
-    assert arr.dtype == np.int32 and arr.shape == (2, 3)
-    assert arr[0].tolist() == [pool.block_table("b")[0], 0, 0]
-    assert arr[1].tolist() == pool.block_table("a")
 
 
 def test_commit_rejects_out_of_range_lengths():
