@@ -77,6 +77,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    fused_replay: bool = True            # CUDA: the commit's recurrent replay as one CuPy kernel
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):

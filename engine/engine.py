@@ -13,6 +13,7 @@ One owner drives it (a step loop); nothing in here is shared across threads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -29,7 +30,7 @@ from mtpserve.engine.request import FinishReason, Request, RequestStatus, TokenE
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import SamplingParams, probs, sample, to_host
 from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDecodeStats, accept_greedy,
-                                         propose_drafts, verify_sampled)
+                                         propose_drafts, verify_sampled_batch)
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,20 +63,40 @@ class Engine:
             from mtpserve.engine.cpu_adapter import adapt_for_cpu
             self.manifest: ModelManifest = load_manifest(adapt_for_cpu(source.path))
             self.xp = np
+            self._stream = None
         else:
             import cupy   # the GPU extra: pip install 'mtpserve[gpu]'
             self.manifest = source
             self.xp = cupy
+            # one stream for every CuPy op and every ORT run: ordered without host syncs
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        with self.device_context():
+            self._build(config, draft_policy)
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def device_context(self):
+        """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""
+        return self._stream if self._stream is not None else contextlib.nullcontext()
+
+    def _build(self, config: EngineConfig, draft_policy: DraftPolicy | None) -> None:
         m = self.manifest
         self.tokenizer = Tokenizer(m.path)
         bytes_per_block = sum(2 * m.block_size * l.num_kv_heads * l.head_size * np.dtype(l.dtype).itemsize
                               for l in m.kv_layers)
         num_blocks = resolve_num_blocks(config.cache, m.context_length, m.block_size, bytes_per_block)
         use_mtp = m.mtp is not None and config.spec.num_draft_tokens > 0
-        self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp, with_head=use_mtp)
+        self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp, with_head=use_mtp,
+                             cuda_stream=self._stream.ptr if self._stream is not None else None)
         self.kv_pool = KVPool(num_blocks, m.block_size)
         self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
-        self.state_bank = StateBank(_fixed_state_spec(m), config.cache.max_resident_requests, self.xp)
+        spec = _fixed_state_spec(m)
+        fused = None
+        if self._stream is not None and config.fused_replay:
+            from mtpserve.engine.cuda_kernels import FusedRecurrentReplay
+            s = spec.layer_shape
+            fused = FusedRecurrentReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim)
+        self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.planner = StepPlanner(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length)
@@ -133,6 +154,10 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TokenEvent]:
+        with self.device_context():
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         started = time.perf_counter()
         self.last_step = None
         plan = self.planner.plan(self.running, list(self.waiting))
@@ -228,34 +253,20 @@ class Engine:
         return self.runner.run_main(rows, states, capture)
 
     def _commit(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts], out) -> list[TokenEvent]:
-        xp = self.xp
+        accepted = self._accept(scheduled, drafts, out.logits)
         events: list[TokenEvent] = []
         num_fed, num_kept, new_tokens = [], [], []
-        argmax = to_host(out.logits.argmax(axis=1))        # the one device -> host copy of a greedy step
         start = 0
         for s in scheduled:
             r = s.request
             n = s.num_tokens + s.num_drafts
             emitted, kept = [], s.num_tokens
             if s.samples:
-                last = start + n - s.num_drafts - 1       # row of the newest real token
-                if r.params.is_greedy:
-                    d = drafts[r.request_id].tokens if s.num_drafts else []
-                    emitted, accepted = accept_greedy(argmax[last:start + n], d)
-                    if self._synthetic is not None and d:
-                        accepted = self._synthetic_num_accepted(len(d))
-                        emitted = d[:accepted] + [int(argmax[last + accepted])]
-                elif s.num_drafts:
-                    d = drafts[r.request_id]
-                    target = probs(out.logits[last:start + n], r.params, xp)
-                    emitted, accepted = verify_sampled(target, xp.stack(d.q), d.tokens, r.rng, xp)
-                else:
-                    accepted = 0
-                    emitted = [int(sample(out.logits[last:last + 1], r.params, r.rng, xp)[0])]
+                emitted, num_accepted = accepted[r.request_id]
                 if s.num_drafts:
-                    kept = accepted + 1
-                r.stats.record_step(s.num_drafts, accepted, len(emitted))
-                self.stats.record_step(s.num_drafts, accepted, len(emitted))
+                    kept = num_accepted + 1
+                r.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+                self.stats.record_step(s.num_drafts, num_accepted, len(emitted))
             if self.head_pool is not None:
                 r.pending_hidden.append(out.hidden[start:start + kept])
             num_fed.append(n)
@@ -272,6 +283,51 @@ class Engine:
             if event is not None:
                 events.append(event)
         return events
+
+    def _accept(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts], logits
+                ) -> dict[str, tuple[list[int], int]]:
+        """(emitted tokens, drafts accepted) of every request that samples this step.
+
+        A request's target rows are the last 1 + K of its n fed rows (newest real token, then
+        its K drafts). Greedy rows are checked on one host copy of the step's argmax; sampled
+        rows without drafts are sampled together, sampled rows with drafts verified together,
+        each request drawing from its own RNG in step order.
+        """
+        xp = self.xp
+        argmax = to_host(logits.argmax(axis=1))          # the one device -> host copy of a greedy step
+        result: dict[str, tuple[list[int], int]] = {}
+        plain, verified = [], []                          # sampled requests: (scheduled, first target row)
+        start = 0
+        for s in scheduled:
+            r = s.request
+            n = s.num_tokens + s.num_drafts
+            last = start + n - s.num_drafts - 1           # row of the newest real token
+            start += n
+            if not s.samples:
+                continue
+            if not r.params.is_greedy:
+                (verified if s.num_drafts else plain).append((s, last))
+                continue
+            d = drafts[r.request_id].tokens if s.num_drafts else []
+            emitted, num_accepted = accept_greedy(argmax[last:last + len(d) + 1], d)
+            if self._synthetic is not None and d:
+                num_accepted = self._synthetic_num_accepted(len(d))
+                emitted = d[:num_accepted] + [int(argmax[last + num_accepted])]
+            result[r.request_id] = emitted, num_accepted
+        if plain:
+            rows = xp.asarray(np.array([last for _, last in plain]))
+            tokens = sample(logits[rows], [s.request.params for s, _ in plain],
+                            [s.request.rng for s, _ in plain], xp)
+            result.update((s.request.request_id, ([int(t)], 0)) for (s, _), t in zip(plain, tokens))
+        if verified:
+            rows = np.concatenate([np.arange(last, last + s.num_drafts + 1) for s, last in verified])
+            params = [s.request.params for s, _ in verified for _ in range(s.num_drafts + 1)]
+            target = probs(logits[xp.asarray(rows)], params, xp)
+            q = xp.stack([qi for s, _ in verified for qi in drafts[s.request.request_id].q])
+            outcomes = verify_sampled_batch(target, q, [drafts[s.request.request_id].tokens for s, _ in verified],
+                                            [s.request.rng for s, _ in verified], xp)
+            result.update((s.request.request_id, o) for (s, _), o in zip(verified, outcomes))
+        return result
 
     # ------------------------------------------------------------------ tokens out
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenEvent | None:

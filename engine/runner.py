@@ -98,10 +98,43 @@ class _Binding:
         return arr.__array_interface__["data"][0] if isinstance(arr, np.ndarray) else arr.data.ptr
 
     def input(self, name: str, arr) -> None:
+        """Bind one input: host arrays stay on the host for HOST_INPUTS (and on the CPU), device
+        arrays are bound where they are, other host arrays are copied to the device."""
         if name in HOST_INPUTS or self.xp is np:
             arr, device = np.ascontiguousarray(arr), "cpu"
         else:
             arr, device = self.xp.ascontiguousarray(self.xp.asarray(arr)), self._on_device
+        self._bind_input(name, arr, device)
+
+    def host_inputs(self, arrays: dict[str, np.ndarray]) -> None:
+        """Bind several host arrays; on a device they travel in ONE host -> device copy::
+
+            host bytes   | input_ids | position_ids | cu_seqlens |..| block_table |
+                         0          a            b            c   (each offset 8-byte aligned)
+            device       the same bytes; each input is bound at base pointer + its offset
+        """
+        if self.xp is np:
+            for name, arr in arrays.items():
+                self.input(name, arr)
+            return
+        on_host = {n: np.ascontiguousarray(a) for n, a in arrays.items() if n in HOST_INPUTS}
+        for name, arr in on_host.items():
+            self._bind_input(name, arr, "cpu")
+        sent = [(n, np.ascontiguousarray(a)) for n, a in arrays.items() if n not in HOST_INPUTS]
+        offsets, end = [], 0
+        for _, arr in sent:
+            offsets.append(end)
+            end += -(-arr.nbytes // 8) * 8
+        packed = np.empty(max(end, 8), np.uint8)
+        for (_, arr), at in zip(sent, offsets):
+            packed[at:at + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        device = self.xp.asarray(packed)
+        self._keep.append(device)
+        base = device.data.ptr
+        for (name, arr), at in zip(sent, offsets):
+            self._raw.bind_input(name, self._devices[self._on_device], arr.dtype.type, list(arr.shape), base + at)
+
+    def _bind_input(self, name: str, arr, device: str) -> None:
         self._keep.append(arr)
         self._raw.bind_input(name, self._devices[device], arr.dtype.type, list(arr.shape), self._ptr(arr))
 
@@ -146,7 +179,10 @@ class Runner:
     """Runs packed steps of the main model and the MTP head on one device."""
 
     def __init__(self, manifest: ModelManifest, num_blocks: int, num_threads: int = 0,
-                 device: str = "cpu", xp=np, with_head: bool = True):
+                 device: str = "cpu", xp=np, with_head: bool = True, cuda_stream: int | None = None):
+        """cuda_stream: the raw pointer of the CUDA stream ORT must run on (CUDA only). The engine
+        passes the one its CuPy work runs on, so state gathers, forwards and commits are ordered
+        on a single stream without host synchronisation."""
         self.manifest, self.xp, self.device = manifest, xp, device
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -160,7 +196,10 @@ class Runner:
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise RuntimeError("CUDA requested but onnxruntime has no CUDAExecutionProvider: "
                                    "install onnxruntime-gpu instead of onnxruntime (see README)")
-            providers = ["CUDAExecutionProvider"]
+            options = {"device_id": 0}
+            if cuda_stream:
+                options["user_compute_stream"] = str(cuda_stream)
+            providers = [("CUDAExecutionProvider", options)]
         self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=providers)
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self._main_inputs = {i.name for i in self.session.get_inputs()}
@@ -187,10 +226,11 @@ class Runner:
         """One packed forward of the main model; capture_counts[b] transitions are captured."""
         m, xp = self.manifest, self.xp
         b = self._main_binding
-        num_tokens, batch = self._begin(b, rows, self._main_inputs), len(rows)
         capture = bool(capture_counts.any())
-        b.input("state_update_capture_count", capture_counts.astype(np.int32))
-        b.input("state_update_active", np.array([int(capture)], np.int32))
+        num_tokens = self._begin(b, rows, self._main_inputs, {
+            "state_update_capture_count": capture_counts.astype(np.int32),
+            "state_update_active": np.array([int(capture)], np.int32)})
+        batch = len(rows)
         C, ids = m.capture_capacity, states.layer_ids
         if set(ids) != self._linear_layer_ids:
             raise AssertionError(f"step states of layers {ids} for a model with linear-attention "
@@ -227,13 +267,14 @@ class Runner:
         return HeadOutputs(out[head.logits_output], out[head.hidden_output])
 
     @staticmethod
-    def _begin(b: _Binding, rows: Sequence[PackedRows], graph_inputs: set[str]) -> int:
-        """Start a step on a binding with the packed paged inputs; the number of tokens."""
+    def _begin(b: _Binding, rows: Sequence[PackedRows], graph_inputs: set[str],
+               extra: dict[str, np.ndarray] | None = None) -> int:
+        """Start a step on a binding with the packed paged inputs (and any extra host inputs),
+        all sent in one copy; the number of tokens."""
         b.begin_step()
         packed = pack_rows(rows)
-        for name, arr in packed.items():
-            if name in graph_inputs:
-                b.input(name, arr)
+        packed.update(extra or {})
+        b.host_inputs({name: arr for name, arr in packed.items() if name in graph_inputs})
         return packed["input_ids"].size
 
     def _bind_logits_hidden(self, b: _Binding, num_tokens: int, logits: str, hidden: str) -> None:

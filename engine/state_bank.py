@@ -243,11 +243,16 @@ class StateBank:
     with few replayed rows is one pass and a large one a few, never one per layer.
     """
 
-    def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np, replay_chunk_bytes: int = 512 << 20):
+    def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np, replay_chunk_bytes: int = 512 << 20,
+                 fused_replay=None):
+        """fused_replay: optional callable ``(state_flat, capsule, step_rows, dst, src, kept)``
+        that replays the recurrent rows in place in one kernel (cuda_kernels.FusedRecurrentReplay)
+        instead of the chunked array code; all index arguments are device int64 arrays."""
         if max_rows <= 0 or spec.capacity < 0:
             raise ValueError(f"bad bank shape: max_rows={max_rows} capacity={spec.capacity}")
         self.spec, self.max_rows, self.xp = spec, max_rows, xp
         self.replay_chunk_bytes = replay_chunk_bytes
+        self.fused_replay = fused_replay
         s, L = spec.layer_shape, len(spec.layers)
         self.conv = xp.zeros((L, 2, max_rows, *s.conv_shape), dtype=s.conv_dtype)
         self.recurrent = xp.zeros((L, 2, max_rows, *s.recurrent_shape), xp.float32)
@@ -340,23 +345,27 @@ class StateBank:
         full = np.flatnonzero((kept == fed) & (kept > 0))
         part = np.flatnonzero((kept > 0) & (kept < fed))
         self._check_step(len(request_ids), present, captures, kept[part])
-        fi, fd, pi, pd, ps = _upload(self.xp, full, dst[full], part, dst[part], src[part])
+        fi, fd, pi, pd, ps, pk = _upload(self.xp, full, dst[full], part, dst[part], src[part], kept[part])
         if len(full):
             if len(full) == len(kept):
                 fi = slice(None)
             self._conv_flat[:, fd] = present.conv[:, fi]
             self._rec_flat[:, fd] = present.recurrent[:, fi]
         if len(part):
-            self._replay(captures, pi, pd, ps, kept[part])
+            self._replay(captures, pi, pd, ps, kept[part], pk)
         self._active[rows[kept > 0]] ^= 1
         self._committed[rows] += kept
 
-    def _replay(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray) -> None:
+    def _replay(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray, kept_device) -> None:
         """Inactive rows ``pd`` := active rows ``ps`` advanced by the first ``kept`` captured
-        transitions of step rows ``pi``; all layers at once (recurrent: in layer chunks)."""
+        transitions of step rows ``pi``; all layers at once (recurrent: in layer chunks, or one
+        fused kernel)."""
         xp, s, C = self.xp, self.spec.layer_shape, self.spec.capacity
         conv_value = captures.conv_value[:, pi]                                   # [L, P, C, D]
         self._conv_flat[:, pd] = replay_conv(xp, self._conv_flat[:, ps], conv_value, kept)
+        if self.fused_replay is not None:
+            self.fused_replay(self._rec_flat, captures.recurrent_capsule, pi, pd, ps, kept_device)
+            return
         capsule = captures.recurrent_capsule[:, pi]                               # [L, P, C*W]
         bytes_per_layer = len(kept) * 4 * int(np.prod(s.recurrent_shape))
         step = max(1, self.replay_chunk_bytes // bytes_per_layer)

@@ -40,9 +40,10 @@ def _prefill_logits(engine, prompts):
     plan = engine.planner.plan(engine.running, list(engine.waiting))
     rows = [PackedRows(s.request.token_ids, 0, engine.kv_pool.block_table(s.request.request_id))
             for s in plan.scheduled]
-    states = engine.state_bank.gather_step_inputs([s.request.request_id for s in plan.scheduled])
-    out = engine.runner.run_main(rows, states, np.zeros(len(rows), np.int32))
-    return to_host(out.logits).astype(np.float32)
+    with engine.device_context():
+        states = engine.state_bank.gather_step_inputs([s.request.request_id for s in plan.scheduled])
+        out = engine.runner.run_main(rows, states, np.zeros(len(rows), np.int32))
+        return to_host(out.logits).astype(np.float32)
 
 
 def cpu_reference_logits(model_dir, prompts):
@@ -78,3 +79,29 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
           f"tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
     assert not mismatched
     assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])     # (value heads, key heads): plain and grouped
+def test_fused_replay_kernel_matches_the_array_replay(heads):
+    """The commit's one-kernel recurrent replay equals state_bank.replay_recurrent on every kept count."""
+    import cupy as cp
+    from mtpserve.engine.cuda_kernels import FusedRecurrentReplay
+    from mtpserve.engine.state_bank import FixedLayerSpec, replay_recurrent, split_capsule
+    Hv, Hk = heads
+    C, Dv, Dk, L, R, B = 4, 8, 16, 3, 6, 5
+    layer = FixedLayerSpec(0, 32, 4, Hv, Dv, Hk, Dk)
+    rng = np.random.default_rng(0)
+    state = rng.standard_normal((L, 2 * R, Hv, Dv, Dk)).astype(np.float32)
+    capsule = rng.standard_normal((L, B, C * layer.capsule_width_per_token)).astype(np.float32)
+    decay, key, delta = split_capsule(capsule, layer, C)
+    decay[:] = rng.uniform(0.5, 1.0, decay.shape)          # exp(g) lies in (0, 1]
+    step_rows = np.array([0, 2, 3, 4])                       # step row 1 is not replayed
+    src = np.array([1, 2 + R, 3, 5 + R])                     # active rows in either bank
+    dst = (src + R) % (2 * R)
+    kept = np.array([1, 2, 3, 4])
+    want = state.copy()
+    d, k_, dl = (a[:, step_rows] for a in (decay, key, delta))
+    want[:, dst] = replay_recurrent(np, state[:, src].copy(), d, k_, dl, kept)
+    got = cp.asarray(state)
+    FusedRecurrentReplay(C, Hv, Dv, Hk, Dk)(got, cp.asarray(capsule), *(cp.asarray(a) for a in (step_rows, dst, src, kept)))
+    np.testing.assert_allclose(got.get(), want, rtol=1e-4, atol=1e-4)
