@@ -83,6 +83,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
     g.add_argument("--results-dir", default="results", help="where the JSON and PNG go (default ./results)")
     g.add_argument("--name", help="file name stem after the timestamp (default: mode-model)")
+    g.add_argument("--copy-gbps", type=float, default=4300.0,
+                   help="device memory copy rate for the batch-1 bandwidth bound in the report (default 4300: "
+                        "measured on the H200; on a CPU the bound is only indicative)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--save-requests", action="store_true", help="keep every request's timeline in the JSON")
     p.set_defaults(func=cmd_bench)
@@ -235,6 +238,9 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         "anchor_note": anchor_note,
         "results": summaries, "comparisons": comps,
     }
+    if manifest is not None:
+        context = sum(lengths) / len(lengths) + args.max_tokens / 2
+        payload["batch1_bandwidth_bound"] = report.bandwidth_bound(manifest, context, args.copy_gbps, summaries)
     if args.save_requests:
         payload["requests"] = [{"label": r.config_label, "load": r.load_label,
                                 "records": [vars(x) for x in r.records]} for r in runs]
@@ -246,6 +252,11 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     if anchor_note:
         print(f"NOTE: {anchor_note}")
     print(report.format_table(summaries, comps))
+    bound = payload.get("batch1_bandwidth_bound")
+    if bound and "measured_tpot_p50_ms" in bound:
+        print(f"batch-1 decode: TPOT p50 {bound['measured_tpot_p50_ms']:.3f} ms vs bandwidth bound "
+              f"{bound['bound_ms']:.3f} ms ({bound['bytes_per_step'] / 1e9:.3f} GB at {bound['copy_gbps']:g} GB/s): "
+              f"{100 * bound['fraction_of_bound']:.1f}% of the bound")
     print(f"\nresults: {path}" + ("" if args.no_plot or plot_note else f"\nplot:    {path.with_suffix('.png')}"))
     if plot_note:
         print(plot_note)

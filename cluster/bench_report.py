@@ -148,6 +148,38 @@ def _at(counts: list, i: int):
     return counts[i] if i < len(counts) else 0
 
 
+def bandwidth_bound(manifest, context_len: float, copy_gbps: float, results: list[dict]) -> dict:
+    """The batch-1 decode step's memory-bandwidth floor, and how far the measured one is from it.
+
+    One decode step of one request must read (at least) the main graph's weights except the
+    embedding table (it gathers one row), its fixed state (read as past, written as present)
+    and the K/V of its context; at ``copy_gbps`` (a measured device copy rate) that takes
+
+        bound = (weights - embedding + 2 * state + context * kv_per_token) / copy rate
+
+    Compared with the TPOT p50 of the K=0, concurrency-1 run of our engine, when there is one.
+    """
+    weights = sum(size for name, size in manifest.files.items() if name.startswith("model.onnx"))
+    itemsize = 2 if manifest.compute_dtype in ("float16", "bfloat16") else 4
+    embedding = manifest.vocab_size * manifest.hidden_size * itemsize
+    state = sum(l.conv_dim * (l.kernel_size - 1) * (2 if l.dtype in ("float16", "bfloat16") else 4)
+                for l in manifest.conv_layers)
+    state += sum(4 * l.num_value_heads * l.value_head_size * l.key_head_size for l in manifest.recurrent_layers)
+    kv_per_token = sum(2 * l.num_kv_heads * l.head_size * (2 if l.dtype in ("float16", "bfloat16") else 4)
+                       for l in manifest.kv_layers)
+    step_bytes = weights - embedding + 2 * state + context_len * kv_per_token
+    bound_ms = step_bytes / (copy_gbps * 1e9) * 1e3
+    out = {"copy_gbps": copy_gbps, "weight_file_bytes": weights, "embedding_bytes_skipped": embedding,
+           "state_bytes_per_request": state, "kv_bytes_per_token": kv_per_token, "context_tokens": context_len,
+           "bytes_per_step": step_bytes, "bound_ms": bound_ms}
+    base = next((r for r in results if r["system"] == "mtpserve" and r["num_draft_tokens"] == 0
+                 and r["concurrency"] == 1 and r["num_completed"]), None)
+    tpot = base and base.get("tpot_ms") and base["tpot_ms"].get("p50")
+    if tpot:
+        out.update(measured_tpot_p50_ms=tpot, fraction_of_bound=bound_ms / tpot)
+    return out
+
+
 def summarize(run: LoadRun, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
     """Every figure of one load run, as plain JSON-able values."""
     done = [r for r in run.records if r.completed]

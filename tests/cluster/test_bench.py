@@ -111,6 +111,11 @@ def test_engine_mode_side_by_side(tiny_paged_export, tmp_path, capsys):
     assert {(c["kind"], c["load"]) for c in data["comparisons"]} == {("speedup_vs_k0", "C=1"), ("speedup_vs_k0", "C=3")}
     assert data["machine"]["cpu_count"] >= 1 and data["model"]["vocab_size"] == TINY.vocab_size
     assert "SYNTHETIC" in out and "mtpserve K=2 synthetic a=0.7" in out
+    bound = data["batch1_bandwidth_bound"]
+    weights = sum(p.stat().st_size for p in Path(tiny_paged_export).glob("model.onnx*"))
+    assert bound["weight_file_bytes"] == weights > bound["embedding_bytes_skipped"] > 0
+    assert bound["bytes_per_step"] > weights - bound["embedding_bytes_skipped"]
+    assert bound["measured_tpot_p50_ms"] == results[0]["tpot_ms"]["p50"] and "bandwidth bound" in out
     try:
         import matplotlib  # noqa: F401
         assert len(list(tmp_path.glob("*.png"))) == 1
