@@ -5,13 +5,18 @@
     mtpserve bench --device cuda --draft-tokens 0 --concurrency 1,8,64 --compare ortgenai
     mtpserve bench --url http://127.0.0.1:8000 --concurrency 1,8 --slo-ttft-ms 500 --slo-tpot-ms 50
     mtpserve bench --request-rate 2,8 --prompts random --input-len 256
+    mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32   the Serve app, 1 then 2 replicas
+    mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256  1 replica, then one per GPU
+    mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
 
 Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
 (closed-loop concurrencies, or Poisson request rates) against the same prompts, after a warm-up.
 Figures follow DESIGN §8; speedups are against K=0 of the same run. Results go to
 <results-dir>/<timestamp>-<name>.json (+ .png). With --synthetic-acceptance every draft is
 accepted with that probability instead of checked against the model (for untrained MTP heads):
-such outputs are not the model's, and every report says "synthetic".
+such outputs are not the model's, and every report says "synthetic". With --replicas the
+real Serve app is deployed once per replica count and driven over HTTP (cluster/bench_cluster.py;
+--kill-replica-after: cluster/bench_fault.py).
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--served-model", help="model name to send over HTTP (default: the first of /v1/models)")
     g.add_argument("--api-key", help="bearer token for the HTTP server")
     g.add_argument("--compare", choices=["ortgenai"], help="also run onnxruntime-genai's og.Engine (CUDA only)")
+    g.add_argument("--replicas", help="deploy the Serve app with each of these replica counts in turn and drive it "
+                                      "over HTTP, e.g. 1,2 or 1,all (all: one per GPU with --device cuda)")
+    g.add_argument("--kill-replica-after", type=float, metavar="S",
+                   help="with --replicas N: kill the busiest replica's process S seconds into the top "
+                        "concurrency's load and record errors, recovery and the pools afterwards")
+    g.add_argument("--address", help="with --replicas: deploy onto this Ray cluster instead of a local one")
+    g.add_argument("--port", type=int, default=8000, help="with --replicas: Serve's HTTP port")
 
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", default="bundled", choices=["bundled", "random"],
@@ -64,7 +76,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="stop at EOS (default: always generate --max-tokens)")
 
     g = p.add_argument_group("configurations")
-    g.add_argument("--draft-tokens", default="0,2", help="MTP draft counts to run, e.g. 0,1,2,3 (0 = MTP off)")
+    g.add_argument("--draft-tokens", help="MTP draft counts to run, e.g. 0,1,2,3 (0 = MTP off; default 0,2); "
+                                          "with --replicas the servers' one setting, K or auto (default auto)")
     g.add_argument("--synthetic-acceptance", type=float, default=None,
                    help="accept each draft with this probability (untrained MTP heads); labels the run synthetic "
                         "(with --url it only labels the results: the server must be run that way)")
@@ -77,6 +90,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
     g.add_argument("--anchor-stall-s", type=float, default=60.0, help="og.Engine without a token this long = stalled")
     g.add_argument("--anchor-timeout-s", type=float, default=1800.0, help="kill og.Engine's process after this long")
+    g.add_argument("--anchor-waves", action="store_true",
+                   help="drive og.Engine in waves (C requests at once, the next C when all finished) instead of "
+                        "refilling each finished slot; og.Engine 0.18 has stalled on the H200 when requests "
+                        "joined a running batch. Its figures are then a lower bound")
 
     g = p.add_argument_group("output")
     g.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
@@ -149,8 +166,12 @@ def _bytes(text: str) -> list[int]:
 
 
 def _bench(args) -> int:
-    draft_tokens = parse_list(args.draft_tokens, int, "--draft-tokens")
     loads = _loads(args)
+    if args.replicas or args.kill_replica_after is not None:
+        _check_cluster_args(args, loads)
+        draft_tokens = ()
+    else:
+        draft_tokens = parse_list(args.draft_tokens or "0,2", int, "--draft-tokens")
     a = args.synthetic_acceptance
     if a is not None and args.temperature > 0:
         raise ValueError("--synthetic-acceptance applies to greedy requests only: use --temperature 0")
@@ -182,6 +203,8 @@ def _bench(args) -> int:
         _log(f"SYNTHETIC acceptance: each draft is accepted with probability {a:g}; the outputs are not the model's")
 
     runs, anchor_note = [], None
+    if args.replicas:
+        return _bench_cluster(args, workload, loads, manifest)
     if args.url:
         from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
         from mtpserve.cluster.bench_workload import per_load
@@ -200,7 +223,8 @@ def _bench(args) -> int:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
-                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
+                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
+                                 args.anchor_waves)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
@@ -210,12 +234,38 @@ def _bench(args) -> int:
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 
 
-def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, anchor_note: str | None) -> int:
+def _check_cluster_args(args, loads) -> None:
+    if not args.replicas:
+        raise ValueError("--kill-replica-after needs --replicas N")
+    if args.url or args.compare:
+        raise ValueError("--replicas deploys and drives its own Serve app; drop --url and --compare")
+    if any(l.concurrency is None for l in loads):
+        raise ValueError("--replicas runs closed-loop loads: give --concurrency, not --request-rate")
+    if args.draft_tokens and "," in args.draft_tokens:
+        raise ValueError("with --replicas, --draft-tokens is the servers' one setting: K or auto")
+    if args.synthetic_acceptance is not None:
+        raise ValueError("--synthetic-acceptance is not a server setting; drop it with --replicas")
+
+
+def _bench_cluster(args, workload: Workload, loads, manifest) -> int:
+    from mtpserve.cluster import bench_cluster as cluster
+    from mtpserve.cluster.bench_workload import per_load
+    if args.kill_replica_after is None:
+        runs = cluster.run_replica_sweep(args, per_load(workload, loads, args.seed), log=_log)
+        return _report(args, runs, workload, loads, manifest, False, None, mode="replicas")
+    from mtpserve.cluster import bench_fault as fault
+    top = max(loads, key=lambda l: l.concurrency)
+    figures = fault.run_fault(args, top, workload, log=_log)
+    return _report(args, figures.pop("runs"), workload, (top,), manifest, False, None, mode="fault", fault=figures)
+
+
+def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, anchor_note: str | None,
+            mode: str | None = None, fault: dict | None = None) -> int:
     """Figures -> JSON (+ PNG) under --results-dir, and a table on stdout."""
     a = args.synthetic_acceptance
     summaries = [report.summarize(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in runs]
     comps = report.comparisons(summaries)
-    mode = "http" if args.url else "engine"
+    mode = mode or ("http" if args.url else "engine")
     model_name = Path(args.model).name if not args.url else args.url.split("//")[-1].replace(":", "_").replace("/", "_")
     name = args.name or f"{mode}-{model_name}" + ("-synthetic" if synthetic else "")
     now = _dt.datetime.now()
@@ -224,6 +274,10 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     if args.url:
         settings["draft_tokens"] = "the server's"
+    scaling = None
+    if mode == "replicas":
+        from mtpserve.cluster import bench_cluster as cluster
+        scaling = cluster.scaling(summaries)
     payload = {
         "name": name, "created": now.isoformat(timespec="seconds"), "mode": mode,
         "command": sys.argv, "git_commit": _git_commit(),
@@ -238,6 +292,10 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         "anchor_note": anchor_note,
         "results": summaries, "comparisons": comps,
     }
+    if scaling is not None:
+        payload["scaling"] = scaling
+    if fault is not None:
+        payload["fault"] = fault
     if manifest is not None:
         context = sum(lengths) / len(lengths) + args.max_tokens / 2
         payload["batch1_bandwidth_bound"] = report.bandwidth_bound(manifest, context, args.copy_gbps, summaries)
@@ -246,7 +304,12 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
                                 "records": [vars(x) for x in r.records]} for r in runs]
     report.write_json(path, payload)
     title = f"{name}: {mode} on {args.device}" + (f" — SYNTHETIC acceptance a={a:g}" if synthetic else "")
-    plot_note = None if args.no_plot else report.plot(summaries, path.with_suffix(".png"), title)
+    if args.no_plot or mode == "fault":
+        plot_note = None
+    elif scaling is not None:
+        plot_note = cluster.plot_scaling(summaries, scaling, path.with_suffix(".png"), title)
+    else:
+        plot_note = report.plot(summaries, path.with_suffix(".png"), title)
     if synthetic:
         print(f"NOTE: SYNTHETIC acceptance a={a:g} (drafts accepted at random, not by the model)")
     if anchor_note:
@@ -257,10 +320,26 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         print(f"batch-1 decode: TPOT p50 {bound['measured_tpot_p50_ms']:.3f} ms vs bandwidth bound "
               f"{bound['bound_ms']:.3f} ms ({bound['bytes_per_step'] / 1e9:.3f} GB at {bound['copy_gbps']:g} GB/s): "
               f"{100 * bound['fraction_of_bound']:.1f}% of the bound")
-    print(f"\nresults: {path}" + ("" if args.no_plot or plot_note else f"\nplot:    {path.with_suffix('.png')}"))
+    if scaling:
+        print("\n" + cluster.format_scaling(scaling))
+    if fault is not None:
+        from mtpserve.cluster.bench_fault import format_fault
+        print("\n" + format_fault(fault))
+    drew = not (args.no_plot or plot_note or mode == "fault")
+    print(f"\nresults: {path}" + (f"\nplot:    {path.with_suffix('.png')}" if drew else ""))
     if plot_note:
         print(plot_note)
+    if fault is not None:
+        return 0 if fault_ok(fault) else 1
     return 0 if all(s["num_completed"] for s in summaries) else 1
+
+
+def fault_ok(fault: dict) -> bool:
+    """Only the victim's in-flight requests failed, the app recovered and its pools are clean."""
+    others, after = fault["during"]["others"], fault["after_recovery"]
+    return (others["num_completed"] == others["num_requests"] and after["num_completed"] == after["num_requests"]
+            and fault["recovery_s"]["view_recovered_s"] is not None
+            and all(s["integrity"] == "ok" and s["idle_and_empty"] for s in fault["replicas_after"].values()))
 
 
 def _manifest(model: str, required: bool):

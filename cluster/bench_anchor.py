@@ -45,6 +45,7 @@ class AnchorSweep:
     num_warmup_requests: int = 4
     stall_s: float = 60.0
     timeout_s: float = 1800.0
+    waves: bool = False          # concurrency loads: submit C requests, wait for all, repeat
 
 
 def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -> tuple[list[LoadRun], str | None]:
@@ -188,7 +189,11 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
             req, rec = live.pop(key)
             rec.finish_s, rec.finish_reason = t, reason
             num_done += 1
-            if arrivals is None and next_i < n:
+            if arrivals is None and next_i < n and not sweep.waves:
+                submit(next_i, t)
+                next_i += 1
+        if arrivals is None and sweep.waves and not live:
+            while next_i < n and len(live) < load.concurrency:
                 submit(next_i, t)
                 next_i += 1
         if t - last_progress > sweep.stall_s:
@@ -208,7 +213,8 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     finish = [r.finish_s for r in records if r.finish_s is not None]
     return LoadRun("ortgenai", k, None, load.concurrency, load.request_rate,
                    end if error else max(finish, default=end), records, spec,
-                   {"capacity_blocked_events": blocked, "stray_events": stray, "num_blocks": sweep.num_blocks}, error)
+                   {"capacity_blocked_events": blocked, "stray_events": stray, "num_blocks": sweep.num_blocks,
+                    "waves": sweep.waves}, error)
 
 
 def _numeric(stats) -> dict:

@@ -78,6 +78,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     fused_replay: bool = True            # CUDA: the commit's recurrent replay as one CuPy kernel
+    warm_up: bool = True                 # CUDA: run every decode batch size once at start (see Engine)
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):

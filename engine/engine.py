@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from mtpserve.engine.speculative import (DraftPolicy, FixedDraftPolicy, SpecDeco
                                          propose_drafts, verify_sampled_batch)
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("mtpserve")
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,24 @@ class Engine:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         with self.device_context():
             self._build(config, draft_policy)
+            if self._stream is not None and config.warm_up:
+                self._warm_up_decode_shapes()
         if self._stream is not None:
             self._stream.synchronize()
+
+    def _warm_up_decode_shapes(self) -> None:
+        """One decode-shaped forward (one token per request, on the scratch block, states zero)
+        of the main model and the head at every batch size a step can have: ORT's PagedAttention
+        pays 50-70 ms on the first call of each shape, which would otherwise land on live steps."""
+        started = time.perf_counter()
+        xp, spec = self.xp, self.state_bank.spec
+        largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
+        for batch in range(1, largest + 1):
+            rows = [PackedRows([0], 0, []) for _ in range(batch)]
+            self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
+            if self.runner.head_session is not None:
+                self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
+        logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def device_context(self):
         """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""
