@@ -10,8 +10,11 @@ plan back in the reply; routers pull its placement view a few times a second.
 
 Reports are full snapshots, never deltas, so the planner's view is rebuilt from scratch by the
 next round of reports: after a worker restart (the new replica reports under a new id, the old
-one stops and expires after ``replica_ttl_s``, its sessions are re-placed) and after the
-planner itself is restarted (workers report the sessions they hold).
+one stops and is forgotten, its sessions are re-placed) and after the planner itself is
+restarted (workers report the sessions they hold). A replica whose reports stop is forgotten
+after ``replica_ttl_s`` (a loaded replica may just be late), or as soon as its Ray actor is
+gone: the actor looks up every replica silent for ``SILENT_AFTER_S``, so a killed replica
+leaves the view within a second or two.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mtpserve.actors.engine_loop import LoopSnapshot
 from mtpserve.actors.metrics import MetricsSnapshot
 
 NAMESPACE = "mtpserve"
+SILENT_AFTER_S = 1.0             # a replica this long without a report is checked for liveness
 
 
 def planner_name(app_name: str) -> str:
@@ -41,6 +45,7 @@ class WorkerReport:
     metrics: MetricsSnapshot
     max_drafts: int                  # the replica's cap on drafts per step (0 = MTP off)
     adaptive: bool                   # whether the replica follows planned draft counts
+    actor_name: str | None = None    # the replica's named Ray actor, for liveness checks
 
 
 @dataclass
@@ -135,6 +140,14 @@ class PlannerState:
             if now - seen > self.session_ttl_s or rid not in self.reports:
                 del self.sessions[sid]
 
+    def silent_replicas(self, now: float, after_s: float) -> list[WorkerReport]:
+        """The latest reports of replicas that have not reported for ``after_s``."""
+        return [r for r, received in self.reports.values() if now - received > after_s]
+
+    def forget(self, replica_id: str) -> None:
+        """Drop a replica known to be gone (its sessions are placed afresh)."""
+        self._forget_replica(replica_id)
+
     def _forget_replica(self, replica_id: str) -> None:
         self.reports.pop(replica_id, None)
         self.plans.pop(replica_id, None)
@@ -164,6 +177,7 @@ class PlannerActor:
 
     def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):
         self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s)
+        self._checked_at = 0.0
 
     def report(self, report: WorkerReport) -> WorkerPlan:
         return self.state.report(report, time.time())
@@ -172,7 +186,15 @@ class PlannerActor:
         return self.state.bind_session(session_id, replica_id, time.time())
 
     def placement(self) -> PlacementView:
-        return self.state.placement(time.time())
+        now = time.time()
+        if now - self._checked_at > SILENT_AFTER_S:
+            self._checked_at = now
+            silent = [r for r in self.state.silent_replicas(now, SILENT_AFTER_S) if r.actor_name]
+            live = _live_actor_names() if silent else set()
+            for report in silent:
+                if report.actor_name not in live:
+                    self.state.forget(report.replica_id)
+        return self.state.placement(now)
 
     def metrics(self) -> dict:
         return self.state.metrics()
@@ -183,6 +205,11 @@ class PlannerActor:
     def draft_plans(self) -> dict[str, dict[str, tuple[float, int]]]:
         """{replica: {request id: (acceptance EMA, planned K)}} from the latest reports."""
         return self.state.plans
+
+
+def _live_actor_names() -> set[str]:
+    """Names of the cluster's live named actors, every namespace (a dead actor's name is released)."""
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
 def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):

@@ -102,6 +102,7 @@ class Worker:
         self.loop = EngineLoop(self.engine, self.policy, cfg.max_pending).start()
         self._stopping = threading.Event()
         self._planner = None                     # the planner actor's handle, once known
+        self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None
         if self.app_name is not None:
             self._reporter = threading.Thread(target=self._report_loop, name="mtpserve-report", daemon=True)
@@ -223,7 +224,7 @@ class Worker:
                                                                     draft_cost=self.config.draft_cost)
                 snapshot = self.loop.snapshot
                 report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.recorder.snapshot(),
-                                      self.max_drafts, adaptive=self.policy is not None)
+                                      self.max_drafts, adaptive=self.policy is not None, actor_name=self._actor_name)
                 plan = ray.get(planner.report.remote(report), timeout=10)
             except Exception as e:
                 logger.warning(f"report to the planner failed ({e!r}); retrying")

@@ -7,6 +7,8 @@
           - name: mtpserve
             import_path: mtpserve.cluster.app:app_builder
             args: {num_replicas: 2, device: cpu, draft_tokens: auto}
+
+(``num_replicas: auto`` there is one replica per GPU of the cluster with ``device: cuda``.)
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def build_app(options: ServeOptions):
 def app_builder(args: dict):
     """Serve config entry point: ``args`` holds ServeOptions fields (draft_tokens may be 'auto')."""
     args = dict(args or {})
+    if str(args.get("num_replicas", "")).lower() == "auto":
+        args["num_replicas"] = _num_gpus() if args.get("device") == "cuda" else 1
     if "draft_tokens" in args:
         args["draft_tokens"] = parse_draft_tokens(args["draft_tokens"])
     known = {f.name for f in dataclasses.fields(ServeOptions)}
@@ -95,3 +99,11 @@ def app_builder(args: dict):
     if unknown:
         raise ValueError(f"unknown mtpserve options {unknown}; known: {sorted(known)}")
     return build_app(ServeOptions(**args))
+
+
+def _num_gpus() -> int:
+    import ray
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if num_gpus < 1:
+        raise ValueError("num_replicas: auto with device: cuda, but the Ray cluster has no GPU")
+    return num_gpus

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from mtpserve.cluster.bench_report import LoadRun, RequestRecord
 from mtpserve.cluster.bench_workload import Load, Workload
 
+REPLICA_HEADER = "x-mtpserve-replica"     # which replica answered (mtpserve's own servers)
+
 
 @dataclass(frozen=True)
 class HttpTarget:
@@ -120,6 +122,7 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
 async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:
     num_chunks = 0
     async with session.post(f"{url}/v1/completions", json=payload) as resp:
+        rec.replica_id = resp.headers.get(REPLICA_HEADER)
         if resp.status != 200:
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
@@ -133,7 +136,8 @@ async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: floa
                 break
             obj = json.loads(data)
             if "error" in obj:
-                rec.error = str(obj["error"].get("message", obj["error"]))[:300]
+                err = obj["error"]
+                rec.error = (f"stream error event ({err.get('code')}): " + str(err.get("message", err)))[:300]
                 break
             for choice in obj.get("choices") or []:
                 if choice.get("text"):

@@ -37,6 +37,7 @@ class RequestRecord:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    replica_id: str | None = None        # the server replica that answered (HTTP header), if any
 
     def add_chunk(self, t: float, num_tokens: int) -> None:
         self.chunk_times_s.append(t)

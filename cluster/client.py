@@ -20,11 +20,14 @@ stop, stop_token_ids, ignore_eos); a bad value raises ``ValueError`` from the re
 ``x-session-id``). Leaving a stream early aborts the request on its replica.
 
 The same calls work on the raw handle: ``handle.generate.remote(prompt, {"max_tokens": 8})`` and
-``handle.options(stream=True).stream.remote(prompt, {...})``.
+``handle.options(stream=True).stream.remote(prompt, {...})``. ``replica_statuses(app)`` reads
+every live replica's pools and integrity checks (for tests, benchmarks and operators).
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import AsyncIterator, Iterator
 
 from ray import serve
@@ -68,3 +71,32 @@ class MTPClient:
                 yield event
         finally:
             gen.cancel()
+
+
+def replica_statuses(app_name: str = "mtpserve", max_wait_s: float = 10.0) -> dict[str, dict]:
+    """``engine_status`` of every replica in the planner's view, keyed by replica id.
+
+    Each call goes to its replica through a fresh session bound in the planner's session table
+    (the router follows the table from its next view refresh, a fraction of a second).
+    """
+    import ray
+
+    from mtpserve.actors.planner import get_planner
+    planner = get_planner(app_name)
+    if planner is None:
+        raise RuntimeError(f"no planner for the application {app_name!r}")
+    handle = serve.get_app_handle(app_name)
+    out = {}
+    for rid in ray.get(planner.placement.remote(), timeout=30).replicas:
+        sid = f"status-{rid}-{uuid.uuid4().hex[:6]}"
+        ray.get(planner.bind_session.remote(sid, rid), timeout=30)
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            status = handle.options(session_id=sid).engine_status.remote().result()
+            if status["replica_id"] == rid or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        if status["replica_id"] != rid:
+            raise RuntimeError(f"the router did not follow the planner's session table to {rid}")
+        out[rid] = status
+    return out

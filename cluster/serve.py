@@ -2,11 +2,14 @@
 
     mtpserve serve                                  local Ray, bundled model, CPU, one replica
     mtpserve serve --replicas 2 --port 8000         two CPU replicas
-    mtpserve serve --device cuda --replicas 8 --address auto    one replica per GPU of a cluster
+    mtpserve serve --device cuda                    one replica per GPU of this machine
+    mtpserve serve --device cuda --address auto     one replica per GPU of a running cluster
 
 With no --address a local Ray is started and shut down on exit; with --address the app is
 deployed onto that cluster and deleted on exit (the cluster keeps running). Serve's HTTP proxy
-binds --host (127.0.0.1 unless told otherwise): pass --api-key when exposing it.
+binds --host (127.0.0.1 unless told otherwise): pass --api-key when exposing it. A local Ray's
+proxy answers requests whose replica died with OpenAI errors (``actors/proxy_middleware.py``);
+on a cluster, set that module's environment variable on the nodes.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="paged onnxruntime-genai export directory (default: the bundled model)")
     p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the folder's name)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--replicas", type=int, default=1, help="engine replicas (one per GPU with --device cuda)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas (default: one per GPU of the Ray cluster with --device cuda, else 1)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--draft-tokens", default="auto", metavar="K|auto",
@@ -49,12 +53,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def options_from_args(args, num_cpus_available: float | None = None) -> ServeOptions:
+def options_from_args(args, num_cpus_available: float | None = None,
+                      num_gpus_available: int | None = None) -> ServeOptions:
+    num_replicas = args.replicas or (num_gpus_available if args.device == "cuda" and num_gpus_available else 1)
     num_cpus = 1.0
     if args.device == "cpu" and num_cpus_available:   # fit N CPU replicas on a small machine
-        num_cpus = max(0.1, min(1.0, num_cpus_available / args.replicas))
+        num_cpus = max(0.1, min(1.0, num_cpus_available / num_replicas))
     return ServeOptions(model_dir=args.model, model_name=args.model_name, device=args.device,
-                        num_replicas=args.replicas, draft_tokens=parse_draft_tokens(args.draft_tokens),
+                        num_replicas=num_replicas, draft_tokens=parse_draft_tokens(args.draft_tokens),
                         num_threads=args.num_threads, num_blocks=args.num_blocks,
                         max_resident_requests=args.max_resident_requests, api_key=args.api_key,
                         num_cpus_per_replica=num_cpus)
@@ -65,6 +71,7 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from mtpserve.actors.planner import shutdown_planner
+    from mtpserve.actors.proxy_middleware import install
     try:
         options = options_from_args(args, None)
         options.validate()
@@ -73,10 +80,16 @@ def cmd_serve(args) -> int:
         return 2
     started_ray = args.address is None
     if started_ray:
+        install()
         ray.init(include_dashboard=False, logging_level="WARNING")
-        options = options_from_args(args, ray.cluster_resources().get("CPU"))
     else:
         ray.init(address=args.address, logging_level="WARNING")
+    resources = ray.cluster_resources()
+    if args.device == "cuda" and not resources.get("GPU"):
+        print("mtpserve: error: --device cuda, but the Ray cluster has no GPU", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    options = options_from_args(args, resources.get("CPU") if started_ray else None, int(resources.get("GPU", 0)))
     stop = _install_signal_handlers()
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

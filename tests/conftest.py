@@ -54,6 +54,8 @@ def ray_cluster():
     started = not ray.is_initialized()
     port = int(os.environ.setdefault(PORT_ENV, str(_free_port())))
     if started:
+        from mtpserve.actors.proxy_middleware import install
+        install()        # the proxy answers requests whose replica died with OpenAI errors
         ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield {"address": ray.get_runtime_context().gcs_address, "url": f"http://127.0.0.1:{port}"}

@@ -97,3 +97,15 @@ def test_a_restarted_planner_rebuilds_from_one_round_of_reports():
     vb, va = before.placement(2.0), after.placement(2.0)
     assert va.sessions == vb.sessions == {"a": "r1", "b": "r1", "c": "r2"}
     assert va.replicas == vb.replicas
+
+
+def test_a_silent_replica_is_listed_for_a_liveness_check_and_forgetting_it_replaces_its_sessions():
+    planner = PlannerState(replica_ttl_s=15.0)
+    planner.report(report("a", sessions=("s1",)), now=0.0)
+    planner.report(report("b"), now=0.0)
+    planner.report(report("b"), now=2.0)
+    assert [r.replica_id for r in planner.silent_replicas(now=2.0, after_s=1.0)] == ["a"]
+    planner.forget("a")                 # the actor checked it and found it gone, long before the TTL
+    view = planner.placement(now=2.1)
+    assert set(view.replicas) == {"b"} and "s1" not in view.sessions
+    assert planner.bind_session("s1", "b", now=2.2) == "b"

@@ -22,7 +22,8 @@ from mtpserve.actors.metrics import MetricsSnapshot  # noqa: E402
 from mtpserve.actors.planner import (WorkerReport, get_or_create_planner, get_planner,  # noqa: E402
                                      shutdown_planner)
 from mtpserve.cluster.app import ServeOptions, build_app  # noqa: E402
-from mtpserve.cluster.client import MTPClient  # noqa: E402
+from mtpserve.cluster.bench_fault import kill_replica  # noqa: E402
+from mtpserve.cluster.client import MTPClient, replica_statuses  # noqa: E402
 from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 from mtpserve.engine.manifest import load_manifest  # noqa: E402
@@ -79,21 +80,21 @@ def _complete(app, prompt, session=None, **params):
 
 
 def _status_of_every_replica() -> dict[str, dict]:
-    """engine_status of each replica: bind a fresh session to it, then call through the handle."""
-    handle = serve.get_app_handle(APP)
-    planner = get_planner(APP)
-    out = {}
-    for rid in _live_placement().replicas:
-        sid = f"status-{rid}-{uuid.uuid4().hex[:6]}"
-        ray.get(planner.bind_session.remote(sid, rid))
-        for _ in range(40):                            # until the router's next placement refresh
-            status = handle.options(session_id=sid).engine_status.remote().result()
-            if status["replica_id"] == rid:
-                break
-            time.sleep(0.25)
-        assert status["replica_id"] == rid, "the router honours the planner's session table"
-        out[rid] = status
-    return out
+    """engine_status of each replica (through a session bound to it), once the planner answers."""
+    _live_placement()
+    return replica_statuses(APP)
+
+
+def _session_on(app, replica_id: str) -> str:
+    """A fresh session id that the router sends to ``replica_id`` (bound in the planner's table)."""
+    sid = f"pin-{uuid.uuid4().hex[:8]}"
+    ray.get(get_planner(APP).bind_session.remote(sid, replica_id))
+    # a request routed before the router's next view refresh would bind the session elsewhere,
+    # and that replica would then report holding it: give the router a few refreshes first
+    time.sleep(1.0)
+    _wait_for(lambda: _complete(app, "p = ", session=sid, max_tokens=1)[1] == replica_id,
+              f"the router sends session {sid} to {replica_id}", timeout=15)
+    return sid
 
 
 def test_sessions_stick_to_a_replica_and_other_load_spreads(app):
@@ -236,3 +237,66 @@ def test_a_client_that_closes_without_reading_a_byte_is_aborted(app):
         time.sleep(0.3)              # the replica takes the request; not one byte of the answer is read
     _wait_for(all_free, "the abandoned request's blocks and rows are free", timeout=30)
     assert emitted() - before < 600, "the abandoned request ran on instead of being aborted"
+
+
+def test_a_replica_killed_mid_load_fails_only_its_requests_and_serve_replaces_it(app):
+    victim, survivor = sorted(_live_placement().replicas)
+    doomed, spared = _session_on(app, victim), _session_on(app, survivor)
+    max_tokens = 300
+    progress = {"victim_chunks": 0}
+
+    def stream(session):
+        body = {"model": app["model"], "prompt": "def run(self):", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        out = {"chunks": 0, "finish": None, "error": None, "done": False, "usage": None}
+        # a read timeout, not a total one: a stream that stops without ending fails the test
+        with requests.post(f"{app['base']}/v1/completions", json=body, headers={"x-session-id": session},
+                           stream=True, timeout=(10, 60)) as r:
+            out["status"], out["replica"] = r.status_code, r.headers.get("x-mtpserve-replica")
+            for line in r.iter_lines():
+                if line == b"data: [DONE]":
+                    out["done"] = True
+                elif line.startswith(b"data: {"):
+                    obj = json.loads(line[6:])
+                    out["error"] = obj.get("error", out["error"])
+                    out["usage"] = obj.get("usage") or out["usage"]
+                    for choice in obj.get("choices") or []:
+                        out["chunks"] += bool(choice["text"])
+                        out["finish"] = choice["finish_reason"] or out["finish"]
+                    if session == doomed:
+                        progress["victim_chunks"] += 1
+        return out
+
+    def complete(session):
+        body = {"model": app["model"], "prompt": "class Node:", "max_tokens": max_tokens, "ignore_eos": True}
+        r = requests.post(f"{app['base']}/v1/completions", json=body, headers={"x-session-id": session}, timeout=60)
+        return r.status_code, r.json()
+
+    with ThreadPoolExecutor(5) as pool:
+        on_victim = [pool.submit(stream, doomed) for _ in range(2)] + [pool.submit(complete, doomed)]
+        on_survivor = [pool.submit(stream, spared) for _ in range(2)]
+        _wait_for(lambda: progress["victim_chunks"] >= 10, "the victim's streams are under way", timeout=30)
+        kill_replica(APP, victim)                       # SIGKILL: no cleanup, Serve may restart it
+        cut, plain, spared_out = [f.result() for f in on_victim[:2]], on_victim[2].result(), \
+            [f.result() for f in on_survivor]
+
+    for out in cut:       # a finished stream carrying an OpenAI error, never a hang or a torn chunk
+        assert out["status"] == 200 and out["replica"] == victim and out["done"], out
+        assert out["finish"] is None and out["error"]["code"] == "replica_unavailable", out
+    status, body = plain  # no byte sent yet: an HTTP error with the envelope
+    assert status == 503 and body["error"]["code"] == "replica_unavailable", (status, body)
+    for out in spared_out:
+        assert out["replica"] == survivor and out["error"] is None and out["finish"] == "length", out
+        assert out["usage"]["completion_tokens"] == max_tokens
+
+    view = []
+    _wait_for(lambda: (v := _placement()) is not None and victim not in v.replicas and len(v.replicas) == 2
+              and not view.append(v), "Serve replaced the killed replica in the planner's view", timeout=90)
+    assert victim not in view[-1].sessions.values(), "the dead replica's sessions are forgotten"
+    (new,) = set(view[-1].replicas) - {survivor}
+    assert _complete(app, "e = ", session=_session_on(app, new))[0]["usage"]["completion_tokens"] == 8
+    assert _complete(app, "f = ", session=spared)[1] == survivor, "the survivor keeps its sessions"
+    statuses = _status_of_every_replica()
+    assert set(statuses) == {survivor, new}
+    for s in statuses.values():
+        assert s["integrity"] == "ok" and s["idle_and_empty"], s

@@ -1,0 +1,80 @@
+"""What a client sees when its replica dies: an ASGI middleware for Ray Serve's HTTP proxy.
+
+The OpenAI routes run on the replica itself (one hop for tokens), so when a replica's process
+dies its in-flight requests die with it and nothing on the replica can answer them. Ray Serve's
+proxy then says little: a request whose response had not started gets a bare
+``500 Internal Server Error``; a stream that had started is cut off mid-chunk (clients report
+an incomplete chunked read). In the proxy, this middleware turns both into OpenAI errors:
+
+    no response yet        ->  503 {"error": {..., "code": "replica_unavailable"}}
+    SSE stream cut short   ->  data: {"error": {..., "code": "replica_unavailable"}}
+                               data: [DONE]
+
+A 503 before the first token is safe to retry (the OpenAI clients do): the request ran nowhere
+else. Only the generation routes (paths ending in ``/completions``) are touched.
+
+Serve builds its proxies' middlewares from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in the
+environment of each node's Ray processes: set it to ``PROXY_CALLBACK`` on every node where
+mtpserve is installed (``ray start``, the RayService pods), or call ``install()`` before
+``ray.init`` starts a local cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mtpserve.actors.protocol import SSE_DONE, APIError
+
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "mtpserve.actors.proxy_middleware:middlewares"
+REPLICA_LOST = ("the replica serving this request stopped before it finished; "
+                "other replicas are unaffected, retry the request")
+
+
+def install(environ=os.environ) -> None:
+    """Ask the proxies of a Ray started after this call (from this process) to use the middleware."""
+    environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+
+
+def middlewares() -> list:
+    """Serve's proxy callback: the middlewares to wrap its ASGI app with."""
+    from starlette.middleware import Middleware
+    return [Middleware(ReplicaLossMiddleware)]
+
+
+def replica_lost_error() -> APIError:
+    return APIError(503, REPLICA_LOST, "server_error", None, "replica_unavailable")
+
+
+class ReplicaLossMiddleware:
+    """Completes a generation response that the proxy left unstarted or cut short."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope.get("path", "").endswith("/completions"):
+            return await self.app(scope, receive, send)
+        state = {"started": False, "sse": False, "ended": False}
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                headers = dict(message.get("headers") or ())
+                state["sse"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        await self.app(scope, receive, watch)
+        if not state["started"]:
+            err = replica_lost_error()
+            body = json.dumps(err.body()).encode()
+            await send({"type": "http.response.start", "status": err.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        elif state["sse"] and not state["ended"]:
+            event = f"data: {json.dumps(replica_lost_error().body())}\n\n{SSE_DONE}"
+            await send({"type": "http.response.body", "body": event.encode()})

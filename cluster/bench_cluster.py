@@ -1,0 +1,236 @@
+"""Replica scaling for `mtpserve bench --replicas 1,N`: the real Serve app, 1 then N replicas.
+
+    mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32     CPU replicas
+    mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256     one replica per GPU
+
+For each replica count, in one run: deploy the app (``cluster.app.build_app``, as `mtpserve
+serve` does) on a local Ray (or ``--address``), wait until every replica reports to the planner,
+drive its HTTP endpoint with the `bench --url` driver at every load, delete the app. Figures per
+(replicas, load) are the usual ones; on top, the scaling ratio N-vs-1 replicas at each load
+and each replica's share of the requests (from the ``x-mtpserve-replica`` header), to show
+whether load was spread evenly. With --device cuda each replica takes one GPU; on the CPU the
+replicas split the machine's cores (ORT threads = cores / replicas unless --num-threads).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+APP_NAME = "mtpserve-bench"
+DEFAULT_PORT = 8000
+
+
+def replica_label(num_replicas: int) -> str:
+    return f"{num_replicas} replica" + ("s" if num_replicas > 1 else "")
+
+
+def parse_replicas(value: str, device: str, num_devices: int) -> tuple[int, ...]:
+    """'1,2' -> (1, 2); 'all' is one replica per GPU (cuda) or per core (cpu)."""
+    items = []
+    for v in str(value).split(","):
+        v = v.strip()
+        if v:
+            items.append(num_devices if v == "all" else int(v))
+    if not items or min(items) < 1:
+        raise ValueError(f"--replicas must list counts >= 1 (or 'all'), got {value!r}")
+    if device == "cuda" and max(items) > num_devices:
+        raise ValueError(f"--replicas {max(items)} needs {max(items)} GPUs; the cluster has {num_devices}")
+    return tuple(dict.fromkeys(items))
+
+
+# ---------------------------------------------------------------------------- the app
+@contextmanager
+def local_ray(address: str | None):
+    """Ray for the run: join ``address`` or start a local one (with replica-loss errors in its proxy)."""
+    import ray
+
+    from mtpserve.actors.proxy_middleware import install
+    if address:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    else:
+        install()
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def num_devices(ray, device: str) -> int:
+    resource = "GPU" if device == "cuda" else "CPU"
+    return int(ray.cluster_resources().get(resource, 0))
+
+
+def serve_options(args, num_replicas: int, num_cpus: int):
+    from mtpserve.cluster.app import ServeOptions, parse_draft_tokens
+    threads = args.num_threads
+    if args.device == "cpu" and not threads:
+        threads = max(1, num_cpus // num_replicas)
+    return ServeOptions(model_dir=args.model, device=args.device, num_replicas=num_replicas,
+                        draft_tokens=parse_draft_tokens(args.draft_tokens or "auto"), num_threads=threads,
+                        num_blocks=args.num_blocks, max_resident_requests=args.max_resident_requests or 64,
+                        num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas))
+                        if args.device == "cpu" else 1.0)
+
+
+@contextmanager
+def deployed(options, port: int, log, timeout_s: float = 600.0):
+    """The Serve app with ``options``, every replica reporting to its planner; yields the base URL."""
+    from ray import serve
+
+    from mtpserve.actors.planner import shutdown_planner
+    from mtpserve.cluster.app import build_app
+    started = time.perf_counter()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+    try:
+        wait_for_view(lambda v: len(v.replicas) == options.num_replicas, timeout_s,
+                      f"{options.num_replicas} replicas report to the planner")
+        log(f"{replica_label(options.num_replicas)} up in {time.perf_counter() - started:.1f} s")
+        yield f"http://127.0.0.1:{_proxy_port(port)}"
+    finally:
+        serve.delete(APP_NAME)
+        shutdown_planner(APP_NAME)
+
+
+def placement():
+    """The planner's placement view, or None while it is missing or restarting."""
+    import ray
+
+    from mtpserve.actors.planner import get_planner
+    planner = get_planner(APP_NAME)
+    try:
+        return ray.get(planner.placement.remote(), timeout=10) if planner is not None else None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def wait_for_view(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """The first placement view satisfying ``predicate``; RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = placement()
+        if view is not None and predicate(view):
+            return view
+        time.sleep(interval_s)
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting until {what}")
+
+
+def _proxy_port(port: int) -> int:
+    from mtpserve.cluster.serve import _proxy_address
+    return _proxy_address("127.0.0.1", port)[1]
+
+
+# ---------------------------------------------------------------------------- the sweep
+def run_replica_sweep(args, loads_with_workloads, log) -> list:
+    """LoadRuns of every replica count (--replicas) at every load; ``system`` is the replica label."""
+    from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
+    runs = []
+    with local_ray(args.address) as ray:
+        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        replica_counts = parse_replicas(args.replicas, args.device, num_devices(ray, args.device))
+        log(f"replica counts {replica_counts} on {args.device}; loads {[l.label for l, _ in loads_with_workloads]}")
+        for n in replica_counts:
+            options = serve_options(args, n, cpus)
+            with deployed(options, args.port, log) as url:
+                target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
+                                    args.ignore_eos, args.timeout_s, args.warmup_requests)
+                for run in run_http_loads(target, loads_with_workloads, log=lambda m, n=n: log(f"[{n}] {m}")):
+                    run.system = replica_label(n)
+                    run.extra["num_replicas"] = n
+                    run.extra["replica_share"] = replica_share(run.records)
+                    runs.append(run)
+    return runs
+
+
+def replica_share(records) -> dict:
+    """Requests and output tokens per answering replica, and how uneven the split was."""
+    requests = Counter(r.replica_id or "none" for r in records)
+    tokens = Counter()
+    for r in records:
+        tokens[r.replica_id or "none"] += r.num_output_tokens if r.completed else 0
+    counts = list(requests.values())
+    return {"requests": dict(requests), "output_tokens": dict(tokens),
+            "max_over_mean": round(max(counts) / (sum(counts) / len(counts)), 3) if counts else None}
+
+
+def scaling(summaries: list[dict]) -> list[dict]:
+    """N-vs-1 replica ratios at each load, for every N > 1 measured alongside 1 replica."""
+    by_key = {(s["extra"]["num_replicas"], s["load"]): s for s in summaries if s["num_completed"]}
+    out = []
+    for (n, load), s in sorted(by_key.items()):
+        base = by_key.get((1, load))
+        if n == 1 or base is None:
+            continue
+        tps, rps = s["output_token_throughput"], s["request_throughput"]
+        out.append({"num_replicas": n, "load": load, "concurrency": s["concurrency"],
+                    "output_token_throughput": tps, "baseline_output_token_throughput": base["output_token_throughput"],
+                    "throughput_ratio": round(tps / base["output_token_throughput"], 3),
+                    "request_throughput_ratio": round(rps / base["request_throughput"], 3),
+                    "efficiency": round(tps / base["output_token_throughput"] / n, 3),
+                    "ttft_p50_ratio": _ratio(s, base, "ttft_ms"), "tpot_p50_ratio": _ratio(s, base, "tpot_ms"),
+                    "replica_max_over_mean": s["extra"]["replica_share"]["max_over_mean"]})
+    return out
+
+
+def _ratio(s: dict, base: dict, key: str):
+    a, b = (s.get(key) or {}).get("p50"), (base.get(key) or {}).get("p50")
+    return round(a / b, 3) if a and b else None
+
+
+def format_scaling(rows: list[dict]) -> str:
+    lines = [f"{'replicas':>8} {'load':>8} {'tok/s':>9} {'1-replica':>10} {'ratio':>6} {'effic.':>6} "
+             f"{'TTFT p50':>9} {'TPOT p50':>9} {'max/mean requests':>18}"]
+    for r in rows:
+        lines.append(f"{r['num_replicas']:>8} {r['load']:>8} {r['output_token_throughput']:>9.1f} "
+                     f"{r['baseline_output_token_throughput']:>10.1f} {r['throughput_ratio']:>5.2f}x "
+                     f"{r['efficiency']:>6.2f} {_x(r['ttft_p50_ratio']):>9} {_x(r['tpot_p50_ratio']):>9} "
+                     f"{r['replica_max_over_mean']:>18}")
+    return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def plot_scaling(summaries: list[dict], rows: list[dict], path: Path, title: str) -> str | None:
+    """Tokens/s against concurrency per replica count, and the N-vs-1 ratio against the ideal N."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n in sorted({s["extra"]["num_replicas"] for s in summaries}):
+        pts = sorted((s["concurrency"], s["output_token_throughput"]) for s in summaries
+                     if s["extra"]["num_replicas"] == n and s["num_completed"] and s["concurrency"])
+        ax_tps.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=replica_label(n))
+    ax_tps.set_xscale("log")
+    xs = sorted({s["concurrency"] for s in summaries if s["concurrency"]})
+    ax_tps.set_xticks(xs, [str(x) for x in xs])
+    ax_tps.minorticks_off()
+    ax_tps.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    ax_tps.grid(True, alpha=0.3)
+    ax_tps.legend(fontsize=8)
+    for n in sorted({r["num_replicas"] for r in rows}):
+        mine = [r for r in rows if r["num_replicas"] == n]
+        ax_ratio.plot([str(r["concurrency"]) for r in mine], [r["throughput_ratio"] for r in mine], marker="o",
+                      label=f"{n} vs 1 replica")
+        ax_ratio.axhline(n, linestyle="--", color="grey", linewidth=1)
+    ax_ratio.axhline(1, linestyle=":", color="grey", linewidth=1)
+    ax_ratio.set(xlabel="concurrency", ylabel="tokens/s ratio (dashed: ideal)", title="scaling N vs 1 replica")
+    ax_ratio.set_ylim(bottom=0)
+    ax_ratio.grid(True, alpha=0.3)
+    if rows:
+        ax_ratio.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
