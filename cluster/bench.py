@@ -94,6 +94,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="drive og.Engine in waves (C requests at once, the next C when all finished) instead of "
                         "refilling each finished slot; og.Engine 0.18 has stalled on the H200 when requests "
                         "joined a running batch. Its figures are then a lower bound")
+    g.add_argument("--anchor-fresh-engine", action="store_true",
+                   help="a new og.Engine (and warm-up) for every load instead of one per draft count")
+    g.add_argument("--anchor-no-min-tokens", action="store_true",
+                   help="do not ask og.Engine for max_tokens at least (set_min_generated_tokens) under --ignore-eos: "
+                        "it may then stop at the end-of-sequence token")
 
     g = p.add_argument_group("output")
     g.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
@@ -224,7 +229,7 @@ def _bench(args) -> int:
                          "(--anchor-draft-tokens to override)")
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
-                                 args.anchor_waves)
+                                 args.anchor_waves, args.anchor_fresh_engine, not args.anchor_no_min_tokens)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,

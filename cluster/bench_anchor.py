@@ -46,6 +46,8 @@ class AnchorSweep:
     stall_s: float = 60.0
     timeout_s: float = 1800.0
     waves: bool = False          # concurrency loads: submit C requests, wait for all, repeat
+    fresh_engine: bool = False   # a new og.Model / og.Engine (and warm-up) for every load
+    min_tokens: bool = True      # with ignore_eos, ask og for max_tokens at least (set_min_generated_tokens)
 
 
 def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -> tuple[list[LoadRun], str | None]:
@@ -136,7 +138,7 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
         req = engine.create_request()
         opts = og.TurnOptions(req)
         opts.set_max_generated_tokens(max_tokens)
-        if sweep.ignore_eos:
+        if sweep.ignore_eos and sweep.min_tokens:
             opts.set_min_generated_tokens(max_tokens)
         opts.set_do_sample(False)
         req.begin_turn(np.asarray(prompts[i], dtype=np.int32), opts)
@@ -217,6 +219,19 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
                     "waves": sweep.waves}, error)
 
 
+def _og_engine(og, shadow: Path, k: int, workload: Workload, sweep: AnchorSweep):
+    """A ready og.Engine on the shadow export, warmed up on the first prompts; (model, engine)."""
+    started = time.perf_counter()
+    model = og.Model(str(shadow))
+    engine = og.Engine(model)
+    print(f"ortgenai K={k}: og.Engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    if sweep.num_warmup_requests:
+        n = min(sweep.num_warmup_requests, workload.num_requests)
+        og_run_load(og, engine, Workload(workload.prompt_ids[:n], None), Load(concurrency=n), k, sweep,
+                    min(16, sweep.max_tokens))
+    return model, engine
+
+
 def _numeric(stats) -> dict:
     return {k: v for k, v in dict(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
@@ -248,18 +263,17 @@ def child_main(spec_path: str, out_path: str) -> int:
     for k in sweep.draft_tokens:
         try:
             shadow = shadow_export(Path(sweep.model_dir), Path(spec["shadow"]), k, sweep.num_blocks, max(max_batch, 1))
-            started = time.perf_counter()
-            model = og.Model(str(shadow))
-            engine = og.Engine(model)
-            print(f"ortgenai K={k}: og.Engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-            if sweep.num_warmup_requests:
-                n = min(sweep.num_warmup_requests, workload.num_requests)
-                og_run_load(og, engine, Workload(workload.prompt_ids[:n], None), Load(concurrency=n), k, sweep,
-                            min(16, sweep.max_tokens))
-            max_drafts = engine.max_draft_tokens_per_proposal() if k else 0
+            engine = model = None
             for load, wl in per_load(workload, sweep.loads, sweep.seed):
+                if engine is None or sweep.fresh_engine:
+                    engine = model = None
+                    _KEPT.clear()
+                    gc.collect()
+                    model, engine = _og_engine(og, shadow, k, workload, sweep)
+                max_drafts = engine.max_draft_tokens_per_proposal() if k else 0
                 run = og_run_load(og, engine, wl, load, k, sweep, sweep.max_tokens)
                 run.extra["og_max_draft_tokens_per_proposal"] = max_drafts
+                run.extra["fresh_engine"], run.extra["min_tokens"] = sweep.fresh_engine, sweep.min_tokens
                 result["runs"].append(run.to_dict())
                 save()
                 print(f"ortgenai K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
