@@ -162,7 +162,7 @@ def scaling(summaries: list[dict]) -> list[dict]:
     """N-vs-1 replica ratios at each load, for every N > 1 measured alongside 1 replica."""
     by_key = {(s["extra"]["num_replicas"], s["load"]): s for s in summaries if s["num_completed"]}
     out = []
-    for (n, load), s in sorted(by_key.items()):
+    for (n, load), s in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1]["concurrency"] or 0)):
         base = by_key.get((1, load))
         if n == 1 or base is None:
             continue
