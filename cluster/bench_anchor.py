@@ -116,9 +116,11 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
     return shadow
 
 
-# Every og.Request stays referenced until its engine is gone: a dropped one is closed (its late
-# events then name a request nobody holds), and a new one could reuse its id().
-_KEPT: list = []
+# og.Requests of the current load stay referenced while unfinished (in og_run_load's `live`);
+# a finished one is dropped at once: og.Engine closes a dropped request and frees its batch slot.
+# A finished request that stays referenced keeps its slot (seen on the H200 with og 0.18: after
+# max_batch_size finished requests were kept, every new one waited forever), and its late events
+# are counted as stray.
 
 
 def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep, max_tokens: int) -> LoadRun:
@@ -144,7 +146,6 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
         req.begin_turn(np.asarray(prompts[i], dtype=np.int32), opts)
         rec = RequestRecord(f"og-{i}", len(prompts[i]), arrival)
         records.append(rec)
-        _KEPT.append(req)
         live[id(req)] = (req, rec)
 
     next_i = 0
@@ -193,7 +194,8 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
                 finished.append((key, "length"))
                 missed_finish += 1
         for key, reason in finished:
-            req, rec = live.pop(key)
+            req, rec = live.pop(key)      # dropping the request closes it in og and frees its slot
+            del req
             rec.finish_s, rec.finish_reason = t, reason
             num_done += 1
             if arrivals is None and next_i < n and not sweep.waves:
@@ -273,7 +275,6 @@ def child_main(spec_path: str, out_path: str) -> int:
             for load, wl in per_load(workload, sweep.loads, sweep.seed):
                 if engine is None or sweep.fresh_engine:
                     engine = model = None
-                    _KEPT.clear()
                     gc.collect()
                     model, engine = _og_engine(og, shadow, k, workload, sweep)
                 max_drafts = engine.max_draft_tokens_per_proposal() if k else 0
@@ -290,7 +291,6 @@ def child_main(spec_path: str, out_path: str) -> int:
         except Exception as e:   # noqa: BLE001 - report og's failure and go on with the next K
             notes.append(f"K={k}: og.Engine failed: {type(e).__name__}: {str(e)[:300]}")
         engine = model = None
-        _KEPT.clear()
         gc.collect()
         result["note"] = "; ".join(notes) or None
         save()
