@@ -90,15 +90,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
     g.add_argument("--anchor-stall-s", type=float, default=60.0, help="og.Engine without a token this long = stalled")
     g.add_argument("--anchor-timeout-s", type=float, default=1800.0, help="kill og.Engine's process after this long")
-    g.add_argument("--anchor-waves", action="store_true",
-                   help="drive og.Engine in waves (C requests at once, the next C when all finished) instead of "
-                        "refilling each finished slot; og.Engine 0.18 has stalled on the H200 when requests "
-                        "joined a running batch. Its figures are then a lower bound")
-    g.add_argument("--anchor-fresh-engine", action="store_true",
-                   help="a new og.Engine (and warm-up) for every load instead of one per draft count")
-    g.add_argument("--anchor-no-min-tokens", action="store_true",
-                   help="do not ask og.Engine for max_tokens at least (set_min_generated_tokens) under --ignore-eos: "
-                        "it may then stop at the end-of-sequence token")
 
     g = p.add_argument_group("output")
     g.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
@@ -228,8 +219,7 @@ def _bench(args) -> int:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
-                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
-                                 args.anchor_waves, args.anchor_fresh_engine, not args.anchor_no_min_tokens)
+                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,

@@ -45,9 +45,6 @@ class AnchorSweep:
     num_warmup_requests: int = 4
     stall_s: float = 60.0
     timeout_s: float = 1800.0
-    waves: bool = False          # concurrency loads: submit C requests, wait for all, repeat
-    fresh_engine: bool = False   # a new og.Model / og.Engine (and warm-up) for every load
-    min_tokens: bool = True      # with ignore_eos, ask og for max_tokens at least (set_min_generated_tokens)
 
 
 def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -> tuple[list[LoadRun], str | None]:
@@ -134,13 +131,13 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     buffer = engine.create_event_buffer(4096)
     stats0 = _numeric(engine.get_speculative_stats())
     t0 = time.perf_counter()
-    last_progress, blocked, stray, missed_finish = 0.0, 0, 0, 0
+    last_progress, blocked, stray = 0.0, 0, 0
 
     def submit(i: int, arrival: float) -> None:
         req = engine.create_request()
         opts = og.TurnOptions(req)
         opts.set_max_generated_tokens(max_tokens)
-        if sweep.ignore_eos and sweep.min_tokens:
+        if sweep.ignore_eos:
             opts.set_min_generated_tokens(max_tokens)
         opts.set_do_sample(False)
         req.begin_turn(np.asarray(prompts[i], dtype=np.int32), opts)
@@ -188,21 +185,12 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
             rec.add_chunk(t, count)
             rec.num_output_tokens += count
             last_progress = t
-            # a request with all its tokens is done even if its TURN_FINISHED event is missed
-            # (seen on the H200: og.Engine 0.18 at concurrency 8 sent none for some requests)
-            if rec.num_output_tokens >= max_tokens and key not in dict(finished):
-                finished.append((key, "length"))
-                missed_finish += 1
         for key, reason in finished:
             req, rec = live.pop(key)      # dropping the request closes it in og and frees its slot
             del req
             rec.finish_s, rec.finish_reason = t, reason
             num_done += 1
-            if arrivals is None and next_i < n and not sweep.waves:
-                submit(next_i, t)
-                next_i += 1
-        if arrivals is None and sweep.waves and not live:
-            while next_i < n and len(live) < load.concurrency:
+            if arrivals is None and next_i < n:
                 submit(next_i, t)
                 next_i += 1
         if t - last_progress > sweep.stall_s:
@@ -222,9 +210,8 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     finish = [r.finish_s for r in records if r.finish_s is not None]
     return LoadRun("ortgenai", k, None, load.concurrency, load.request_rate,
                    end if error else max(finish, default=end), records, spec,
-                   {"capacity_blocked_events": blocked, "stray_events": stray, "num_blocks": sweep.num_blocks,
-                    "finished_without_event": missed_finish,
-                    "waves": sweep.waves}, error)
+                   {"capacity_blocked_events": blocked, "stray_events": stray, "num_blocks": sweep.num_blocks},
+                   error)
 
 
 def _og_engine(og, shadow: Path, k: int, workload: Workload, sweep: AnchorSweep):
@@ -273,14 +260,11 @@ def child_main(spec_path: str, out_path: str) -> int:
             shadow = shadow_export(Path(sweep.model_dir), Path(spec["shadow"]), k, sweep.num_blocks, max(max_batch, 1))
             engine = model = None
             for load, wl in per_load(workload, sweep.loads, sweep.seed):
-                if engine is None or sweep.fresh_engine:
-                    engine = model = None
-                    gc.collect()
+                if engine is None:
                     model, engine = _og_engine(og, shadow, k, workload, sweep)
                 max_drafts = engine.max_draft_tokens_per_proposal() if k else 0
                 run = og_run_load(og, engine, wl, load, k, sweep, sweep.max_tokens)
                 run.extra["og_max_draft_tokens_per_proposal"] = max_drafts
-                run.extra["fresh_engine"], run.extra["min_tokens"] = sweep.fresh_engine, sweep.min_tokens
                 result["runs"].append(run.to_dict())
                 save()
                 print(f"ortgenai K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
