@@ -186,6 +186,9 @@ def _bench(args) -> int:
             return 0
     peak = max(l.concurrency or 0 for l in loads)
     num_requests = args.num_prompts or max(16, 2 * peak)
+    if peak > num_requests:
+        _log(f"WARNING: --num-prompts {num_requests} is below concurrency {peak}: that load never has more "
+             f"than {num_requests} requests in flight (give at least {peak} prompts, better {2 * peak})")
     synthetic = a is not None and (bool(args.url) or any(draft_tokens))
     manifest = _manifest(args.model, required=not args.url)
     tokenizer = None

@@ -196,6 +196,7 @@ def summarize(run: LoadRun, slo_ttft_ms: float | None = None, slo_tpot_ms: float
         "synthetic_acceptance": synthetic,
         "concurrency": run.concurrency, "request_rate": run.request_rate,
         "num_requests": len(run.records), "num_completed": len(done),
+        "max_in_flight": min(run.concurrency, len(run.records)) if run.concurrency else None,
         "num_failed": len(run.records) - len(done),
         "num_prompt_tokens": num_prompt, "num_output_tokens": num_out,
         "duration_s": round(run.duration_s, 4),
