@@ -193,9 +193,11 @@ class Engine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
-        drafts = self._propose(s for s in plan.scheduled if s.num_drafts)
-        out = self._verify(plan.scheduled, drafts)
-        events = self._commit(plan.scheduled, drafts, out)
+        # packed in state-row order: a steady batch then reads and writes its bank rows in place
+        scheduled = sorted(plan.scheduled, key=lambda s: self.state_bank.row(s.request.request_id))
+        drafts = self._propose(s for s in scheduled if s.num_drafts)
+        out = self._verify(scheduled, drafts)
+        events = self._commit(scheduled, drafts, out)
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens,
                                     max((s.num_drafts for s in plan.scheduled), default=0),
                                     any(s.num_tokens > 1 for s in plan.scheduled),
@@ -267,9 +269,9 @@ class Engine:
             if s.num_drafts:
                 tokens = tokens + drafts[r.request_id].tokens
             rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_table(r.request_id)))
-        states = self.state_bank.gather_step_inputs([s.request.request_id for s in scheduled])
+        io = self.state_bank.step_buffers([s.request.request_id for s in scheduled])
         capture = np.array([s.num_drafts for s in scheduled], np.int32)
-        return self.runner.run_main(rows, states, capture)
+        return self.runner.run_main(rows, io.past, capture, present_into=io.present)
 
     def _commit(self, scheduled: list[ScheduledRequest], drafts: dict[str, _Drafts], out) -> list[TokenEvent]:
         accepted = self._accept(scheduled, drafts, out.logits)

@@ -141,6 +141,8 @@ class _Binding:
 
     def output(self, name: str, shape: tuple, dtype, into=None) -> Array:
         arr = self.xp.empty(shape, dtype) if into is None else into
+        if not arr.flags.c_contiguous:
+            raise AssertionError(f"output {name} must be one contiguous block to be bound by pointer")
         self._raw.bind_output(name, self._devices[self._on_device], arr.dtype.type, list(arr.shape),
                               self._ptr(arr))
         self.outputs[name] = arr
@@ -231,9 +233,11 @@ class Runner:
         self._linear_layer_ids = {l.layer_id for l in manifest.recurrent_layers}
         assert self._linear_layer_ids == {l.layer_id for l in manifest.conv_layers}, "conv/recurrent layers differ"
 
-    def run_main(self, rows: Sequence[PackedRows], states: StepStates,
-                 capture_counts: np.ndarray) -> MainOutputs:
-        """One packed forward of the main model; capture_counts[b] transitions are captured."""
+    def run_main(self, rows: Sequence[PackedRows], states: StepStates, capture_counts: np.ndarray,
+                 present_into: StepStates | None = None) -> MainOutputs:
+        """One packed forward of the main model; capture_counts[b] transitions are captured.
+        The fixed states are read from ``states`` and written to ``present_into`` (e.g. the
+        state bank's rows, in place) or to new buffers."""
         m, xp = self.manifest, self.xp
         b = self._main_binding
         capture = bool(capture_counts.any())
@@ -247,7 +251,10 @@ class Runner:
                                  f"layers {sorted(self._linear_layer_ids)}")
         index = {layer_id: i for i, layer_id in enumerate(ids)}
         # stacked [L, B, ...] outputs, allocated once; layer i's name is bound to the slice [i]
-        present = StepStates(ids, xp.empty_like(states.conv), xp.empty_like(states.recurrent))
+        present = present_into or StepStates(ids, xp.empty_like(states.conv), xp.empty_like(states.recurrent))
+        if present.conv.shape != states.conv.shape or present.recurrent.shape != states.recurrent.shape:
+            raise AssertionError(f"present buffers {present.conv.shape}/{present.recurrent.shape} for past "
+                                 f"{states.conv.shape}/{states.recurrent.shape}")
         conv0, rec0 = m.conv_layers[0], m.recurrent_layers[0]
         captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
                                 xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))

@@ -18,9 +18,21 @@ bank is not in the step at all, so a global flip would force copying rows nobody
 
 A step, for the requests ``rids`` in batch order::
 
-    past = bank.gather_step_inputs(rids)        # active rows -> contiguous [L, B, ...] buffers
-    ... run the model on past, get present + captures ...
+    io = bank.step_buffers(rids)                # past (inputs) and, in place, present (outputs)
+    ... run the model on io.past, writing present (into io.present when given) + captures ...
     bank.commit_step(rids, present, num_fed, num_kept, captures)
+
+**In place** (nothing copied for rows that keep every token): when the step's rows are
+consecutive and share one active bank ``b``, ``io.past`` is those rows of bank ``b`` and
+``io.present`` the same rows of bank ``1-b``, so the op reads and writes the bank directly::
+
+    bank b      | .. | r0 r0+1 .. r0+B-1 | .. |   -> bound as past.L.*     (read)
+    bank 1-b    | .. | r0 r0+1 .. r0+B-1 | .. |   <- bound as present.L.*  (written)
+
+Otherwise ``io.past`` is a gathered copy and the runner allocates present; the commit then writes
+every new row into one bank (the other bank of the step's first row), so rows that stepped
+together share an active bank again. Rows are handed out lowest first and the engine packs a
+step in row order, so a steady batch stays consecutive.
 
 ``commit_step`` prepares every new row in the **inactive** bank (the op's present row when all fed
 tokens were kept, a compact replay from the active row otherwise), then publishes: flips those
@@ -35,7 +47,7 @@ Arrays come from an array module ``xp`` passed in (numpy here, cupy on the GPU);
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -137,6 +149,14 @@ class StepStates:
     def recurrent_of(self, layer_id: int) -> Array:
         """Layer ``layer_id``'s recurrent state, a contiguous ``[B, Hv, Dv, Dk]`` view."""
         return self.recurrent[self.layer_ids.index(layer_id)]
+
+
+@dataclass
+class StepBuffers:
+    """A step's fixed-state buffers: ``past`` to bind as inputs; ``present`` to bind as outputs
+    (views into the bank, in place) or None (the runner allocates them)."""
+    past: StepStates
+    present: StepStates | None
 
 
 @dataclass
@@ -260,7 +280,8 @@ class StateBank:
         self._conv_flat = self.conv.reshape(L, 2 * max_rows, *s.conv_shape)
         self._rec_flat = self.recurrent.reshape(L, 2 * max_rows, *s.recurrent_shape)
         self._rows: dict[str, int] = {}
-        self._free_rows: deque[int] = deque(range(max_rows))
+        self._free_rows: list[int] = list(range(max_rows))       # a heap: the lowest free row first
+        self._in_place: StepStates | None = None                  # present of the open in-place step
         self._active = np.zeros(max_rows, np.int8)
         self._committed = np.zeros(max_rows, np.int64)
 
@@ -289,7 +310,7 @@ class StateBank:
             raise AssertionError(f"request {request_id!r} already holds row {self._rows[request_id]}")
         if not self._free_rows:
             return None
-        row = self._free_rows.popleft()
+        row = heapq.heappop(self._free_rows)
         self.conv[:, :, row] = 0
         self.recurrent[:, :, row] = 0
         self._active[row], self._committed[row] = 0, 0
@@ -301,7 +322,7 @@ class StateBank:
         row = self._rows.pop(request_id, None)
         if row is None:
             return False
-        self._free_rows.append(row)
+        heapq.heappush(self._free_rows, row)
         return True
 
     def row(self, request_id: str) -> int:
@@ -323,16 +344,34 @@ class StateBank:
         return StepStates(self.spec.layer_ids, take(self._conv_flat, src, axis=1),
                           take(self._rec_flat, src, axis=1))
 
+    def step_buffers(self, request_ids: Sequence[str]) -> StepBuffers:
+        """The step's past states, and where the op should write present (see the module
+        docstring): bank views when the rows are consecutive in one bank, else a gathered copy
+        and None. Hand ``present`` (the views, when given) back to ``commit_step``."""
+        rows = self._host_rows(request_ids)
+        banks = self._active[rows]
+        first, count = int(rows[0]), len(rows)
+        if (banks == banks[0]).all() and (rows == np.arange(first, first + count)).all():
+            b, span = int(banks[0]), slice(first, first + count)
+            ids = self.spec.layer_ids
+            past = StepStates(ids, self.conv[:, b, span], self.recurrent[:, b, span])
+            self._in_place = StepStates(ids, self.conv[:, 1 - b, span], self.recurrent[:, 1 - b, span])
+            return StepBuffers(past, self._in_place)
+        self._in_place = None
+        return StepBuffers(self.gather_step_inputs(request_ids), None)
+
     def commit_step(self, request_ids: Sequence[str], present: StepStates,
                     num_fed: Sequence[int], num_kept: Sequence[int],
                     captures: StepCaptures | None = None) -> None:
         """Commit the first ``num_kept[i]`` of the ``num_fed[i]`` tokens request i fed this step.
 
-        - ``num_kept == num_fed``: the op's present row is published as is;
+        - ``num_kept == num_fed``: the op's present row is published as is (nothing to copy when
+          ``present`` is the in-place views ``step_buffers`` handed out);
         - ``0 < num_kept < num_fed``: the row is replayed from the pre-step (active) state and
           the captures, which must hold those transitions (``num_kept <= capacity``);
         - ``num_kept == 0``: the row is left as it was.
-        New rows are written into the inactive bank, then flipped active; committed lengths
+        New rows are written into one target bank (the other bank of the step's first row; for
+        a row whose active bank it is, in place) and become active there; committed lengths
         advance by ``num_kept``. Nothing visible changes if an argument is rejected.
         """
         fed, kept = np.asarray(num_fed, np.int64), np.asarray(num_kept, np.int64)
@@ -340,26 +379,32 @@ class StateBank:
             raise AssertionError("request_ids, num_fed and num_kept differ in length")
         if ((kept < 0) | (kept > fed)).any():
             raise AssertionError(f"need 0 <= num_kept <= num_fed, got {kept} of {fed}")
-        rows, dst = self._flat_index(request_ids, inactive=True)
-        src = (dst + self.max_rows) % (2 * self.max_rows)
+        rows = self._host_rows(request_ids)
+        in_place = present is self._in_place and self._in_place is not None
+        self._in_place = None
+        target = 1 - int(self._active[rows[0]])           # the bank every new row is written to
+        src = self._active[rows].astype(np.int64) * self.max_rows + rows
+        dst = target * self.max_rows + rows
         full = np.flatnonzero((kept == fed) & (kept > 0))
         part = np.flatnonzero((kept > 0) & (kept < fed))
         self._check_step(len(request_ids), present, captures, kept[part])
-        fi, fd, pi, pd, ps, pk = _upload(self.xp, full, dst[full], part, dst[part], src[part], kept[part])
-        if len(full):
+        if len(full) and not in_place:                     # in place: present already sits at dst
+            fi, fd = _upload(self.xp, full, dst[full])
             if len(full) == len(kept):
                 fi = slice(None)
             self._conv_flat[:, fd] = present.conv[:, fi]
             self._rec_flat[:, fd] = present.recurrent[:, fi]
         if len(part):
+            # a row whose active bank is the target replays in place: every read comes first
+            pi, pd, ps, pk = _upload(self.xp, part, dst[part], src[part], kept[part])
             self._replay(captures, pi, pd, ps, kept[part], pk)
-        self._active[rows[kept > 0]] ^= 1
+        self._active[rows[kept > 0]] = target
         self._committed[rows] += kept
 
     def _replay(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray, kept_device) -> None:
-        """Inactive rows ``pd`` := active rows ``ps`` advanced by the first ``kept`` captured
-        transitions of step rows ``pi``; all layers at once (recurrent: in layer chunks, or one
-        fused kernel)."""
+        """Target rows ``pd`` := active rows ``ps`` (possibly the same rows) advanced by the first
+        ``kept`` captured transitions of step rows ``pi``; all layers at once (recurrent: in
+        layer chunks, or one fused kernel). Every source is read before its target is written."""
         xp, s, C = self.xp, self.spec.layer_shape, self.spec.capacity
         conv_value = captures.conv_value[:, pi]                                   # [L, P, C, D]
         self._conv_flat[:, pd] = replay_conv(xp, self._conv_flat[:, ps], conv_value, kept)

@@ -139,6 +139,57 @@ def test_commit_step_mixed_kept_prefixes_match_running_only_the_kept_tokens(kept
             np.testing.assert_array_equal(after.conv_of(L)[i], ext[:, ext.shape[1] - (s.conv_kernel_size - 1):])
 
 
+def test_consecutive_rows_in_one_bank_step_in_place():
+    bank = StateBank(SPEC, max_rows=4)
+    for r in "abc":
+        bank.admit(r)
+    io = bank.step_buffers(["a", "b", "c"])
+    assert io.present is not None
+    assert np.shares_memory(io.past.recurrent, bank.recurrent) and np.shares_memory(io.present.conv, bank.conv)
+    assert io.past.recurrent_of(2).flags.c_contiguous and io.present.conv_of(0).flags.c_contiguous
+    assert bank.step_buffers(["c", "a"]).present is None, "rows out of order: a gathered copy"
+    assert bank.step_buffers(["a", "c"]).present is None, "rows not consecutive: a gathered copy"
+
+
+def test_in_place_steps_match_copied_steps_under_random_traffic():
+    """Twin banks fed the same steps: one binds its rows in place whenever it can (the model
+    writes present into the bank), the other always gathers and publishes copies."""
+    rng = np.random.default_rng(7)
+    twins = StateBank(SPEC, max_rows=5), StateBank(SPEC, max_rows=5)
+    resident, in_place_steps, copied_steps, names = [], 0, 0, iter(range(10 ** 6))
+    for _ in range(60):
+        if len(resident) < 5 and rng.random() < 0.4:
+            rid = f"r{next(names)}"
+            assert twins[0].admit(rid) == twins[1].admit(rid)
+            resident.append(rid)
+        if resident and rng.random() < 0.15:
+            rid = resident.pop(rng.integers(len(resident)))
+            assert twins[0].release(rid) and twins[1].release(rid)
+        if not resident:
+            continue
+        step = [r for r in resident if rng.random() < 0.8] or resident[:1]
+        step.sort(key=twins[0].row)                         # the engine packs in row order
+        fed = rng.integers(1, C + 1, len(step))
+        kept = np.array([rng.integers(0, n + 1) for n in fed])
+        toks = {r: {s.layer_id: random_tokens(rng, s, n) for s in LAYERS} for r, n in zip(step, fed)}
+        io = twins[0].step_buffers(step)
+        present, caps = run_step(twins[0], step, toks)
+        if io.present is not None:                          # the op writes into the bank rows
+            io.present.conv[...], io.present.recurrent[...] = present.conv, present.recurrent
+            present, in_place_steps = io.present, in_place_steps + 1
+        else:
+            copied_steps += 1
+        twins[0].commit_step(step, present, fed, kept, caps)
+        twins[1].commit_step(step, *run_step(twins[1], step, toks)[:1], fed, kept, caps)
+        for bank in twins:
+            bank.check_integrity()
+        a, b = (bank.gather_step_inputs(resident) for bank in twins)
+        np.testing.assert_array_equal(a.conv, b.conv)
+        np.testing.assert_allclose(a.recurrent, b.recurrent, rtol=1e-6, atol=1e-6)
+        assert [twins[0].committed_len(r) for r in resident] == [twins[1].committed_len(r) for r in resident]
+    assert in_place_steps > 10 and copied_steps > 5, (in_place_steps, copied_steps)
+
+
 def test_commit_step_rejects_bad_steps_without_changing_state():
     bank = StateBank(SPEC, max_rows=2)
     bank.admit("a")
