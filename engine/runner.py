@@ -78,7 +78,8 @@ def pack_rows(rows: Sequence[PackedRows], scratch_block: int = 0, min_width: int
 
 class _Binding:
     """One session's IOBinding, kept across steps: arrays are bound by pointer, the static KV
-    pools once, everything else each step (re-binding a name replaces it)."""
+    pools once, everything else each step; a name whose pointer, shape and dtype are what it
+    is bound to already is not bound again (a steady batch re-binds almost nothing)."""
 
     def __init__(self, session: ort.InferenceSession, xp, device: str):
         self.io = session.io_binding()
@@ -89,6 +90,8 @@ class _Binding:
         self._devices = {d: ort.OrtDevice.make(d, 0)._get_c_device() for d in {"cpu", on_device}}
         self._on_device = on_device
         self._raw = self.io._iobinding          # the binding itself, without per-call wrapper checks
+        self._bound: dict[str, tuple] = {}      # name -> (device, dtype, shape, pointer) bound now
+        self._reused: dict[str, Array] = {}     # output name -> its buffer, for outputs reused across steps
 
     def begin_step(self) -> None:
         self.outputs = {}
@@ -96,7 +99,15 @@ class _Binding:
 
     @staticmethod
     def _ptr(arr) -> int:
-        return arr.__array_interface__["data"][0] if isinstance(arr, np.ndarray) else arr.data.ptr
+        return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+
+    def _bind(self, name: str, device: str, dtype, shape: tuple, ptr: int, output: bool = False) -> None:
+        key = (device, dtype, shape, ptr)
+        if self._bound.get(name) == key:
+            return
+        bind = self._raw.bind_output if output else self._raw.bind_input
+        bind(name, self._devices[device], dtype, list(shape), ptr)
+        self._bound[name] = key
 
     def input(self, name: str, arr) -> None:
         """Bind one input: host arrays stay on the host for HOST_INPUTS (and on the CPU), device
@@ -133,18 +144,25 @@ class _Binding:
         self._keep.append(device)
         base = device.data.ptr
         for (name, arr), at in zip(sent, offsets):
-            self._raw.bind_input(name, self._devices[self._on_device], arr.dtype.type, list(arr.shape), base + at)
+            self._bind(name, self._on_device, arr.dtype.type, arr.shape, base + at)
 
     def _bind_input(self, name: str, arr, device: str) -> None:
         self._keep.append(arr)
-        self._raw.bind_input(name, self._devices[device], arr.dtype.type, list(arr.shape), self._ptr(arr))
+        self._bind(name, device, arr.dtype.type, arr.shape, self._ptr(arr))
 
-    def output(self, name: str, shape: tuple, dtype, into=None) -> Array:
-        arr = self.xp.empty(shape, dtype) if into is None else into
+    def output(self, name: str, shape: tuple, dtype, into=None, reuse: bool = False) -> Array:
+        """Bind an output: ``into``, or a new buffer; ``reuse``: the buffer this name had last
+        step when its shape matches (only for outputs nobody holds beyond the step)."""
+        arr = into
+        if arr is None:
+            arr = self._reused.get(name) if reuse else None
+            if arr is None or arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
+                arr = self.xp.empty(shape, dtype)
+                if reuse:
+                    self._reused[name] = arr
         if not arr.flags.c_contiguous:
             raise AssertionError(f"output {name} must be one contiguous block to be bound by pointer")
-        self._raw.bind_output(name, self._devices[self._on_device], arr.dtype.type, list(arr.shape),
-                              self._ptr(arr))
+        self._bind(name, self._on_device, arr.dtype.type, arr.shape, self._ptr(arr), output=True)
         self.outputs[name] = arr
         return arr
 
@@ -231,6 +249,7 @@ class Runner:
             self.head_kv.bind(self._head_binding)
         self.hidden_dtype = next(t.dtype for t in manifest.outputs if t.name == manifest.hidden_output)
         self._linear_layer_ids = {l.layer_id for l in manifest.recurrent_layers}
+        self._captures: dict[int, StepCaptures] = {}     # the last step's capture buffers, by batch size
         assert self._linear_layer_ids == {l.layer_id for l in manifest.conv_layers}, "conv/recurrent layers differ"
 
     def run_main(self, rows: Sequence[PackedRows], states: StepStates, capture_counts: np.ndarray,
@@ -255,9 +274,12 @@ class Runner:
         if present.conv.shape != states.conv.shape or present.recurrent.shape != states.recurrent.shape:
             raise AssertionError(f"present buffers {present.conv.shape}/{present.recurrent.shape} for past "
                                  f"{states.conv.shape}/{states.recurrent.shape}")
-        conv0, rec0 = m.conv_layers[0], m.recurrent_layers[0]
-        captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
-                                xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
+        captures = self._captures.get(batch)           # read by this step's commit only: reused
+        if captures is None or captures.layer_ids != ids:
+            conv0, rec0 = m.conv_layers[0], m.recurrent_layers[0]
+            captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
+                                    xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
+            self._captures = {batch: captures}
         for layer in m.conv_layers:
             i = index[layer.layer_id]
             b.input(layer.state_input, states.conv[i])
@@ -296,5 +318,6 @@ class Runner:
 
     def _bind_logits_hidden(self, b: _Binding, num_tokens: int, logits: str, hidden: str) -> None:
         m = self.manifest
-        b.output(logits, (num_tokens, m.vocab_size), m.compute_dtype)
+        # logits are read within the step only; hidden rows are kept until the head catches up
+        b.output(logits, (num_tokens, m.vocab_size), m.compute_dtype, reuse=True)
         b.output(hidden, (num_tokens, m.hidden_size), self.hidden_dtype)
