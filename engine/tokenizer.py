@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -55,28 +56,27 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, decoding only a short window.
-
-    The window starts at `prefix_offset` (a few tokens before the text already emitted, so that
-    tokens whose bytes merge across the boundary decode right) and text is emitted only once it
-    no longer ends in a replacement character (a multi-byte character split across tokens).
-    Each update costs O(new tokens), not O(output length).
+    """Turns a growing list of token ids into text deltas: tokenizers' ``DecodeStream`` (Rust),
+    fed each new token once. It holds back the bytes of a multi-byte character split across
+    tokens until the character is whole, and decodes only a short window, so each update costs
+    O(new tokens), not O(output length).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.text = ""
-        self._prefix_offset = 0     # window start
-        self._read_offset = 0       # tokens whose text is already in self.text
+        self._num_fed = 0           # tokens already given to the stream
 
     def update(self, token_ids: list[int]) -> str:
         """The full output token list so far -> the new text since the last call."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(token_ids[self._prefix_offset:self._read_offset])
-        new_text = decode(token_ids[self._prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        step, tok = self._stream.step, self._tokenizer._tok
+        pieces = []
+        for t in token_ids[self._num_fed:]:
+            piece = step(tok, t)
+            if piece:
+                pieces.append(piece)
+        self._num_fed = len(token_ids)
+        delta = "".join(pieces)
         self.text += delta
         return delta
