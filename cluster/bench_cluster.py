@@ -20,6 +20,8 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
+from mtpserve.cluster import bench_report as report
+
 APP_NAME = "mtpserve-bench"
 DEFAULT_PORT = 8000
 
@@ -228,9 +230,4 @@ def plot_scaling(summaries: list[dict], rows: list[dict], path: Path, title: str
     ax_ratio.grid(True, alpha=0.3)
     if rows:
         ax_ratio.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    return report.save_figure(fig, path, title)

@@ -398,6 +398,12 @@ def plot(summaries: list[dict], path: Path, title: str) -> str | None:
     ax_acc.grid(True, alpha=0.3)
     if positions:
         ax_acc.legend(fontsize=7)
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig, path: Path, title: str) -> None:
+    """Title, lay out, write (dpi 110) and close a matplotlib figure; None (no note to print)."""
+    import matplotlib.pyplot as plt
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
