@@ -87,6 +87,7 @@ class Engine:
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
+        logger.info("engine: warming up decode batch sizes 1..%d (a first call of each costs ORT 50-85 ms)", largest)
         for batch in range(1, largest + 1):
             rows = [PackedRows([0], 0, []) for _ in range(batch)]
             self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
