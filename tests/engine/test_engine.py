@@ -201,3 +201,20 @@ def test_speculative_sampling_keeps_the_target_distribution(model_dir, temperatu
         z = 3.09
         crit = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
         assert chi2 < crit, f"position {pos}: chi2 {chi2:.1f} >= {crit:.1f} (dof {dof})"
+
+
+def test_a_seeded_sampled_request_reproduces_its_text_alone_and_in_any_batch(model_dir):
+    """Sampling and speculative verification run batched, and state rows are bound in place or
+    copied depending on the batch; none of that may change a seeded request's tokens."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True)
+    others = [SamplingParams(temperature=t, seed=s, max_tokens=m, ignore_eos=True)
+              for t, s, m in [(0.0, None, 30), (1.0, 5, 12), (0.7, 9, 50), (0.0, None, 8)]]
+    alone, _ = run_all(make_engine(model_dir, k=2), [PROMPTS[2]], [seeded])
+    crowd, _ = run_all(make_engine(model_dir, k=2), PROMPTS[5:9] + [PROMPTS[2]], others + [seeded])
+    late = make_engine(model_dir, k=2, budget=24)
+    for i, (p, sp) in enumerate(zip(PROMPTS[10:14], others)):
+        late.add_request(f"x{i}", p, sp)
+    late.step(), late.step()                       # the seeded request joins a running batch
+    tokens, _ = run_all(late, [PROMPTS[2]], [seeded])
+    assert len(alone["r0"]) == 40
+    assert crowd["r4"] == alone["r0"] and tokens["r0"] == alone["r0"]
