@@ -124,6 +124,7 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}     # token ids that end each request
         self._arrivals = itertools.count()
         self.stats = SpecDecodeStats()
         self.num_steps = 0
@@ -154,6 +155,8 @@ class Engine:
         req = Request(request_id, ids, params, arrival_index=next(self._arrivals))
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._stop_ids[request_id] = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.manifest.eos_token_ids))
         self.waiting.append(req)
         return req
 
@@ -355,21 +358,22 @@ class Engine:
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenEvent | None:
         """Append emitted tokens up to the first stop; emit the text that is safe to show."""
         p = req.params
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.manifest.eos_token_ids))
+        stop_ids = self._stop_ids[req.request_id]
         finish = None
         added = []
-        for t in tokens:
-            req.token_ids.append(t)
+        last = min(p.max_tokens - req.num_output_tokens, self.manifest.context_length - len(req.token_ids))
+        for i, t in enumerate(tokens):
             added.append(t)
             if t in stop_ids:
                 finish = FinishReason.STOP
                 break
-            if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.manifest.context_length:
+            if i + 1 >= last:
                 finish = FinishReason.LENGTH
                 break
+        req.token_ids.extend(added)
         detok = self._detok[req.request_id]
         searched = len(detok.text)
-        detok.update(req.output_token_ids)
+        detok.add(added)
         text_end = len(detok.text)
         if p.stop:
             # only text that the new tokens could have completed a stop string in
@@ -392,6 +396,7 @@ class Engine:
         req.finish_reason = reason
         del self.requests[req.request_id]
         self._detok.pop(req.request_id, None)
+        self._stop_ids.pop(req.request_id, None)
         return TokenEvent(req.request_id, added, text, reason, req.num_prompt_tokens, req.num_output_tokens)
 
     # ------------------------------------------------------------------ checks

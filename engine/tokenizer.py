@@ -66,17 +66,14 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
         self.text = ""
-        self._num_fed = 0           # tokens already given to the stream
 
-    def update(self, token_ids: list[int]) -> str:
-        """The full output token list so far -> the new text since the last call."""
+    def add(self, new_token_ids) -> str:
+        """Feed the tokens generated since the last call; the text they complete."""
         step, tok = self._stream.step, self._tokenizer._tok
-        pieces = []
-        for t in token_ids[self._num_fed:]:
+        delta = ""
+        for t in new_token_ids:
             piece = step(tok, t)
             if piece:
-                pieces.append(piece)
-        self._num_fed = len(token_ids)
-        delta = "".join(pieces)
+                delta += piece
         self.text += delta
         return delta

@@ -15,8 +15,8 @@ def tok(model_dir):
 
 def stream(tok, ids):
     d, deltas = IncrementalDetokenizer(tok), []
-    for i in range(1, len(ids) + 1):
-        deltas.append(d.update(ids[:i]))
+    for t in ids:
+        deltas.append(d.add([t]))
     return deltas, d.text
 
 
