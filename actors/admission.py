@@ -34,8 +34,8 @@ def request_footprint(num_prompt_tokens: int, max_tokens: int, context_length: i
     if num_prompt_tokens < 1:
         raise ValueError("the prompt is empty")
     if num_prompt_tokens >= context_length:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
-                         f"{context_length} (prompt + at least one new token must fit)")
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the longest sequence served (the "
+                         f"context) is {context_length} tokens, and a new token must fit too")
     num_tokens = min(num_prompt_tokens + max_tokens, context_length)
     capacity = (num_usable_blocks - 1) * block_size      # the engine keeps one block of slack
     if num_tokens > capacity:

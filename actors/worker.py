@@ -52,6 +52,7 @@ class WorkerConfig:
     max_resident_requests: int = 64
     max_tokens_per_step: int = 512
     max_requests_per_step: int = 64
+    max_model_len: int | None = None         # longest prompt + output served; None = the model's context
     draft_tokens: int | None = None          # None = adaptive (planner), else a fixed K
     draft_cost: float = 0.15
     max_pending: int = 1024                  # requests waiting for admission before a 429
@@ -85,7 +86,8 @@ class Worker:
             cfg.model_dir, cfg.device, cfg.num_threads,
             CacheConfig(cfg.num_blocks, cfg.max_resident_requests),
             SchedulerConfig(cfg.max_tokens_per_step, cfg.max_requests_per_step),
-            SpecConfig(MAX_NUM_DRAFTS if cfg.draft_tokens is None else cfg.draft_tokens))
+            SpecConfig(MAX_NUM_DRAFTS if cfg.draft_tokens is None else cfg.draft_tokens),
+            max_model_len=cfg.max_model_len)
         self.policy = None
         if cfg.draft_tokens is None:
             self.policy = ActorDraftPolicy(MAX_NUM_DRAFTS, DraftCostModel(cfg.draft_cost))

@@ -36,6 +36,7 @@ class ServeOptions:
     max_resident_requests: int = 64
     max_tokens_per_step: int = 512
     max_requests_per_step: int = 64
+    max_model_len: int | None = None          # longest prompt + output served (default: the model's context)
     max_pending: int = 1024
     api_key: str | None = None
     num_cpus_per_replica: float = 1.0
@@ -75,7 +76,8 @@ def build_app(options: ServeOptions):
         device=options.device, num_threads=options.num_threads, num_blocks=options.num_blocks,
         max_resident_requests=options.max_resident_requests,
         max_tokens_per_step=options.max_tokens_per_step,
-        max_requests_per_step=options.max_requests_per_step, draft_tokens=options.draft_tokens,
+        max_requests_per_step=options.max_requests_per_step, max_model_len=options.max_model_len,
+        draft_tokens=options.draft_tokens,
         max_pending=options.max_pending, api_key=options.api_key)
     num_gpus = options.num_gpus_per_replica
     if num_gpus is None:

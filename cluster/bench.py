@@ -83,6 +83,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "(with --url it only labels the results: the server must be run that way)")
     g.add_argument("--num-blocks", type=int, help="KV blocks per pool (default: enough for every resident request)")
     g.add_argument("--max-resident-requests", type=int, help="state-bank rows (default: the top concurrency)")
+    g.add_argument("--max-model-len", type=int,
+                   help="longest prompt + output the engine serves (default: the model's context)")
     g.add_argument("--max-tokens-per-step", type=int, help="the step's token budget (default: max(512, rows x (K+1)))")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
@@ -227,7 +229,8 @@ def _bench(args) -> int:
         from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                             args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
-                            args.max_resident_requests, args.max_tokens_per_step, args.warmup_requests, args.timeout_s)
+                            args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
+                            args.warmup_requests, args.timeout_s)
         runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 

@@ -75,6 +75,7 @@ def serve_options(args, num_replicas: int, num_cpus: int):
     return ServeOptions(model_dir=args.model, device=args.device, num_replicas=num_replicas,
                         draft_tokens=parse_draft_tokens(args.draft_tokens or "auto"), num_threads=threads,
                         num_blocks=args.num_blocks, max_resident_requests=args.max_resident_requests or 64,
+                        max_model_len=args.max_model_len,
                         num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas))
                         if args.device == "cpu" else 1.0)
 

@@ -36,6 +36,7 @@ class EngineSweep:
     num_blocks: int | None = None
     max_resident_requests: int | None = None
     max_tokens_per_step: int | None = None
+    max_model_len: int | None = None
     num_warmup_requests: int = 4
     timeout_s: float = 600.0
 
@@ -50,7 +51,8 @@ def engine_config(sweep: EngineSweep, k: int, block_size: int, max_prompt_len: i
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
-                        spec=SpecConfig(num_draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None))
+                        spec=SpecConfig(num_draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
+                        max_model_len=sweep.max_model_len)
 
 
 def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:

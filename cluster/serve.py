@@ -48,6 +48,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="paged KV blocks per replica (default: every resident request at full context, "
                         "within 2 GiB of KV)")
     p.add_argument("--max-resident-requests", type=int, default=64, help="state rows per replica")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output a request may reach (default: the model's context); "
+                        "lower it for long-context models to size the KV cache and the block tables")
     p.add_argument("--num-threads", type=int, default=0, help="ONNX Runtime threads per replica (0 = default)")
     p.set_defaults(func=cmd_serve)
     return p
@@ -62,7 +65,8 @@ def options_from_args(args, num_cpus_available: float | None = None,
     return ServeOptions(model_dir=args.model, model_name=args.model_name, device=args.device,
                         num_replicas=num_replicas, draft_tokens=parse_draft_tokens(args.draft_tokens),
                         num_threads=args.num_threads, num_blocks=args.num_blocks,
-                        max_resident_requests=args.max_resident_requests, api_key=args.api_key,
+                        max_resident_requests=args.max_resident_requests, max_model_len=args.max_model_len,
+                        api_key=args.api_key,
                         num_cpus_per_replica=num_cpus)
 
 

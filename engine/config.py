@@ -79,10 +79,13 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     fused_replay: bool = True            # CUDA: the commit's recurrent replay as one CuPy kernel
     warm_up: bool = True                 # CUDA: run every decode batch size once at start (see Engine)
+    max_model_len: int | None = None     # longest prompt + output a request may reach; None = the model's context
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a new one), got {self.max_model_len}")
         self.cache.validate()
         self.scheduler.validate()
         self.spec.validate()

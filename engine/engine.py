@@ -14,6 +14,7 @@ One owner drives it (a step loop); nothing in here is shared across threads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -100,6 +101,12 @@ class Engine:
         return self._stream if self._stream is not None else contextlib.nullcontext()
 
     def _build(self, config: EngineConfig, draft_policy: DraftPolicy | None) -> None:
+        if config.max_model_len is not None:
+            # every limit downstream (admission, planner, block tables, /v1/models) reads this one
+            if config.max_model_len > self.manifest.context_length:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
+                                 f"{self.manifest.context_length}")
+            self.manifest = dataclasses.replace(self.manifest, context_length=config.max_model_len)
         m = self.manifest
         self.tokenizer = Tokenizer(m.path)
         bytes_per_block = sum(2 * m.block_size * l.num_kv_heads * l.head_size * np.dtype(l.dtype).itemsize
@@ -146,7 +153,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         context = self.manifest.context_length
         if len(ids) >= context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {context}")
+            raise ValueError(f"the prompt has {len(ids)} tokens; the longest sequence served (the context) "
+                             f"is {context} tokens")
         capacity = (self.kv_pool.num_usable_blocks - 1) * self.manifest.block_size
         needed = min(len(ids) + params.max_tokens, context)
         if needed > capacity:

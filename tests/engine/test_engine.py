@@ -218,3 +218,16 @@ def test_a_seeded_sampled_request_reproduces_its_text_alone_and_in_any_batch(mod
     tokens, _ = run_all(late, [PROMPTS[2]], [seeded])
     assert len(alone["r0"]) == 40
     assert crowd["r4"] == alone["r0"] and tokens["r0"] == alone["r0"]
+
+
+def test_max_model_len_bounds_every_request(model_dir):
+    engine = Engine(EngineConfig(str(model_dir), num_threads=2, cache=CacheConfig(num_blocks=64, max_resident_requests=4),
+                                 max_model_len=40))
+    assert engine.manifest.context_length == 40
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    with pytest.raises(ValueError, match="longest sequence served"):
+        engine.add_request("long", ids[:1] * 40, GREEDY64)
+    tokens, reasons = run_all(engine, [PROMPTS[2]], [GREEDY64])
+    assert len(ids) + len(tokens["r0"]) == 40 and reasons["r0"] == FinishReason.LENGTH
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        Engine(EngineConfig(str(model_dir), max_model_len=10 ** 7))
