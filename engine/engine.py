@@ -232,9 +232,13 @@ class Engine:
             rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_computed + 1], r.num_head,
                                    self.head_pool.block_table(r.request_id)))
             hidden.extend(r.pending_hidden)
-        out = self.runner.run_head(rows, self.xp.concatenate(hidden))
+        out = self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
         last = np.cumsum([len(p.token_ids) for p in rows]) - 1
-        logits, head_hidden = out.logits[last], out.hidden[last]
+        if last[-1] == len(rows) - 1:                  # one catch-up row each: all rows are last rows
+            logits, head_hidden = out.logits, out.hidden
+        else:
+            last = self.xp.asarray(last)
+            logits, head_hidden = out.logits[last], out.hidden[last]
         result: dict[str, _Drafts] = {}
         for s in drafting:
             r = s.request
@@ -256,10 +260,12 @@ class Engine:
                 d.tokens.append(int(tokens[j]))
                 d.q.append(None if q is None or s.request.params.is_greedy else q[j])
             keep = [j for j, s in enumerate(active) if s.num_drafts > i + 1]
-            active = [active[j] for j in keep]
-            logits, head_hidden = logits[keep], head_hidden[keep]
-            if not active:
+            if not keep:
                 break
+            if len(keep) < len(active):
+                active = [active[j] for j in keep]
+                rows_kept = self.xp.asarray(np.array(keep))
+                logits, head_hidden = logits[rows_kept], head_hidden[rows_kept]
         return result
 
     def _synthetic_num_accepted(self, num_drafts: int) -> int:
