@@ -427,6 +427,8 @@ class Engine:
         resident = set(self.state_bank.request_ids)
         assert resident == {r.request_id for r in self.running}, "state rows held by non-running requests"
         assert set(self.kv_pool.request_ids) <= resident, "KV blocks held by non-resident requests"
+        live = set(self.requests)
+        assert set(self._detok) == set(self._stop_ids) == live, "per-request text state of finished requests"
 
     def is_idle_and_empty(self) -> bool:
         """No requests, and every pool back to empty."""
