@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mtpserve.cluster.bench_report import LoadRun, RequestRecord
-from mtpserve.cluster.bench_workload import Load, Workload, per_load
+from mtpserve.cluster.bench_workload import Load, Submitter, Workload, per_load
 
 NEEDS_CUDA = ("--compare ortgenai needs CUDA: og.Engine runs the paged export's PagedAttention "
               "only on CUDA (it has no CPU kernel); skipped. Rerun with --device cuda on a GPU machine.")
@@ -125,7 +125,6 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     import numpy as np
 
     prompts, n = workload.prompt_ids, workload.num_requests
-    arrivals = workload.arrivals_s if load.concurrency is None else None
     records: list[RequestRecord] = []
     live = {}                        # id(og.Request) -> (request, record) of unfinished requests
     buffer = engine.create_event_buffer(4096)
@@ -145,20 +144,14 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
         records.append(rec)
         live[id(req)] = (req, rec)
 
-    next_i = 0
-    while arrivals is None and next_i < min(load.concurrency, n):
-        submit(next_i, 0.0)
-        next_i += 1
+    schedule = Submitter(workload, load, submit)
     num_done, error = 0, None
     while num_done < n:
-        now = time.perf_counter() - t0
-        if arrivals is not None:
-            while next_i < n and arrivals[next_i] <= now:
-                submit(next_i, arrivals[next_i])
-                next_i += 1
+        schedule.arrive(time.perf_counter() - t0)
         if not engine.has_pending_requests():
-            if arrivals is not None and next_i < n:
-                time.sleep(max(0.0, arrivals[next_i] - (time.perf_counter() - t0)))
+            wait = schedule.seconds_to_next_arrival(time.perf_counter() - t0)
+            if wait is not None:
+                time.sleep(wait)
                 continue
             error = f"og.Engine has no pending request with {n - num_done} unfinished"
             break
@@ -190,9 +183,7 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
             del req
             rec.finish_s, rec.finish_reason = t, reason
             num_done += 1
-            if arrivals is None and next_i < n:
-                submit(next_i, t)
-                next_i += 1
+            schedule.finished(t)
         if t - last_progress > sweep.stall_s:
             error = (f"og.Engine stalled: no token for {t - last_progress:.0f} s with {n - num_done} requests "
                      f"pending ({blocked} capacity-blocked events); raise --anchor-num-blocks")

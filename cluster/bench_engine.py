@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from mtpserve.cluster.bench_report import LoadRun, RequestRecord, distribution_ms
-from mtpserve.cluster.bench_workload import Load, Workload, per_load
+from mtpserve.cluster.bench_workload import Load, Submitter, Workload, per_load
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
@@ -88,7 +88,6 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     """Drive `engine` through every request of `workload` at `load`; returns the timeline."""
     max_tokens = max_tokens or sweep.max_tokens
     prompts, n = workload.prompt_ids, workload.num_requests
-    arrivals = workload.arrivals_s if load.concurrency is None else None
     records: dict[str, RequestRecord] = {}
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
@@ -100,23 +99,18 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         requests.append(engine.add_request(rid, prompts[i], sampling_params(sweep, max_tokens, i)))
         records[rid] = RequestRecord(rid, len(prompts[i]), arrival)
 
-    next_i = 0
-    while arrivals is None and next_i < min(load.concurrency, n):
-        submit(next_i, 0.0)
-        next_i += 1
+    schedule = Submitter(workload, load, submit)
     num_done, error = 0, None
     while num_done < n:
         now = time.perf_counter() - t0
         if now > sweep.timeout_s:
             error = f"timed out after {sweep.timeout_s:g} s with {n - num_done} of {n} requests unfinished"
             break
-        if arrivals is not None:
-            while next_i < n and arrivals[next_i] <= now:
-                submit(next_i, arrivals[next_i])
-                next_i += 1
+        schedule.arrive(now)
         if not engine.has_work:
-            if arrivals is not None and next_i < n:
-                time.sleep(max(0.0, arrivals[next_i] - (time.perf_counter() - t0)))
+            wait = schedule.seconds_to_next_arrival(time.perf_counter() - t0)
+            if wait is not None:
+                time.sleep(wait)
                 continue
             error = f"the engine went idle with {n - num_done} requests unfinished"
             break
@@ -133,9 +127,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                 rec.finish_s, rec.finish_reason = t, ev.finish_reason.value
                 rec.num_output_tokens = ev.num_output_tokens
                 num_done += 1
-                if arrivals is None and next_i < n:
-                    submit(next_i, t)
-                    next_i += 1
+                schedule.finished(t)
     end = time.perf_counter() - t0
     if error is not None:
         for rid, rec in records.items():

@@ -4,6 +4,7 @@ when (closed loop at a concurrency, or Poisson arrivals at a request rate)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -76,6 +77,44 @@ class Workload:
 
     def with_arrivals(self, arrivals_s: list[float] | None) -> Workload:
         return Workload(self.prompt_ids, self.prompt_texts, arrivals_s)
+
+
+class Submitter:
+    """When a step-driven benchmark adds each request of a workload under one load.
+
+    Closed loop (a concurrency C): the first C at once, then the next one as each finishes (at
+    that time). Open loop (a request rate): each at its scheduled arrival, checked between steps.
+    ``submit(i, arrival_s)`` adds request i; ``arrival_s`` is when it was due.
+    """
+
+    def __init__(self, workload: Workload, load: Load, submit: Callable[[int, float], None]):
+        self.num_requests = workload.num_requests
+        self._arrivals = workload.arrivals_s if load.concurrency is None else None
+        self._submit = submit
+        self.next_index = 0
+        if self._arrivals is None:
+            for _ in range(min(load.concurrency, self.num_requests)):
+                self._add(0.0)
+
+    def _add(self, arrival_s: float) -> None:
+        self._submit(self.next_index, arrival_s)
+        self.next_index += 1
+
+    def arrive(self, now_s: float) -> None:
+        """Open loop: add every request whose arrival time has passed."""
+        while self.seconds_to_next_arrival(now_s) == 0.0:
+            self._add(self._arrivals[self.next_index])
+
+    def finished(self, now_s: float) -> None:
+        """A request finished: a closed loop adds the next one."""
+        if self._arrivals is None and self.next_index < self.num_requests:
+            self._add(now_s)
+
+    def seconds_to_next_arrival(self, now_s: float) -> float | None:
+        """Open loop with requests still to come: seconds until the next is due (0 = due); else None."""
+        if self._arrivals is None or self.next_index >= self.num_requests:
+            return None
+        return max(0.0, self._arrivals[self.next_index] - now_s)
 
 
 def text_workload(texts: list[str], encode, num_requests: int) -> Workload:
