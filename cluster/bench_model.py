@@ -25,8 +25,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-            "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 BLOCK_SIZE, CAPTURE_CAPACITY = 16, 4
 
 
@@ -87,18 +85,11 @@ def text_config(shape: CheckpointShape, special_ids: dict) -> dict:
 def write_tokenizer(out: Path, vocab_size: int, max_length: int) -> dict:
     """A byte-level BPE tokenizer (trained on two sentences, so at most `vocab_size` entries);
     returns the special tokens' ids. Model ids past its vocab decode to nothing."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog.",
-                             "Multi token prediction drafts tokens that the main model verifies."] * 20, trainer=trainer)
+    from mtpserve.engine.tokenizer import QWEN_SPECIAL_TOKENS, train_byte_level_bpe
+    tok = train_byte_level_bpe(["The quick brown fox jumps over the lazy dog.",
+                                "Multi token prediction drafts tokens that the main model verifies."] * 20, vocab_size)
     tok.save(str(out / "tokenizer.json"))
-    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    ids = {s: tok.token_to_id(s) for s in QWEN_SPECIAL_TOKENS}
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": max_length, "add_prefix_space": False,

@@ -23,6 +23,26 @@ CHATML_TEMPLATE = (
 )
 
 
+# Qwen3.5's special tokens, which the small tokenizers trained here (the bundled model's, the
+# benchmark models') reserve the same way.
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                       "</tool_call>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def train_byte_level_bpe(texts, vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE tokenizer set up as Qwen's (no prefix space, byte-level decoding), trained
+    on ``texts`` to at most ``vocab_size`` entries, ``QWEN_SPECIAL_TOKENS`` first."""
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template."""
 

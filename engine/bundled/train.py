@@ -38,8 +38,6 @@ CORPUS_DIR = REPO / ".work" / "corpus"
 MODEL_DIR = HERE / "model"
 SEED = 1234
 VOCAB = 4000  # no Linear in the model is 4000 wide (the builder takes such a Linear for the LM head)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-            "</tool_call>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
                  " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
                  "{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -106,14 +104,8 @@ def build_corpus(stdlib: Path) -> dict:
 
 
 def train_tokenizer(docs: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer=trainer)
+    from mtpserve.engine.tokenizer import train_byte_level_bpe
+    tok = train_byte_level_bpe(docs, VOCAB)
     assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
     return tok
 
@@ -150,7 +142,8 @@ def model_config(tok_path: Path):
     from tokenizers import Tokenizer
     from transformers import Qwen3_5Config
     tok = Tokenizer.from_file(str(tok_path))
-    sid = {s: tok.token_to_id(s) for s in SPECIALS}
+    from mtpserve.engine.tokenizer import QWEN_SPECIAL_TOKENS
+    sid = {s: tok.token_to_id(s) for s in QWEN_SPECIAL_TOKENS}
     text_cfg = dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
         layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
