@@ -100,7 +100,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--name", help="file name stem after the timestamp (default: mode-model)")
     g.add_argument("--copy-gbps", type=float, default=4300.0,
                    help="device memory copy rate for the batch-1 bandwidth bound in the report (default 4300: "
-                        "measured on the H200; on a CPU the bound is only indicative)")
+                        "the H200's copy rate in DESIGN §6, 4.26 TB/s; on a CPU the bound is only indicative)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--save-requests", action="store_true", help="keep every request's timeline in the JSON")
     p.set_defaults(func=cmd_bench)

@@ -160,14 +160,15 @@ def bandwidth_bound(manifest, context_len: float, copy_gbps: float, results: lis
 
     Compared with the TPOT p50 of the K=0, concurrency-1 run of our engine, when there is one.
     """
+    def itemsize(dtype: str) -> int:
+        return 2 if dtype in ("float16", "bfloat16") else 4
+
     weights = sum(size for name, size in manifest.files.items() if name.startswith("model.onnx"))
-    itemsize = 2 if manifest.compute_dtype in ("float16", "bfloat16") else 4
-    embedding = manifest.vocab_size * manifest.hidden_size * itemsize
-    state = sum(l.conv_dim * (l.kernel_size - 1) * (2 if l.dtype in ("float16", "bfloat16") else 4)
-                for l in manifest.conv_layers)
-    state += sum(4 * l.num_value_heads * l.value_head_size * l.key_head_size for l in manifest.recurrent_layers)
-    kv_per_token = sum(2 * l.num_kv_heads * l.head_size * (2 if l.dtype in ("float16", "bfloat16") else 4)
-                       for l in manifest.kv_layers)
+    embedding = manifest.vocab_size * manifest.hidden_size * itemsize(manifest.compute_dtype)
+    state = sum(l.conv_dim * (l.kernel_size - 1) * itemsize(l.dtype) for l in manifest.conv_layers)
+    state += sum(itemsize(l.dtype) * l.num_value_heads * l.value_head_size * l.key_head_size
+                 for l in manifest.recurrent_layers)
+    kv_per_token = sum(2 * l.num_kv_heads * l.head_size * itemsize(l.dtype) for l in manifest.kv_layers)
     step_bytes = weights - embedding + 2 * state + context_len * kv_per_token
     bound_ms = step_bytes / (copy_gbps * 1e9) * 1e3
     out = {"copy_gbps": copy_gbps, "weight_file_bytes": weights, "embedding_bytes_skipped": embedding,

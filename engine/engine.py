@@ -84,11 +84,11 @@ class Engine:
     def _warm_up_decode_shapes(self) -> None:
         """One decode-shaped forward (one token per request, on the scratch block, states zero)
         of the main model and the head at every batch size a step can have: ORT's PagedAttention
-        pays 50-70 ms on the first call of each shape, which would otherwise land on live steps."""
+        pays 45-85 ms on the first call of each shape, which would otherwise land on live steps."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
-        logger.info("engine: warming up decode batch sizes 1..%d (a first call of each costs ORT 50-85 ms)", largest)
+        logger.info("engine: warming up decode batch sizes 1..%d (a first call of each costs ORT 45-85 ms)", largest)
         for batch in range(1, largest + 1):
             rows = [PackedRows([0], 0, []) for _ in range(batch)]
             self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
@@ -333,7 +333,7 @@ class Engine:
         each request drawing from its own RNG in step order.
         """
         xp = self.xp
-        argmax = to_host(logits.argmax(axis=1))          # the one device -> host copy of a greedy step
+        argmax = None                                     # one device -> host copy, if any greedy row samples
         result: dict[str, tuple[list[int], int]] = {}
         plain, verified = [], []                          # sampled requests: (scheduled, first target row)
         start = 0
@@ -347,6 +347,8 @@ class Engine:
             if not r.params.is_greedy:
                 (verified if s.num_drafts else plain).append((s, last))
                 continue
+            if argmax is None:
+                argmax = to_host(logits.argmax(axis=1))
             d = drafts[r.request_id].tokens if s.num_drafts else []
             emitted, num_accepted = accept_greedy(argmax[last:last + len(d) + 1], d)
             if self._synthetic is not None and d:

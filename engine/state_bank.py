@@ -339,7 +339,10 @@ class StateBank:
     # ---- a step -------------------------------------------------------------------------
     def gather_step_inputs(self, request_ids: Sequence[str]) -> StepStates:
         """Copies of the requests' active rows, contiguous ``[L, B, ...]``, for ``past.L.*``."""
-        src = self.xp.asarray(self._flat_index(request_ids, inactive=False)[1])
+        return self._gather(self._host_rows(request_ids))
+
+    def _gather(self, rows: np.ndarray) -> StepStates:
+        src = self.xp.asarray(self._active_flat(rows))
         take = self.xp.take
         return StepStates(self.spec.layer_ids, take(self._conv_flat, src, axis=1),
                           take(self._rec_flat, src, axis=1))
@@ -358,7 +361,7 @@ class StateBank:
             self._in_place = StepStates(ids, self.conv[:, 1 - b, span], self.recurrent[:, 1 - b, span])
             return StepBuffers(past, self._in_place)
         self._in_place = None
-        return StepBuffers(self.gather_step_inputs(request_ids), None)
+        return StepBuffers(self._gather(rows), None)
 
     def commit_step(self, request_ids: Sequence[str], present: StepStates,
                     num_fed: Sequence[int], num_kept: Sequence[int],
@@ -383,7 +386,7 @@ class StateBank:
         in_place = present is self._in_place and self._in_place is not None
         self._in_place = None
         target = 1 - int(self._active[rows[0]])           # the bank every new row is written to
-        src = self._active[rows].astype(np.int64) * self.max_rows + rows
+        src = self._active_flat(rows)
         dst = target * self.max_rows + rows
         full = np.flatnonzero((kept == fed) & (kept > 0))
         part = np.flatnonzero((kept > 0) & (kept < fed))
@@ -463,8 +466,6 @@ class StateBank:
             raise AssertionError(f"a request appears twice in the step: {list(request_ids)}")
         return rows
 
-    def _flat_index(self, request_ids: Sequence[str], inactive: bool):
-        """Host arrays: the requests' rows, and the flat indices of their active/inactive rows."""
-        rows = self._host_rows(request_ids)
-        banks = self._active[rows].astype(np.int64) ^ int(inactive)
-        return rows, banks * self.max_rows + rows
+    def _active_flat(self, rows: np.ndarray) -> np.ndarray:
+        """Flat indices (bank * max_rows + row) of the rows' active banks, on the host."""
+        return self._active[rows].astype(np.int64) * self.max_rows + rows
