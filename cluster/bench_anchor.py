@@ -149,9 +149,7 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     while num_done < n:
         schedule.arrive(time.perf_counter() - t0)
         if not engine.has_pending_requests():
-            wait = schedule.seconds_to_next_arrival(time.perf_counter() - t0)
-            if wait is not None:
-                time.sleep(wait)
+            if schedule.wait_for_next(time.perf_counter() - t0):
                 continue
             error = f"og.Engine has no pending request with {n - num_done} unfinished"
             break

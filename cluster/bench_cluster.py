@@ -202,12 +202,9 @@ def _x(v) -> str:
 
 def plot_scaling(summaries: list[dict], rows: list[dict], path: Path, title: str) -> str | None:
     """Tokens/s against concurrency per replica count, and the N-vs-1 ratio against the ideal N."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    plt = report.pyplot()
+    if plt is None:
+        return report.NO_MATPLOTLIB
     fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
     for n in sorted({s["extra"]["num_replicas"] for s in summaries}):
         pts = sorted((s["concurrency"], s["output_token_throughput"]) for s in summaries

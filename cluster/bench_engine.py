@@ -108,9 +108,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
             break
         schedule.arrive(now)
         if not engine.has_work:
-            wait = schedule.seconds_to_next_arrival(time.perf_counter() - t0)
-            if wait is not None:
-                time.sleep(wait)
+            if schedule.wait_for_next(time.perf_counter() - t0):
                 continue
             error = f"the engine went idle with {n - num_done} requests unfinished"
             break

@@ -348,12 +348,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> str | None:
 
     Returns None when written, else why not (matplotlib missing: pip install matplotlib).
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, (ax_tps, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
     series: dict[str, list[tuple[float, float]]] = {}
     positions: dict[str, list[list[int]]] = {}      # label -> [accepted, drafted] per position
@@ -400,6 +397,20 @@ def plot(summaries: list[dict], path: Path, title: str) -> str | None:
     if positions:
         ax_acc.legend(fontsize=7)
     return save_figure(fig, path, title)
+
+
+NO_MATPLOTLIB = "no plot: matplotlib is not installed (pip install matplotlib)"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def save_figure(fig, path: Path, title: str) -> None:

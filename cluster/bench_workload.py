@@ -3,6 +3,7 @@ when (closed loop at a concurrency, or Poisson arrivals at a request rate)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,6 +110,15 @@ class Submitter:
         """A request finished: a closed loop adds the next one."""
         if self._arrivals is None and self.next_index < self.num_requests:
             self._add(now_s)
+
+    def wait_for_next(self, now_s: float) -> bool:
+        """With nothing in flight: sleep until the next open-loop arrival is due and say True, or
+        say False when no request is still to come (the run cannot progress)."""
+        wait = self.seconds_to_next_arrival(now_s)
+        if wait is None:
+            return False
+        time.sleep(wait)
+        return True
 
     def seconds_to_next_arrival(self, now_s: float) -> float | None:
         """Open loop with requests still to come: seconds until the next is due (0 = due); else None."""
