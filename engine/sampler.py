@@ -231,7 +231,8 @@ def probs(logits, params: SamplingParams | Sequence[SamplingParams], xp=None):
     return out
 
 
-def _row_rngs(rngs: np.random.Generator | Sequence[np.random.Generator], num_rows: int) -> list:
+def per_row_rngs(rngs: np.random.Generator | Sequence[np.random.Generator], num_rows: int) -> list:
+    """One RNG per row: a single Generator serves every row in turn, else one each (checked)."""
     if isinstance(rngs, np.random.Generator):
         return [rngs] * num_rows
     rngs = list(rngs)
@@ -271,7 +272,7 @@ def sample(
     logits = xp.asarray(logits)
     num_rows = logits.shape[0]
     row_params = _rows_params(params, num_rows)
-    row_rngs = _row_rngs(rngs, num_rows)
+    row_rngs = per_row_rngs(rngs, num_rows)
     ids = np.empty(num_rows, dtype=np.int64)
     greedy = [i for i, p in enumerate(row_params) if p.is_greedy]
     sampled = [i for i, p in enumerate(row_params) if not p.is_greedy]

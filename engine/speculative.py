@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mtpserve.engine.sampler import SamplingParams, probs, sample_from_probs, to_host
+from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, sample_from_probs, to_host
 
 # The most drafts one request may carry in one step (DESIGN.md §3).
 MAX_NUM_DRAFTS = 7
@@ -98,8 +98,7 @@ def verify_sampled_batch(
     target_probs = xp.asarray(target_probs)
     draft_probs = xp.asarray(draft_probs)
     num_requests = len(draft_tokens)
-    row_rngs = [rngs] * num_requests if isinstance(rngs, np.random.Generator) else list(rngs)
-    assert len(row_rngs) == num_requests, f"{len(row_rngs)} RNGs for {num_requests} requests"
+    row_rngs = per_row_rngs(rngs, num_requests)
     num_drafts = [len(d) for d in draft_tokens]
     target_start, draft_start = _packed_offsets(num_drafts)
     assert target_probs.shape[0] == sum(num_drafts) + num_requests, "target rows != sum(K_r + 1)"
@@ -169,12 +168,7 @@ def propose_drafts(
     """
     xp = xp or np
     q = probs(draft_logits, params, xp)
-    num_rows = q.shape[0]
-    if isinstance(rngs, np.random.Generator):
-        uniforms = rngs.random(num_rows)
-    else:
-        assert len(rngs) == num_rows, f"{len(rngs)} RNGs for {num_rows} rows"
-        uniforms = [rng.random() for rng in rngs]
+    uniforms = [rng.random() for rng in per_row_rngs(rngs, q.shape[0])]
     return sample_from_probs(q, uniforms, xp), q
 
 
