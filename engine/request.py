@@ -79,10 +79,6 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
     def num_to_feed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

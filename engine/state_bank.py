@@ -166,12 +166,6 @@ class StepCaptures:
     conv_value: Array             # [L, B, C, conv_dim]
     recurrent_capsule: Array      # [L, B, C*(Hv + Hk*Dk + Hv*Dv)] float32
 
-    def conv_value_of(self, layer_id: int) -> Array:
-        return self.conv_value[self.layer_ids.index(layer_id)]
-
-    def recurrent_capsule_of(self, layer_id: int) -> Array:
-        return self.recurrent_capsule[self.layer_ids.index(layer_id)]
-
 
 def split_capsule(capsule: Array, layer: FixedLayerSpec, capacity: int):
     """Views ``(decay [..., C, Hv], key [..., C, Hk, Dk], delta [..., C, Hv, Dv])`` of

@@ -64,9 +64,6 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render OpenAI-style messages [{"role", "content"}] into the prompt text."""
         for m in messages:
