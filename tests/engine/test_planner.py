@@ -14,9 +14,9 @@ SPEC = FixedStateSpec((FixedLayerSpec(0, conv_dim=4, conv_kernel_size=4, num_v_h
                                       num_k_heads=1, k_head_dim=2),), capacity=4)
 
 
-def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096):
+def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096, head_blocks=None):
     kv = KVPool(num_blocks, BS)
-    head = KVPool(num_blocks, BS) if mtp else None
+    head = KVPool(head_blocks or num_blocks, BS) if mtp else None
     bank = StateBank(SPEC, rows)
     planner = StepPlanner(SchedulerConfig(budget, batch), kv, head, bank, FixedDraftPolicy(k),
                           capture_capacity=4, context_length=context)
@@ -81,6 +81,29 @@ def test_drafts_are_capped_by_capture_capacity_and_output_left():
     plan = planner.plan([a, b], [])
     # b has produced 1 of 3 tokens: a step may emit at most 2, so at most 1 draft
     assert [s.num_drafts for s in plan.scheduled] == [4, 1]
+
+
+def test_drafts_are_capped_by_the_context_left():
+    planner, kv, head, bank = make(k=4, context=12)
+    a, b, c = decoding(planner, kv, bank, req("a", 8), req("b", 9, arrival=1), req("c", 10, arrival=2))
+    plan = planner.plan([a, b, c], [])
+    # a decode feeds its newest token at position len - 1, drafts at len .. len + K - 1 < context
+    assert [s.num_drafts for s in plan.scheduled] == [3, 2, 1]
+    for s in plan.scheduled:
+        r = s.request
+        assert r.num_computed + s.num_tokens + s.num_drafts <= 12
+        assert len(kv.block_table(r.request_id)) * BS <= 12
+
+
+def test_a_full_head_pool_drops_the_drafts_not_the_request():
+    # the head pool holds 2 usable blocks of 4 slots: enough for a's catch-up and drafts, not b's too
+    planner, kv, head, bank = make(k=3, budget=32, head_blocks=3)
+    a, b = decoding(planner, kv, bank, req("a", 4), req("b", 4, arrival=1))
+    plan = planner.plan([a, b], [])
+    assert [(s.request.request_id, s.num_tokens, s.num_drafts) for s in plan.scheduled] == [
+        ("a", 1, 3), ("b", 1, 0)]
+    assert not plan.preempted and "b" not in head
+    kv.check_integrity(); head.check_integrity(); bank.check_integrity()
 
 
 def test_drafts_share_the_step_budget_with_decodes():

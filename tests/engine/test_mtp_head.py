@@ -1,0 +1,67 @@
+"""What the MTP head is fed, on the real bundled model: its drafts equal a non-incremental
+reference, step after step.
+
+Output stays correct whatever the head is fed (verification sees to that), so a head fed the
+wrong hidden rows only shows as lower acceptance. The reference recomputes every draft from
+scratch (DESIGN §4): the main model over the whole sequence gives hidden[0..n-1]; head row j
+pairs hidden[j] with token j+1, so a head forward over rows 0..n-1 gives d0 at its last row;
+draft d(i) comes from a head forward over rows 0..n-1+i whose chained rows take d(i-1) and the
+head's own hidden_states_out of the row before.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mtpserve.engine.runner import PackedRows, Runner
+from mtpserve.engine.sampler import SamplingParams
+
+from test_engine import PROMPTS, make_engine, run_all
+
+K = 3
+
+
+def reference_drafts(runner: Runner, zero_states, tokens: list[int], num_drafts: int) -> list[int]:
+    """Greedy drafts after `tokens` (the newest one not yet fed to the main model), from scratch."""
+    n = len(tokens) - 1
+    blocks = list(range(1, 1 + -(-(n + num_drafts) // runner.manifest.block_size)))
+    main = runner.run_main([PackedRows(tokens[:n], 0, blocks)], zero_states, np.zeros(1, np.int32))
+    hidden = np.array(main.hidden)
+    ids = list(tokens[1:])
+    drafts = []
+    for _ in range(num_drafts):
+        out = runner.run_head([PackedRows(ids, 0, blocks)], hidden)
+        drafts.append(int(out.logits[-1].argmax()))
+        ids.append(drafts[-1])
+        hidden = np.concatenate([hidden[:n], np.array(out.hidden[n - 1:])])
+    return drafts
+
+
+def record_drafts(engine) -> list[tuple[list[int], int, list[int]]]:
+    """Wrap the engine's draft proposal: (tokens at proposal time, drafts asked, drafts made) per request."""
+    seen = []
+    propose = engine._propose
+
+    def recording(drafting):
+        drafting = list(drafting)
+        before = [(list(s.request.token_ids), s.num_drafts, s.request.request_id) for s in drafting]
+        result = propose(drafting)
+        seen.extend((tokens, k, result[rid].tokens) for tokens, k, rid in before)
+        return result
+
+    engine._propose = recording
+    return seen
+
+
+def test_head_drafts_equal_the_non_incremental_reference(model_dir):
+    engine = make_engine(model_dir, k=K, budget=48)
+    seen = record_drafts(engine)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    run_all(engine, [PROMPTS[0], PROMPTS[2], PROMPTS[13]], [params] * 3)
+    assert len(seen) >= 12
+    # catch-up spans of 1..K+1 rows (all rejected .. all accepted) must all have been drafted after
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    runner = Runner(engine.manifest, num_blocks=16)
+    zero = engine.state_bank.spec.zero_states(1)
+    for tokens, num_drafts, drafts in seen:
+        assert drafts == reference_drafts(runner, zero, tokens, num_drafts), (
+            f"drafts after {len(tokens)} tokens")
