@@ -52,6 +52,15 @@ def _prefill_logits(engine, prompts):
 SAVED_REFERENCE = Path(__file__).parent / "data" / "bundled_cpu_prefill_logits.npz"
 
 
+def _cpu_kernels_missing(error: Exception) -> bool:
+    """The one failure of the CPU engine that is not a bug: onnxruntime-gpu 1.31 ships no CPU
+    kernels for the linear-attention ops, so on a GPU build the CPU session cannot be created.
+    Anything else (a CPU build of onnxruntime, another error) is a failure to report."""
+    import onnxruntime as ort
+    return ("CUDAExecutionProvider" in ort.get_available_providers()
+            and "NOT_IMPLEMENTED" in str(error) and "Could not find an implementation" in str(error))
+
+
 def cpu_reference_logits(model_dir, prompts):
     """The CPU-adapted model's logits of PROMPTS[:4]. onnxruntime-gpu 1.31 lacks the CPU
     GatedDeltaNet kernels, so a GPU machine cannot always compute them: then the copy saved beside
@@ -65,7 +74,9 @@ def cpu_reference_logits(model_dir, prompts):
         return np.load(saved)["logits"]
     try:
         return _prefill_logits(engine_on(model_dir, "cpu"), prompts)
-    except Exception as e:        # noqa: BLE001 - the CPU build's kernels are missing here
+    except Exception as e:        # noqa: BLE001 - only the missing-kernel error falls back
+        if not _cpu_kernels_missing(e):
+            raise
         ref = np.load(SAVED_REFERENCE)
         digest = hashlib.sha256((Path(model_dir) / "model.onnx.data").read_bytes()).hexdigest()
         assert str(ref["model_sha256"]) == digest, (f"the CPU engine cannot run here ({e}) and the saved "
@@ -80,8 +91,10 @@ def test_saved_cpu_reference_matches_this_model_on_the_cpu(model_dir):
     assert str(ref["model_sha256"]) == digest, "the bundled model changed: remake the saved reference"
     try:
         cpu = _prefill_logits(engine_on(model_dir, "cpu"), PROMPTS[:4])
-    except Exception as e:        # noqa: BLE001
-        pytest.skip(f"the CPU engine cannot run here: {e}")
+    except Exception as e:        # noqa: BLE001 - only the missing-kernel error may skip
+        if not _cpu_kernels_missing(e):
+            raise
+        pytest.skip(f"this onnxruntime-gpu build has no CPU kernels for the model: {e}")
     np.testing.assert_allclose(cpu, ref["logits"], atol=1e-4)
 
 

@@ -73,6 +73,16 @@ def test_top_p_keeps_smallest_nucleus_with_ties_to_lower_ids():
     np.testing.assert_allclose(out[1], [0, 0.625, 0.375, 0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [8, 4096])          # the full sort, and the candidate shortcut
+def test_top_p_boundary_a_token_is_kept_while_the_mass_before_it_is_below_top_p(vocab):
+    """Equal logits give exact probabilities 1/vocab, so the mass before each token lands exactly
+    on top_p: the token there is dropped (the nucleus is the smallest set reaching top_p)."""
+    logits = np.zeros((1, vocab), dtype=np.float32)
+    for top_p, num_kept in [(0.25, vocab // 4), (0.5, vocab // 2), (0.5 + 0.5 / vocab, vocab // 2 + 1)]:
+        out = probs(logits, SamplingParams(top_p=top_p))[0]
+        assert np.count_nonzero(out) == num_kept and out[:num_kept].all(), (top_p, np.count_nonzero(out))
+
+
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
     logits = np.log(np.array([[0.3, 0.3, 0.2, 0.1, 0.1]], dtype=np.float32))
     # top-2 renormalises to [0.5, 0.5]; top_p 0.4 then keeps only the first of the tie
