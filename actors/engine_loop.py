@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mtpserve.actors.admission import Footprint, ReservationLedger, request_footprint
-from mtpserve.actors.draft_policy import ActorDraftPolicy
+from mtpserve.engine.admission import Footprint, ReservationLedger, check_request
+from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
 from mtpserve.engine.request import FinishReason, TokenEvent
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.speculative import SpecDecodeStats
@@ -130,16 +130,16 @@ _STOP = object()
 class EngineLoop:
     """Owns an ``Engine`` on a thread of its own; see the module docstring."""
 
-    def __init__(self, engine, policy: ActorDraftPolicy | None = None, max_pending: int = 1024,
-                 snapshot_interval_s: float = 0.05, session_ttl_s: float = 600.0):
+    def __init__(self, engine, max_pending: int = 1024, snapshot_interval_s: float = 0.05,
+                 session_ttl_s: float = 600.0):
         self.engine = engine
-        self.policy = policy
+        policy = engine.draft_policy
+        self.policy = policy if isinstance(policy, AdaptiveDraftPolicy) else None   # reported to the planner
         self.max_pending = max_pending
         self.snapshot_interval_s = snapshot_interval_s
         self.session_ttl_s = session_ttl_s
-        m = engine.manifest
-        self.block_size, self.context_length, self.vocab_size = m.block_size, m.context_length, m.vocab_size
-        self.num_usable_blocks = engine.kv_pool.num_usable_blocks
+        self.limits = engine.limits
+        self.num_usable_blocks = engine.limits.num_usable_blocks
         self.num_rows = engine.state_bank.max_rows
         self.ledger = ReservationLedger(self.num_usable_blocks, self.num_rows)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -170,20 +170,13 @@ class EngineLoop:
     def failed(self) -> BaseException | None:
         return self._failed
 
-    def footprint(self, num_prompt_tokens: int, params: SamplingParams) -> Footprint:
-        """Validate a request's size against this replica; ValueError when it can never run."""
-        return request_footprint(num_prompt_tokens, params.max_tokens, self.context_length,
-                                 self.block_size, self.num_usable_blocks)
-
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
                session_id: str | None = None) -> RequestStream:
         """Queue a request; call from a running event loop. Raises ValueError (bad request),
         Overloaded (queue full) or EngineFailed before anything is queued."""
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
-        footprint = self.footprint(len(token_ids), params)
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        footprint = check_request(token_ids, params.max_tokens, self.limits)
         if not self.ledger.fits_grant(footprint):
             raise Overloaded("this replica is draining or its grant is too small for the request")
         with self._queued_lock:
@@ -274,8 +267,6 @@ class EngineLoop:
             self._streams[add.request_id] = add.stream
 
     def _step(self) -> None:
-        if self.policy is not None:
-            self.policy.begin_step()
         try:
             events = self.engine.step()
         except Exception as e:  # the engine's state is unknown now: fail everyone, stop stepping
@@ -284,8 +275,6 @@ class EngineLoop:
             return
         timing = self.engine.last_step
         if timing is not None:
-            if self.policy is not None:
-                self.policy.observe_step(timing)
             ema = self._step_time_ema
             self._step_time_ema = timing.seconds if not ema else 0.9 * ema + 0.1 * timing.seconds
         self._dispatch(events)
@@ -318,8 +307,6 @@ class EngineLoop:
     def _finish_bookkeeping(self, request_id: str) -> None:
         self.ledger.release(request_id)
         self._request_session.pop(request_id, None)
-        if self.policy is not None:
-            self.policy.forget(request_id)
 
     def _dequeued(self) -> None:
         with self._queued_lock:
@@ -354,7 +341,7 @@ class EngineLoop:
             num_blocks_granted=ledger.num_blocks_granted, num_rows_granted=ledger.num_rows_granted,
             num_reserved_blocks=ledger.num_reserved_blocks, num_reserved_rows=ledger.num_reserved_rows,
             peak_reserved_blocks=ledger.peak_reserved_blocks, peak_reserved_rows=ledger.peak_reserved_rows,
-            num_running=len(e.running) + len(e.waiting), num_pending=len(self._pending),
+            num_running=len(e.scheduler.requests), num_pending=len(self._pending),
             max_pending_seen=self._max_pending_seen, sessions=tuple(self._sessions),
             acceptance=self.policy.acceptance() if self.policy is not None else {},
             draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,

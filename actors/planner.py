@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from mtpserve.actors.draft_policy import DraftCostModel, choose_num_drafts
+from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
 from mtpserve.actors.engine_loop import LoopSnapshot
 from mtpserve.actors.metrics import MetricsSnapshot
 
@@ -54,7 +54,7 @@ class WorkerPlan:
     num_blocks_granted: int
     num_rows_granted: int
     num_drafts: dict[str, int] = field(default_factory=dict)   # request id -> K
-    prior_acceptance: float = 0.6                               # for requests not planned yet
+    prior_acceptance: float = PRIOR_ACCEPTANCE                  # for requests not planned yet
 
 
 @dataclass
@@ -78,7 +78,7 @@ class PlannerState:
     """The planner's logic without Ray (the actor below wraps it)."""
 
     def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 15.0,
-                 session_ttl_s: float = 600.0, prior_acceptance: float = 0.6):
+                 session_ttl_s: float = 600.0, prior_acceptance: float = PRIOR_ACCEPTANCE):
         self.cost = cost
         self.replica_ttl_s = replica_ttl_s
         self.session_ttl_s = session_ttl_s
@@ -175,7 +175,7 @@ class PlannerState:
 class PlannerActor:
     """The Ray face of ``PlannerState``; every method is a few dict operations."""
 
-    def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):
+    def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST):
         self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s)
         self._checked_at = 0.0
 
@@ -212,7 +212,7 @@ def _live_actor_names() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = 0.15):
+def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST):
     """The application's planner actor, created (detached, restartable) by the first caller."""
     return PlannerActor.options(name=planner_name(app_name), namespace=NAMESPACE, lifetime="detached",
                                 get_if_exists=True).remote(replica_ttl_s, draft_cost)

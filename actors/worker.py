@@ -25,7 +25,6 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from mtpserve.actors.draft_policy import ActorDraftPolicy, DraftCostModel
 from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
 from mtpserve.actors.ingress import OpenAIRoutes, api
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
@@ -34,7 +33,7 @@ from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.request import TokenEvent
 from mtpserve.engine.sampler import SamplingParams
-from mtpserve.engine.speculative import MAX_NUM_DRAFTS
+from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,7 +53,7 @@ class WorkerConfig:
     max_requests_per_step: int = 64
     max_model_len: int | None = None         # longest prompt + output served; None = the model's context
     draft_tokens: int | None = None          # None = adaptive (planner), else a fixed K
-    draft_cost: float = 0.15
+    draft_cost: float = DEFAULT_DRAFT_COST
     max_pending: int = 1024                  # requests waiting for admission before a 429
     api_key: str | None = None               # else $MTPSERVE_API_KEY on the replica, else none
     report_interval_s: float = 0.2
@@ -86,22 +85,18 @@ class Worker:
             cfg.model_dir, cfg.device, cfg.num_threads,
             CacheConfig(cfg.num_blocks, cfg.max_resident_requests),
             SchedulerConfig(cfg.max_tokens_per_step, cfg.max_requests_per_step),
-            SpecConfig(MAX_NUM_DRAFTS if cfg.draft_tokens is None else cfg.draft_tokens),
+            SpecConfig.parse(cfg.draft_tokens, draft_cost=cfg.draft_cost),
             max_model_len=cfg.max_model_len)
-        self.policy = None
-        if cfg.draft_tokens is None:
-            self.policy = ActorDraftPolicy(MAX_NUM_DRAFTS, DraftCostModel(cfg.draft_cost))
-        self.engine = Engine(engine_config, draft_policy=self.policy)
+        self.engine = Engine(engine_config)
         m = self.engine.manifest
-        self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if self.engine.head_pool is not None else 0
-        if self.policy is not None:          # the cap is known once the engine has read the model
-            self.policy.max_drafts = self.max_drafts
+        self.max_drafts = self.engine.max_drafts
         self.tokenizer = self.engine.tokenizer
         self.model_name = cfg.model_name
         self.context_length = m.context_length
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
         self.recorder = MetricsRecorder()
-        self.loop = EngineLoop(self.engine, self.policy, cfg.max_pending).start()
+        self.loop = EngineLoop(self.engine, cfg.max_pending).start()
+        self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
         self._stopping = threading.Event()
         self._planner = None                     # the planner actor's handle, once known
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
@@ -143,8 +138,7 @@ class Worker:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most a request may generate: to the context end, within one replica's KV cache."""
-        capacity = (self.loop.num_usable_blocks - 1) * self.loop.block_size
-        return max(1, min(self.context_length, capacity) - num_prompt_tokens)
+        return max(1, self.engine.limits.max_sequence_tokens - num_prompt_tokens)
 
     # ------------------------------------------------------------------ Python handle surface
     async def generate(self, prompt: str | list[int], sampling: dict | None = None,

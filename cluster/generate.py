@@ -44,7 +44,7 @@ def run_prompts(engine: Engine, prompts: list[str], params: list[SamplingParams]
         engine.add_request(f"gen-{i}", prompt, p)
         results.append(GenerationResult(prompt))
     by_id = {f"gen-{i}": r for i, r in enumerate(results)}
-    requests = {rid: engine.requests[rid] for rid in by_id}
+    requests = {rid: engine.scheduler.requests[rid] for rid in by_id}
     while engine.has_work:
         for event in engine.step():
             r = by_id[event.request_id]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS as MAX_DRAFT_TOKENS
 
 
@@ -52,21 +53,46 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: draft tokens per request per step (0 = MTP off).
+    """Speculative decoding: draft tokens per request per step.
 
+    num_draft_tokens: a fixed K for every request (0 = MTP off).
+    adaptive: ``--draft-tokens auto``: each request's K is chosen from its measured acceptance
+    and the measured step cost (``draft_policy.AdaptiveDraftPolicy``), up to the model's
+    capture capacity; ``draft_cost`` is the guess it starts from (a draft level's cost in plain
+    decode steps). num_draft_tokens is then ignored.
     synthetic_acceptance: benchmarking only, for models whose MTP head is untrained: the verifier
     accepts each draft with this probability instead of comparing it with the target (greedy
     requests). The output is then NOT the model's; every report labels such runs synthetic.
     """
     num_draft_tokens: int = 0
+    adaptive: bool = False
+    draft_cost: float = DEFAULT_DRAFT_COST
     synthetic_acceptance: float | None = None
+
+    @staticmethod
+    def parse(draft_tokens: str | int | None, **kwargs) -> SpecConfig:
+        """From a CLI / config value: an integer K, or "auto" (None means "auto" too)."""
+        if draft_tokens is None or str(draft_tokens).strip().lower() == "auto":
+            return SpecConfig(adaptive=True, **kwargs)
+        try:
+            return SpecConfig(num_draft_tokens=int(draft_tokens), **kwargs)
+        except ValueError:
+            raise ValueError(f"draft tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] or 'auto', "
+                             f"got {draft_tokens!r}") from None
 
     def validate(self) -> None:
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        if self.draft_cost <= 0:
+            raise ValueError(f"draft cost must be > 0, got {self.draft_cost}")
         a = self.synthetic_acceptance
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {a}")
+
+    @property
+    def label(self) -> str:
+        """"auto" or the fixed K, as the CLI spells it."""
+        return "auto" if self.adaptive else str(self.num_draft_tokens)
 
 
 @dataclass(frozen=True)

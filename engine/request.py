@@ -4,13 +4,14 @@ Token bookkeeping of one request (positions are token indices in `token_ids`):
 
     token_ids      p0 p1 ... pP-1 | o0 o1 ... on-1          prompt | output
     num_computed   tokens folded into the main model's KV and recurrent state
-    num_head       tokens whose MTP-head rows are in the head's KV (<= num_computed)
-    pending_hidden main-model hidden states of positions [num_head, num_computed): the head
-                   row at position p pairs hidden[p] with token_ids[p + 1], so it can run once
-                   token p + 1 is known
+    num_head       tokens whose MTP-head rows are in the head's KV (<= num_computed); the head
+                   row at position p pairs the main model's hidden[p] with token_ids[p + 1], so
+                   it can run once token p + 1 is known (the proposer keeps those hidden rows)
 
 A step feeds token_ids[num_computed:] (a prefill chunk, or the one newest token of a decode)
 plus this step's drafts. The request is "decoding" when exactly one token is left to feed.
+Everything here is host data: the request's device state lives in the pools, the state bank
+and the proposer, keyed by request id.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from mtpserve.engine.sampler import SamplingParams, make_rng
 from mtpserve.engine.speculative import SpecDecodeStats
+from mtpserve.engine.tokenizer import IncrementalDetokenizer
 
 
 class FinishReason(str, enum.Enum):
@@ -57,11 +59,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
     num_head: int = 0
-    pending_hidden: list = field(default_factory=list)    # arrays [n_i, H] covering [num_head, num_computed)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     rng: np.random.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()   # ids that end it: params.stop_token_ids, and EOS unless ignored
+    detokenizer: IncrementalDetokenizer | None = None
     num_emitted_text: int = 0              # characters of output text already streamed out
 
     def __post_init__(self) -> None:
@@ -95,5 +98,4 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed = 0
         self.num_head = 0
-        self.pending_hidden = []
         self.num_preemptions += 1

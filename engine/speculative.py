@@ -1,4 +1,4 @@
-"""Speculative decoding: draft proposal, verification (greedy and exact sampling), stats, draft policy.
+"""Speculative decoding: draft proposal, verification (greedy and exact sampling), stats.
 
 A speculative step feeds one request's rows ``[t, d0 .. dK-1]`` to the target model; target
 row i predicts the token after input i, so it is checked against draft d_i, and the last row
@@ -17,13 +17,14 @@ host ``numpy.random.Generator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, sample_from_probs, to_host
+from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, sample, sample_from_probs, to_host
 
-# The most drafts one request may carry in one step (DESIGN.md §3).
+# The most drafts one request may carry in one step: the paged export captures at most
+# state_update_capacity transitions, and its CUDA kernels are built for at most 8 rows per request.
 MAX_NUM_DRAFTS = 7
 
 
@@ -255,30 +256,48 @@ def _add_counts(counts: list[int], other: list[int]) -> None:
         counts[i] += c
 
 
-class DraftPolicy:
-    """Chooses how many drafts a request carries in its next step.
+def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, logits, xp=None,
+                synthetic_acceptance: float | None = None,
+                synthetic_rng: np.random.Generator | None = None) -> dict[str, tuple[list[int], int]]:
+    """(emitted tokens, drafts accepted) of every scheduled request that samples this step.
 
-    ``num_drafts(request_state) -> int`` in 0..MAX_NUM_DRAFTS; 0 turns speculation off for that
-    step. The planner still caps the answer by the state-capture capacity and the request's
-    remaining token budget. An adaptive policy (later work) would read the request's
-    ``SpecDecodeStats`` (per-position acceptance) and a per-worker step-cost model, and pick
-    the K that maximises expected tokens per unit of step time.
+    scheduled: the step's ``ScheduledRequest``s; target_rows[i]: the packed row of request i's
+    newest real token (its K target rows follow it, see the module docstring); drafts: request
+    id -> ``proposer.Drafts``. Greedy rows are checked on one host copy of the step's argmax;
+    sampled rows without drafts are sampled together, sampled rows with drafts verified together,
+    each request drawing from its own RNG in step order. ``synthetic_acceptance`` (benchmarks
+    only) accepts each greedy draft with that probability instead of checking it.
     """
-
-    def num_drafts(self, request_state: Any) -> int:
-        raise NotImplementedError
-
-
-class FixedDraftPolicy(DraftPolicy):
-    """The same draft count for every request and step; 0 = speculation off."""
-
-    def __init__(self, num_drafts: int) -> None:
-        if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or not 0 <= num_drafts <= MAX_NUM_DRAFTS:
-            raise ValueError(f"num_drafts must be an integer in 0..{MAX_NUM_DRAFTS}, got {num_drafts!r}")
-        self._num_drafts = num_drafts
-
-    def num_drafts(self, request_state: Any) -> int:
-        return self._num_drafts
-
-    def __repr__(self) -> str:
-        return f"FixedDraftPolicy({self._num_drafts})"
+    xp = xp or np
+    argmax = None                                     # one device -> host copy, if any greedy row samples
+    result: dict[str, tuple[list[int], int]] = {}
+    plain, verified = [], []                          # sampled requests: (scheduled, first target row)
+    for s, last in zip(scheduled, target_rows):
+        if not s.samples:
+            continue
+        r = s.request
+        if not r.params.is_greedy:
+            (verified if s.num_drafts else plain).append((s, int(last)))
+            continue
+        if argmax is None:
+            argmax = to_host(logits.argmax(axis=1))
+        d = drafts[r.request_id].tokens if s.num_drafts else []
+        emitted, num_accepted = accept_greedy(argmax[last:last + len(d) + 1], d)
+        if synthetic_acceptance is not None and d:
+            hits = synthetic_rng.random(len(d)) < synthetic_acceptance
+            num_accepted = int(np.argmin(np.append(hits, False)))
+            emitted = d[:num_accepted] + [int(argmax[last + num_accepted])]
+        result[r.request_id] = emitted, num_accepted
+    if plain:
+        rows = xp.asarray(np.array([last for _, last in plain]))
+        tokens = sample(logits[rows], [s.request.params for s, _ in plain], [s.request.rng for s, _ in plain], xp)
+        result.update((s.request.request_id, ([int(t)], 0)) for (s, _), t in zip(plain, tokens))
+    if verified:
+        rows = np.concatenate([np.arange(last, last + s.num_drafts + 1) for s, last in verified])
+        params = [s.request.params for s, _ in verified for _ in range(s.num_drafts + 1)]
+        target = probs(logits[xp.asarray(rows)], params, xp)
+        q = xp.stack([qi for s, _ in verified for qi in drafts[s.request.request_id].q])
+        outcomes = verify_sampled_batch(target, q, [drafts[s.request.request_id].tokens for s, _ in verified],
+                                        [s.request.rng for s, _ in verified], xp)
+        result.update((s.request.request_id, o) for (s, _), o in zip(verified, outcomes))
+    return result

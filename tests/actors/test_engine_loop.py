@@ -3,7 +3,6 @@ import asyncio
 
 import pytest
 
-from mtpserve.actors.draft_policy import ActorDraftPolicy
 from mtpserve.actors.engine_loop import EngineFailed, EngineLoop, Overloaded, merge_streams
 from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
@@ -18,10 +17,9 @@ def make_loop(model_dir):
     loops = []
 
     def make(num_blocks=64, rows=8, max_pending=1024, adaptive=True):
-        policy = ActorDraftPolicy(4) if adaptive else None
         config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(num_blocks, rows),
-                              spec=SpecConfig(4))
-        loop = EngineLoop(Engine(config, draft_policy=policy), policy, max_pending).start()
+                              spec=SpecConfig(adaptive=True) if adaptive else SpecConfig(4))
+        loop = EngineLoop(Engine(config), max_pending).start()
         loops.append(loop)
         return loop
     yield make
@@ -53,9 +51,9 @@ def _status(loop) -> dict:
 def test_a_burst_of_64_queues_and_never_over_reserves(make_loop):
     loop = make_loop(num_blocks=40, rows=8)
     preempted = []
-    planner = loop.engine.planner
-    original = planner.preempt
-    planner.preempt = lambda req, plan: (preempted.append(req.request_id), original(req, plan))
+    scheduler = loop.engine.scheduler
+    original = scheduler.preempt
+    scheduler.preempt = lambda req, plan: (preempted.append(req.request_id), original(req, plan))
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
     ids = loop.engine.tokenizer.encode("for i in range(")
 
@@ -115,7 +113,7 @@ def test_refusals_happen_before_anything_is_queued(make_loop):
 
     async def scenario():
         with pytest.raises(ValueError, match="context"):
-            loop.submit("huge", [5] * loop.context_length, long)
+            loop.submit("huge", [5] * loop.limits.context_length, long)
         streams = [loop.submit("a", ids, long)]
         while loop._num_queued:                            # until 'a' is admitted and holds the only row
             await asyncio.sleep(0.01)

@@ -40,7 +40,7 @@ def _prefill_logits(engine, prompts):
     from mtpserve.engine.sampler import to_host
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1))
-    plan = engine.planner.plan(engine.running, list(engine.waiting))
+    plan = engine.scheduler.schedule()
     rows = [PackedRows(s.request.token_ids, 0, engine.kv_pool.block_table(s.request.request_id))
             for s in plan.scheduled]
     with engine.device_context():

@@ -40,11 +40,11 @@ def run_to_the_limits(engine, prompts):
         engine.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         limits[f"r{i}"] = min(len(ids) + max_tokens, MAX_MODEL_LEN)
     capped = 0
-    plan_step = engine.planner.plan
+    schedule = engine.scheduler.schedule
 
-    def checked_plan(running, waiting):
+    def checked_schedule():
         nonlocal capped
-        plan = plan_step(running, waiting)
+        plan = schedule()
         for s in plan.scheduled:
             r = s.request
             end = r.num_computed + s.num_tokens + s.num_drafts
@@ -53,7 +53,7 @@ def run_to_the_limits(engine, prompts):
                 capped += 1
         return plan
 
-    engine.planner.plan = checked_plan
+    engine.scheduler.schedule = checked_schedule
     tokens, reasons = {}, {}
     while engine.has_work:
         for ev in engine.step():

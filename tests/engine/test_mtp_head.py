@@ -39,7 +39,7 @@ def reference_drafts(runner: Runner, zero_states, tokens: list[int], num_drafts:
 def record_drafts(engine) -> list[tuple[list[int], int, list[int]]]:
     """Wrap the engine's draft proposal: (tokens at proposal time, drafts asked, drafts made) per request."""
     seen = []
-    propose = engine._propose
+    propose = engine.proposer.propose
 
     def recording(drafting):
         drafting = list(drafting)
@@ -48,7 +48,7 @@ def record_drafts(engine) -> list[tuple[list[int], int, list[int]]]:
         seen.extend((tokens, k, result[rid].tokens) for tokens, k, rid in before)
         return result
 
-    engine._propose = recording
+    engine.proposer.propose = recording
     return seen
 
 

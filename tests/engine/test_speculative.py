@@ -12,8 +12,6 @@ import pytest
 
 from mtpserve.engine.sampler import SamplingParams, make_rng, probs, sample_from_probs
 from mtpserve.engine.speculative import (
-    DraftPolicy,
-    FixedDraftPolicy,
     SpecDecodeStats,
     accept_greedy,
     propose_drafts,
@@ -230,13 +228,3 @@ def test_stats_count_steps_and_derive_rates():
     assert (empty.acceptance_rate, empty.acceptance_length, empty.tokens_per_target_forward) == (0.0, 1.0, 0.0)
     with pytest.raises(AssertionError):
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=3, num_emitted_tokens=4)
-
-
-def test_fixed_draft_policy():
-    assert FixedDraftPolicy(3).num_drafts(object()) == 3
-    assert FixedDraftPolicy(0).num_drafts(None) == 0
-    for bad in (-1, 8, 2.0, True):
-        with pytest.raises(ValueError, match="num_drafts"):
-            FixedDraftPolicy(bad)
-    with pytest.raises(NotImplementedError):
-        DraftPolicy().num_drafts(None)

@@ -3,9 +3,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mtpserve.actors.draft_policy import (AcceptanceEMA, ActorDraftPolicy, DraftCostModel,
-                                          choose_num_drafts, expected_tokens)
-from mtpserve.engine.speculative import SpecDecodeStats
+from mtpserve.engine.draft_policy import (AcceptanceEMA, AdaptiveDraftPolicy, DraftCostModel, DraftPolicy, FixedDraftPolicy,
+                                          StepCostEstimator, choose_num_drafts, expected_tokens)
+from mtpserve.engine.engine import StepTiming
+from mtpserve.engine.sampler import SamplingParams
 
 
 def test_expected_tokens_counts_the_bonus_token():
@@ -35,23 +36,23 @@ def test_ema_counts_only_the_positions_that_were_tried():
     assert high.value > 0.95
 
 
-def _request(rid="r"):
-    return SimpleNamespace(request_id=rid, stats=SpecDecodeStats())
+def _request(rid="r", params=SamplingParams(temperature=0)):
+    return SimpleNamespace(request_id=rid, params=params)
 
 
 def _drive(policy, req, accept_all: bool, num_steps: int) -> list[int]:
-    """Run the engine's side of the loop: ask K, 'verify', record the outcome."""
+    """Run the engine's side of the loop: ask K, 'verify', report the outcome and the step."""
     ks = []
     for _ in range(num_steps):
         k = policy.num_drafts(req)
         ks.append(k)
-        accepted = k if accept_all else 0
-        req.stats.record_step(k, accepted, accepted + 1)
+        policy.observe_verified(req.request_id, k, k if accept_all else 0)
+        policy.observe_step(None)
     return ks
 
 
 def test_policy_lowers_k_on_rejection_and_raises_it_on_acceptance():
-    policy = ActorDraftPolicy(max_drafts=4, prior=0.6)
+    policy = AdaptiveDraftPolicy(max_drafts=4, prior=0.6)
     req = _request()
     start = policy.num_drafts(req)
     assert 0 < start < 4
@@ -64,7 +65,7 @@ def test_policy_lowers_k_on_rejection_and_raises_it_on_acceptance():
 
 
 def test_planner_plan_overrides_the_local_choice_and_finished_requests_are_forgotten():
-    policy = ActorDraftPolicy(max_drafts=4)
+    policy = AdaptiveDraftPolicy(max_drafts=4)
     a, b = _request("a"), _request("b")
     policy.set_plan({"a": 3})
     assert policy.num_drafts(a) == 3
@@ -76,8 +77,6 @@ def test_planner_plan_overrides_the_local_choice_and_finished_requests_are_forgo
 
 
 # ---- the measured step-cost model -----------------------------------------------------------
-from mtpserve.actors.draft_policy import StepCostEstimator  # noqa: E402
-from mtpserve.engine.engine import StepTiming  # noqa: E402
 
 
 def feed(estimator, a, b, c, steps=200, seed=0):
@@ -110,16 +109,11 @@ def test_step_cost_estimator_needs_steps_with_different_draft_counts_and_skips_p
 
 
 def test_measured_expensive_drafts_turn_drafting_off_and_cheap_ones_on():
-    class Req:
-        def __init__(self, rid):
-            from mtpserve.engine.speculative import SpecDecodeStats
-            self.request_id, self.stats = rid, SpecDecodeStats()
-
     def decide(a, b, c):
-        policy = ActorDraftPolicy(4, prior=0.85, explore_interval=0)
+        policy = AdaptiveDraftPolicy(4, prior=0.85, explore_interval=0)
         feed(policy.estimator, a, b, c)
-        policy.begin_step()
-        return policy.num_drafts(Req("r"))
+        policy.observe_step(None)                      # the next step plans with the measured model
+        return policy.num_drafts(_request())
 
     # each draft level costs a whole plain step (a compute-bound CPU batch): no drafting pays
     assert decide(a=0.0, b=1e-3, c=0.0) == 0
@@ -128,32 +122,34 @@ def test_measured_expensive_drafts_turn_drafting_off_and_cheap_ones_on():
 
 
 def test_every_explore_interval_th_step_drafts_nothing():
-    class Req:
-        request_id = "r"
-        from mtpserve.engine.speculative import SpecDecodeStats
-        stats = SpecDecodeStats()
-
-    policy = ActorDraftPolicy(4, prior=0.95, explore_interval=4)
+    policy = AdaptiveDraftPolicy(4, prior=0.95, explore_interval=4)
     ks = []
     for _ in range(8):
-        policy.begin_step()
-        ks.append(policy.num_drafts(Req()))
+        ks.append(policy.num_drafts(_request()))
+        policy.observe_step(None)
     assert ks[3] == ks[7] == 0 and all(k > 0 for i, k in enumerate(ks) if i not in (3, 7))
 
 
 def test_a_seeded_sampled_request_gets_the_same_k_whatever_the_load_and_exploration():
-    from mtpserve.engine.sampler import SamplingParams
-
     def ks(load, explore_interval, plan):
-        policy = ActorDraftPolicy(4, explore_interval=explore_interval)
+        policy = AdaptiveDraftPolicy(4, explore_interval=explore_interval)
         policy.set_load(load)
         policy.set_plan(plan)
-        req = SimpleNamespace(request_id="s", stats=SpecDecodeStats(),
-                              params=SamplingParams(temperature=0.8, seed=7))
+        req = _request("s", SamplingParams(temperature=0.8, seed=7))
         out = []
         for _ in range(10):
-            policy.begin_step()
             out.append(policy.num_drafts(req))
+            policy.observe_step(None)
         return out
 
     assert ks(0.0, 0, {}) == ks(1.0, 3, {"s": 0}) == ks(0.5, 2, {"s": 4})
+
+
+def test_fixed_draft_policy():
+    assert FixedDraftPolicy(3).num_drafts(object()) == 3
+    assert FixedDraftPolicy(0).num_drafts(None) == 0
+    for bad in (-1, 8, 2.0, True):
+        with pytest.raises(ValueError, match="num_drafts"):
+            FixedDraftPolicy(bad)
+    with pytest.raises(NotImplementedError):
+        DraftPolicy().num_drafts(None)

@@ -1,10 +1,8 @@
-"""Admission on one worker: a request enters the engine only when its worst case fits the grant.
+"""Admission: one check of what a request may ask, and the worst-case ledger that queues it.
 
-The engine's own step planner reserves KV blocks step by step and preempts (recomputes) the
-newest request when a pool runs dry. The worker avoids ever getting there: each request is
-charged its worst-case footprint up front, against the grant the planner actor gave this
-replica, and waits in a FIFO queue until that fits. A burst therefore queues; nobody fails and
-nobody is preempted.
+Every entry point validates a request with ``check_request`` against the replica's
+``RequestLimits`` (the engine's ``add_request``, the worker's engine loop before queueing it):
+one set of rules, one set of messages (a ValueError is an HTTP 400).
 
 Worst case of one request (P prompt tokens, M = max_tokens, C = context length, B = block size):
 
@@ -12,13 +10,43 @@ Worst case of one request (P prompt tokens, M = max_tokens, C = context length, 
     KV blocks                           =  cdiv(min(P + M, C), B)   budget and the context left)
     MTP head KV                         <= main KV             (same block count per pool)
     state rows                          =  1
+
+A request can never run when that exceeds the KV capacity, ``(usable blocks - 1) * B`` tokens:
+the engine keeps one block of slack so a full-length request still leaves the scheduler room
+to move.
+
+The engine's scheduler reserves KV step by step and preempts (recomputes) the newest request
+when a pool runs dry. On a Serve replica the engine loop applies a stricter policy in front of
+it, ``ReservationLedger``: each request is charged its worst-case footprint up front, against
+the grant the planner actor gave the replica, and waits in a FIFO queue until that fits. A burst
+therefore queues; nobody fails and nobody is preempted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from mtpserve.engine.kv_pool import cdiv
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine can serve: the sequence length, the KV capacity and the vocabulary."""
+    context_length: int          # the longest prompt + output (max_model_len when set)
+    block_size: int
+    num_usable_blocks: int       # per paged pool
+    vocab_size: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens one request may hold (one block is kept as slack)."""
+        return (self.num_usable_blocks - 1) * self.block_size
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + output a request can reach here."""
+        return min(self.context_length, self.kv_capacity_tokens)
 
 
 @dataclass(frozen=True)
@@ -28,20 +56,23 @@ class Footprint:
     num_rows: int = 1
 
 
-def request_footprint(num_prompt_tokens: int, max_tokens: int, context_length: int,
-                      block_size: int, num_usable_blocks: int) -> Footprint:
-    """The worst-case footprint of a request; ValueError (an HTTP 400) when it can never fit."""
+def check_request(token_ids: Sequence[int] | int, max_tokens: int, limits: RequestLimits) -> Footprint:
+    """Validate a request (its prompt ids, or only their count) and return its worst-case
+    footprint; ValueError, with a message for the client, when it can never run here."""
+    num_prompt_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
     if num_prompt_tokens < 1:
         raise ValueError("the prompt is empty")
-    if num_prompt_tokens >= context_length:
+    if not isinstance(token_ids, int) and any(not 0 <= t < limits.vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {limits.vocab_size})")
+    context = limits.context_length
+    if num_prompt_tokens >= context:
         raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the longest sequence served (the "
-                         f"context) is {context_length} tokens, and a new token must fit too")
-    num_tokens = min(num_prompt_tokens + max_tokens, context_length)
-    capacity = (num_usable_blocks - 1) * block_size      # the engine keeps one block of slack
-    if num_tokens > capacity:
+                         f"context) is {context} tokens, and a new token must fit too")
+    num_tokens = min(num_prompt_tokens + max_tokens, context)
+    if num_tokens > limits.kv_capacity_tokens:
         raise ValueError(f"prompt + max_tokens = {num_tokens} tokens exceeds a replica's KV cache "
-                         f"({capacity} tokens); lower max_tokens")
-    return Footprint(cdiv(num_tokens, block_size))
+                         f"({limits.kv_capacity_tokens} tokens); lower max_tokens")
+    return Footprint(cdiv(num_tokens, limits.block_size))
 
 
 class ReservationLedger:

@@ -1,4 +1,10 @@
-"""Draft counts from measured acceptance and load: the math the planner actor and workers share.
+"""Draft policies: how many drafts each request carries in its next step.
+
+``FixedDraftPolicy(K)`` is one K for everyone. ``AdaptiveDraftPolicy`` (``--draft-tokens auto``)
+chooses each request's K from its measured acceptance and the replica's measured step cost; the
+planner actor may override it per request. The engine reports to a policy as things happen:
+``observe_verified(request_id, drafted, accepted)`` after each verified step of a request,
+``observe_step(timing)`` after each step, ``forget(request_id)`` when a request ends.
 
 Acceptance model: each draft is accepted with probability ``alpha`` given that the ones before
 it were (prefix acceptance). A step with K drafts then emits on average
@@ -16,8 +22,8 @@ The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
 ``AcceptanceEMA`` smooths that per request, weighting each step by its trials.
 
-``ActorDraftPolicy`` is the engine's ``DraftPolicy`` on a worker: the planner actor's latest
-per-request K when it has one, otherwise the same choice made locally from the request's EMA.
+``AdaptiveDraftPolicy`` uses the planner actor's latest per-request K when it has one (on a
+Serve replica), otherwise the same choice made locally from the request's EMA.
 A request held at K = 0 still drafts one token every ``probe_interval`` steps so its EMA keeps
 moving (otherwise a request once judged hopeless could never recover).
 """
@@ -29,7 +35,48 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtpserve.engine.speculative import MAX_NUM_DRAFTS, DraftPolicy
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS
+
+# Until a replica has measured its step cost, a draft level is guessed to cost this much of a
+# plain decode step (scaled up with load), and a new request's acceptance is guessed at PRIOR.
+DEFAULT_DRAFT_COST = 0.15
+PRIOR_ACCEPTANCE = 0.6
+
+
+class DraftPolicy:
+    """Chooses how many drafts a request carries in its next step, and hears how they did.
+
+    ``num_drafts(request) -> int`` in 0..MAX_NUM_DRAFTS; 0 turns speculation off for that step.
+    The scheduler still caps the answer by the capture capacity, the step's budget left and what
+    the request may still emit. The ``observe_*`` / ``forget`` hooks do nothing here.
+    """
+
+    def num_drafts(self, request) -> int:
+        raise NotImplementedError
+
+    def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verified step of a request: ``num_accepted`` of its ``num_drafts`` drafts kept."""
+
+    def observe_step(self, timing) -> None:
+        """One engine step ran (an ``engine.StepTiming``)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (finished, cancelled)."""
+
+
+class FixedDraftPolicy(DraftPolicy):
+    """The same draft count for every request and step; 0 = speculation off."""
+
+    def __init__(self, num_drafts: int) -> None:
+        if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or not 0 <= num_drafts <= MAX_NUM_DRAFTS:
+            raise ValueError(f"num_drafts must be an integer in 0..{MAX_NUM_DRAFTS}, got {num_drafts!r}")
+        self._num_drafts = num_drafts
+
+    def num_drafts(self, request) -> int:
+        return self._num_drafts
+
+    def __repr__(self) -> str:
+        return f"FixedDraftPolicy({self._num_drafts})"
 
 
 @dataclass(frozen=True)
@@ -39,7 +86,7 @@ class DraftCostModel:
     A static guess scales the per-draft cost with load; a measured one (``StepCostEstimator``)
     already saw the load in its step times, so ``scale_with_load`` is off for it.
     """
-    draft_cost: float = 0.15
+    draft_cost: float = DEFAULT_DRAFT_COST
     scale_with_load: bool = True
 
     def step_cost(self, num_drafts: int, load: float) -> float:
@@ -120,7 +167,7 @@ def choose_num_drafts(alpha: float, load: float, max_drafts: int,
 class AcceptanceEMA:
     """Prefix-acceptance probability, exponentially smoothed over draft trials."""
 
-    def __init__(self, prior: float = 0.6, halflife_trials: float = 16.0):
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE, halflife_trials: float = 16.0):
         self.value = prior
         self.num_trials = 0
         self._decay = 0.5 ** (1.0 / halflife_trials)
@@ -138,21 +185,19 @@ class AcceptanceEMA:
 @dataclass
 class _Track:
     ema: AcceptanceEMA
-    seen_steps: int = 0            # request.stats.num_drafts already folded in
-    seen_draft_tokens: int = 0
-    seen_accepted: int = 0
     calls_at_zero: int = 0
 
 
-class ActorDraftPolicy(DraftPolicy):
+class AdaptiveDraftPolicy(DraftPolicy):
     """Per-request K: the planner's plan when present, else a local choice from the EMA.
 
-    ``num_drafts`` runs on the engine's owner thread once per decoding request per step;
-    ``set_plan`` / ``set_load`` come from the worker's reporting thread (a dict swap each).
+    ``num_drafts`` and the ``observe_*`` hooks run on the engine's owner thread; ``set_plan`` /
+    ``set_load`` come from the worker's reporting thread (a dict swap each). ``max_drafts`` is
+    the engine's cap (the model's capture capacity, at most MAX_NUM_DRAFTS).
     """
 
     def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
-                 prior: float = 0.6, probe_interval: int = 8, explore_interval: int = 16):
+                 prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -162,7 +207,7 @@ class ActorDraftPolicy(DraftPolicy):
         self.load = 0.0
         self.estimator = StepCostEstimator()
         self.explore_interval = explore_interval
-        self._step_index = 0
+        self._step_index = 1                     # the step about to run, counted from 1
         self._step_cost = cost
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, _Track] = {}
@@ -177,26 +222,32 @@ class ActorDraftPolicy(DraftPolicy):
     def set_load(self, load: float) -> None:
         self.load = load
 
-    # ---- the owner thread: around each engine step ----------------------------------------
-    def begin_step(self) -> None:
+    # ---- the engine's hooks (owner thread) ------------------------------------------------
+    def observe_step(self, timing) -> None:
+        """Feed the step-cost model with what the step ran and how long it took (None: the
+        step ran nothing); the next step's cost model is then the measured one, when it is ready."""
+        self.estimator.observe(timing)
         self._step_index += 1
         self._step_cost = self.estimator.cost_model(self.cost)
 
-    def observe_step(self, timing) -> None:
-        """Feed the step-cost model with what the step ran and how long it took."""
-        self.estimator.observe(timing)
+    def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self._track(request_id).ema.observe_step(num_drafts, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its EMA."""
+        with self._lock:
+            self._tracks.pop(request_id, None)
 
     @property
     def exploring(self) -> bool:
         """Every explore_interval-th step drafts nothing, so step costs with and without drafts
         both keep being measured."""
-        return self.explore_interval > 0 and self._step_index > 0 and self._step_index % self.explore_interval == 0
+        return self.explore_interval > 0 and self._step_index % self.explore_interval == 0
 
-    # ---- the engine's hook (owner thread) -------------------------------------------------
     def num_drafts(self, request) -> int:
-        track = self._observe(request)
-        params = getattr(request, "params", None)
-        if params is not None and params.seed is not None and not params.is_greedy:
+        track = self._track(request.request_id)
+        params = request.params
+        if params.seed is not None and not params.is_greedy:
             # a seeded sampled request's tokens depend on its K: choose it from the request's own
             # history only (not load, timing or exploration), so the same seed gives the same text
             return self._probe(track, choose_num_drafts(track.ema.value, 0.0, self.max_drafts, self.cost))
@@ -215,29 +266,12 @@ class ActorDraftPolicy(DraftPolicy):
                 return 1
         return k
 
-    def _observe(self, request) -> _Track:
-        rid, stats = request.request_id, request.stats
-        track = self._tracks.get(rid)
+    def _track(self, request_id: str) -> _Track:
+        track = self._tracks.get(request_id)
         if track is None:
             with self._lock:
-                track = self._tracks[rid] = _Track(AcceptanceEMA(self.prior))
-        new_steps = stats.num_drafts - track.seen_steps
-        if new_steps > 0:
-            drafted = stats.num_draft_tokens - track.seen_draft_tokens
-            accepted = stats.num_accepted_tokens - track.seen_accepted
-            # normally one step; if several were folded together, observe their mean
-            per_step = drafted // new_steps
-            for i in range(new_steps):
-                share = accepted // new_steps + (1 if i < accepted % new_steps else 0)
-                track.ema.observe_step(per_step, min(share, per_step))
-            track.seen_steps, track.seen_draft_tokens, track.seen_accepted = (
-                stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                track = self._tracks[request_id] = _Track(AcceptanceEMA(self.prior))
         return track
-
-    def forget(self, request_id: str) -> None:
-        """The request finished: drop its EMA."""
-        with self._lock:
-            self._tracks.pop(request_id, None)
 
     def acceptance(self) -> dict[str, tuple[float, int]]:
         """{request id: (EMA of prefix acceptance, trials seen)} for the report to the planner."""

@@ -3,20 +3,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtpserve.actors.admission import Footprint, ReservationLedger, request_footprint
+from mtpserve.engine.admission import Footprint, RequestLimits, ReservationLedger, check_request
+
+LIMITS = RequestLimits(context_length=4096, block_size=16, num_usable_blocks=100, vocab_size=50)
 
 
 def test_footprint_is_the_worst_case_kv_of_prompt_plus_output():
-    assert request_footprint(10, 22, 4096, 16, 100) == Footprint(2)      # 32 tokens
-    assert request_footprint(10, 23, 4096, 16, 100) == Footprint(3)      # 33 tokens
-    assert request_footprint(4000, 500, 4096, 16, 1000) == Footprint(256), "capped by the context"
+    assert check_request(10, 22, LIMITS) == Footprint(2)      # 32 tokens
+    assert check_request(10, 23, LIMITS) == Footprint(3)      # 33 tokens
+    big = RequestLimits(4096, 16, 1000, 50)
+    assert check_request(4000, 500, big) == Footprint(256), "capped by the context"
+    assert big.max_sequence_tokens == 4096 and LIMITS.max_sequence_tokens == LIMITS.kv_capacity_tokens == 99 * 16
 
 
 @pytest.mark.parametrize("prompt, max_tokens, message", [
-    (0, 4, "empty"), (4096, 4, "context"), (100, 2000, "KV cache")])
+    (0, 4, "empty"), (4096, 4, "context"), (100, 2000, "KV cache"), ([1, 50], 4, "token ids"), ([], 4, "empty")])
 def test_requests_that_can_never_run_are_refused(prompt, max_tokens, message):
     with pytest.raises(ValueError, match=message):
-        request_footprint(prompt, max_tokens, 4096, 16, 100)
+        check_request(prompt, max_tokens, LIMITS)
+
+
+def test_the_kv_capacity_keeps_one_block_of_slack():
+    assert check_request(10, 99 * 16 - 10, LIMITS) == Footprint(99)
+    with pytest.raises(ValueError, match="KV cache"):
+        check_request(10, 99 * 16 - 9, LIMITS)
 
 
 @settings(max_examples=200, deadline=None)

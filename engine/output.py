@@ -1,0 +1,43 @@
+"""The output processor: a request's new tokens -> the text that is safe to stream, and stop strings.
+
+Each request carries its own incremental detokenizer (``Request.detokenizer``). Text is streamed
+as soon as no stop string can still be completed by later tokens: with stop strings, the last
+``max(len(stop)) - 1`` characters are held back until they are known not to start one. A stop
+string ends the request with its text cut just before the stop string.
+"""
+
+from __future__ import annotations
+
+from mtpserve.engine.request import FinishReason, Request, TokenEvent
+from mtpserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputProcessor:
+    """Detokenizes and applies stop strings; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def start(self, req: Request) -> None:
+        """Give a new request its detokenizer."""
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+
+    def process(self, req: Request, new_token_ids: list[int], finish: FinishReason | None) -> TokenEvent:
+        """The event for tokens just appended to ``req`` (``finish``: a stop id or a limit hit);
+        a stop string found in the new text finishes it too."""
+        stop = req.params.stop
+        detok = req.detokenizer
+        searched = len(detok.text)
+        detok.add(new_token_ids)
+        text_end = len(detok.text)
+        if stop:
+            # only text that the new tokens could have completed a stop string in
+            start = max(0, searched - max(map(len, stop)) + 1)
+            hit = min((i for i in (detok.text.find(s, start) for s in stop) if i >= 0), default=-1)
+            if hit >= 0:
+                finish, text_end = FinishReason.STOP, hit
+            elif finish is None:   # hold back what may be the start of a stop string
+                text_end = max(req.num_emitted_text, text_end - max(map(len, stop)) + 1)
+        text = detok.text[req.num_emitted_text:text_end]
+        req.num_emitted_text = max(req.num_emitted_text, text_end)
+        return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens)

@@ -1,0 +1,106 @@
+"""The MTP proposer: the head's catch-up on committed rows, then K chained single-row drafts.
+
+Head rows pair the main model's hidden state at position p with the token at p + 1 and predict
+the token at p + 2:
+
+    position p        ...  n-2        n-1        | n           n+1     ...
+    head input id          t[n-1]     t[n]       | d0          d1
+    head hidden            main[n-2]  main[n-1]  | out[n-1]    out[n]
+    head predicts          t[n]       d0         | d1          d2
+                      '-- catch-up: [num_head, n) --'-- chained: n .. n+K-2 --'
+
+(n = num_computed; t[n] is the newest token, not yet fed to the main model.) Catch-up rows need
+the main model's hidden states of positions [num_head, n): the proposer keeps those device rows
+per request (``keep_hidden`` after each commit) until the request drafts again. Chained rows take
+the previous draft as their input id and the head's own ``hidden_states_out`` of the row before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.runner import PackedRows, Runner
+from mtpserve.engine.sampler import to_host
+from mtpserve.engine.speculative import propose_drafts
+
+Array = Any   # numpy or cupy ndarray
+
+
+@dataclass
+class Drafts:
+    """One request's drafts for this step, and the distributions they were sampled from."""
+    tokens: list[int]
+    q: list  # per draft: [V] probabilities, or None for greedy requests
+
+
+class MTPProposer:
+    """Drafts with the MTP head; holds each request's pending main-model hidden rows."""
+
+    def __init__(self, runner: Runner, head_pool: KVPool, xp):
+        self.runner, self.head_pool, self.xp = runner, head_pool, xp
+        self._pending: dict[str, list[Array]] = {}    # [n_i, H] arrays covering [num_head, num_computed)
+
+    def keep_hidden(self, request_id: str, hidden_rows: Array) -> None:
+        """The main model's hidden states of a request's newly committed positions."""
+        self._pending.setdefault(request_id, []).append(hidden_rows)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended or was preempted: its pending rows are of no use any more."""
+        self._pending.pop(request_id, None)
+
+    @property
+    def request_ids(self) -> set[str]:
+        return set(self._pending)
+
+    def propose(self, drafting: list) -> dict[str, Drafts]:
+        """Drafts of every scheduled request with ``num_drafts > 0`` (``ScheduledRequest``s);
+        their head rows up to num_computed are then in the head's KV (``num_head`` advances)."""
+        if not drafting:
+            return {}
+        rows, hidden = [], []
+        for s in drafting:
+            r = s.request
+            rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_computed + 1], r.num_head,
+                                   self.head_pool.block_table(r.request_id)))
+            hidden.extend(self._pending.pop(r.request_id, []))
+        out = self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
+        last = np.cumsum([len(p.token_ids) for p in rows]) - 1
+        if last[-1] == len(rows) - 1:                  # one catch-up row each: all rows are last rows
+            logits, head_hidden = out.logits, out.hidden
+        else:
+            last = self.xp.asarray(last)
+            logits, head_hidden = out.logits[last], out.hidden[last]
+        result: dict[str, Drafts] = {}
+        for s in drafting:
+            s.request.num_head = s.request.num_computed
+            result[s.request.request_id] = Drafts([], [])
+        active = drafting
+        for i in range(max(s.num_drafts for s in drafting)):
+            if i > 0:
+                rows = [PackedRows([result[s.request.request_id].tokens[-1]], s.request.num_computed + i - 1,
+                                   self.head_pool.block_table(s.request.request_id)) for s in active]
+                out = self.runner.run_head(rows, head_hidden)
+                logits, head_hidden = out.logits, out.hidden
+            tokens, q = self._draft_tokens(active, logits)
+            for j, s in enumerate(active):
+                d = result[s.request.request_id]
+                d.tokens.append(int(tokens[j]))
+                d.q.append(None if q is None or s.request.params.is_greedy else q[j])
+            keep = [j for j, s in enumerate(active) if s.num_drafts > i + 1]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                active = [active[j] for j in keep]
+                rows_kept = self.xp.asarray(np.array(keep))
+                logits, head_hidden = logits[rows_kept], head_hidden[rows_kept]
+        return result
+
+    def _draft_tokens(self, active: list, logits):
+        params = [s.request.params for s in active]
+        if all(p.is_greedy for p in params):
+            return to_host(logits.argmax(axis=1)), None
+        return propose_drafts(logits, params, [s.request.rng for s in active], self.xp)

@@ -1,0 +1,347 @@
+"""The scheduler: owns the queues, each request's status and the pools; plans steps and commits them.
+
+Nothing else reserves, commits, trims or releases pool space (main KV, the MTP head's KV, the
+fixed-state bank). A step is
+
+    schedule()                 -> StepPlan: which requests run, their tokens and drafts, their
+                                  packed rows (StepLayout); pool space reserved for all of it
+    (the engine runs drafts and the verify forward, and accepts)
+    update_from_output(plan, StepOutput) -> one RequestUpdate per scheduled request: pools
+                                  committed, accepted tokens appended up to a stop id or a limit
+    finish(request, reason)    releases everything a finished request held
+
+Planning rules. One token budget and one batch limit are shared by prefill chunks, decodes and
+drafts:
+
+1. Running requests first, oldest first (decode-first): a decoding request feeds its newest
+   token plus K drafts (K from the draft policy, capped by min(7, capture capacity, the step's
+   budget left, its output budget left, the context left)); a running request still in its
+   prompt feeds the next chunk of it.
+2. Then waiting requests, oldest first, are admitted while a state row, KV blocks, budget and
+   batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
+3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
+   captures do not cover every fed token, so a partial keep could not be rolled back.
+
+Reservations are all-or-nothing per request: main KV for everything the step feeds, the MTP
+head's KV for its catch-up and chained rows. When the pools run out the scheduler first trims
+the unscheduled requests' spare lookahead, then preempts the newest running request (frees
+everything, requeues it for recompute) instead of failing anyone. Admissions never preempt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mtpserve.engine.config import MAX_DRAFT_TOKENS, SchedulerConfig
+from mtpserve.engine.draft_policy import DraftPolicy
+from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.request import FinishReason, Request, RequestStatus
+from mtpserve.engine.speculative import SpecDecodeStats
+from mtpserve.engine.state_bank import StateBank, StepCaptures, StepStates
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part of a step."""
+    request: Request
+    num_tokens: int          # tokens fed from request.token_ids[num_computed:]
+    num_drafts: int = 0      # draft rows appended after them (verified this step)
+    samples: bool = field(init=False)   # the step reaches the end of the tokens: new tokens come out
+
+    def __post_init__(self) -> None:
+        self.samples = self.num_tokens == self.request.num_to_feed
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each scheduled request's rows sit in the step's packed forward, computed once.
+
+        request      r0: 3 tokens + 2 drafts | r1: 1 + 0 | r2: 1 + 1
+        packed row   0  1  2  3  4           | 5         | 6  7
+        row_start    0                       | 5         | 6
+        num_rows     5                       | 1         | 2
+        target_row   2 (its newest token)    | 5         | 6
+
+    Request i's target rows are target_row[i] .. target_row[i] + num_drafts[i]: they check its
+    drafts d0.. in turn, and the last gives the bonus token.
+    """
+    row_start: np.ndarray     # int64 [B]
+    num_rows: np.ndarray      # int64 [B] = num_tokens + num_drafts
+    target_row: np.ndarray    # int64 [B] = row_start + num_tokens - 1
+
+    @staticmethod
+    def of(scheduled: list[ScheduledRequest]) -> StepLayout:
+        num_rows = np.fromiter((s.num_tokens + s.num_drafts for s in scheduled), np.int64, len(scheduled))
+        num_tokens = np.fromiter((s.num_tokens for s in scheduled), np.int64, len(scheduled))
+        row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).astype(np.int64)
+        return StepLayout(row_start, num_rows, row_start + num_tokens - 1)
+
+
+@dataclass
+class StepPlan:
+    """What one step runs: scheduled requests in state-row order, and the queue moves made."""
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    layout: StepLayout | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens + s.num_drafts for s in self.scheduled)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled]
+
+
+@dataclass
+class StepOutput:
+    """What the forward and the acceptance produced, handed to ``update_from_output``.
+
+    sampled: {request id: (emitted tokens, drafts accepted)} of the requests that sampled;
+    present / captures: the main model's fixed-state outputs (opaque arrays for the state bank).
+    """
+    sampled: dict[str, tuple[list[int], int]]
+    present: StepStates
+    captures: StepCaptures | None = None
+
+
+@dataclass
+class RequestUpdate:
+    """One scheduled request after its step: tokens appended, rows kept, and why it ended."""
+    request: Request
+    new_token_ids: list[int]
+    num_kept: int                       # fed rows folded into KV and state (drafts accepted + 1, or the chunk)
+    finish_reason: FinishReason | None = None
+
+
+class Scheduler:
+    """Owns waiting / running requests and every pool; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, kv_pool: KVPool, head_pool: KVPool | None,
+                 state_bank: StateBank, draft_policy: DraftPolicy, capture_capacity: int,
+                 context_length: int):
+        self.config = config
+        self.kv_pool = kv_pool
+        self.head_pool = head_pool
+        self.state_bank = state_bank
+        self.draft_policy = draft_policy
+        self.max_drafts = min(MAX_DRAFT_TOKENS, capture_capacity) if head_pool is not None else 0
+        self.context_length = context_length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.stats = SpecDecodeStats()          # every request's verified steps, summed
+
+    # ------------------------------------------------------------------ requests
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request (done or cancelled): out of the queues, every pool space released."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> StepPlan:
+        """Plan one step and move the queues; pool space is reserved for everything scheduled."""
+        plan = self._plan(self.running, list(self.waiting))
+        for req in plan.preempted:
+            self.running.remove(req)
+        if plan.preempted:
+            self.num_preemptions += len(plan.preempted)
+            self.waiting.extend(plan.preempted)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_index))
+        for req in plan.admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival_index)
+        # packed in state-row order: a steady batch then reads and writes its bank rows in place
+        plan.scheduled.sort(key=lambda s: self.state_bank.row(s.request.request_id))
+        plan.layout = StepLayout.of(plan.scheduled)
+        return plan
+
+    def _plan(self, running: list[Request], waiting: list[Request]) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_tokens_per_step
+        slots = self.config.max_requests_per_step
+        has_prefill = any(not r.is_decoding for r in running) or (
+            bool(waiting) and self.state_bank.can_admit())
+        queue = list(running)
+        while queue and budget > 0 and slots > 0:
+            req = queue.pop(0)
+            if req.is_decoding:
+                num_tokens = 1
+                num_drafts = 0 if has_prefill else self._num_drafts(req, budget - 1)
+            else:
+                num_tokens, num_drafts = min(req.num_to_feed, budget), 0
+            num_drafts = self._reserve_or_preempt(req, num_tokens, num_drafts, queue, plan)
+            if num_drafts is None:
+                continue
+            plan.scheduled.append(ScheduledRequest(req, num_tokens, num_drafts))
+            budget -= num_tokens + num_drafts
+            slots -= 1
+
+        for req in waiting:
+            if budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
+                break
+            num_tokens = min(req.num_to_feed, budget)
+            if not self._reserve(req, num_tokens, 0):
+                self._trim(exclude=plan)
+                if not self._reserve(req, num_tokens, 0):
+                    self.kv_pool.free(req.request_id)
+                    break
+            self.state_bank.admit(req.request_id)
+            req.status = RequestStatus.RUNNING
+            plan.admitted.append(req)
+            plan.scheduled.append(ScheduledRequest(req, num_tokens, 0))
+            budget -= num_tokens
+            slots -= 1
+        return plan
+
+    def _num_drafts(self, req: Request, budget_left: int) -> int:
+        wanted = self.draft_policy.num_drafts(req) if self.max_drafts else 0
+        context_left = self.context_length - len(req.token_ids)
+        return max(0, min(wanted, self.max_drafts, budget_left, req.max_output_left - 1, context_left))
+
+    def _reserve(self, req: Request, num_tokens: int, num_drafts: int) -> bool:
+        """Main KV for every fed row; head KV for catch-up + chained rows when drafting."""
+        rid = req.request_id
+        if not self.kv_pool.reserve(rid, req.num_computed + num_tokens + num_drafts):
+            return False
+        if num_drafts and not self.head_pool.reserve(rid, req.num_computed + num_drafts - 1):
+            return False
+        return True
+
+    def _reserve_or_preempt(self, req: Request, num_tokens: int, num_drafts: int,
+                            unscheduled: list[Request], plan: StepPlan) -> int | None:
+        """Reserve for `req`, making room if needed; the drafts granted, or None if `req` was preempted."""
+        if self._reserve(req, num_tokens, num_drafts):
+            return num_drafts
+        self._trim(exclude=plan)
+        while not self._reserve(req, num_tokens, num_drafts):
+            if num_drafts:                       # first give up this step's drafts
+                num_drafts = 0
+                continue
+            victim = unscheduled.pop() if unscheduled else req
+            self.preempt(victim, plan)
+            if victim is req:
+                return None
+        return num_drafts
+
+    def _trim(self, exclude: StepPlan) -> None:
+        """Hand back spare lookahead blocks of requests not scheduled in this plan."""
+        scheduled = {s.request.request_id for s in exclude.scheduled}
+        for pool in (self.kv_pool, self.head_pool):
+            if pool is None:
+                continue
+            for rid in pool.request_ids:
+                if rid not in scheduled:
+                    pool.trim(rid)
+
+    def preempt(self, req: Request, plan: StepPlan) -> None:
+        """Free all of a running request's pool space; it will be recomputed from its tokens."""
+        self.release(req)
+        req.reset_for_recompute()
+        plan.preempted.append(req)
+
+    def release(self, req: Request) -> None:
+        """Return a request's blocks and state row (finish, cancel or preempt)."""
+        rid = req.request_id
+        self.kv_pool.free(rid)
+        if self.head_pool is not None:
+            self.head_pool.free(rid)
+        self.state_bank.release(rid)
+
+    # ------------------------------------------------------------------ committing
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[RequestUpdate]:
+        """Commit a step: each request keeps its accepted rows (KV, head KV, state) and gets its
+        emitted tokens appended up to the first stop id, max_tokens or the context end.
+
+        A request that fed only part of its prompt keeps every row and emits nothing; one that
+        sampled keeps its newest token plus the accepted drafts. The draft policy hears each
+        verified step's (drafted, accepted) here. Finished requests are returned with a reason
+        and still hold their pool space until ``finish``.
+        """
+        updates, num_fed = [], []
+        for s in plan.scheduled:
+            r = s.request
+            kept, emitted = s.num_tokens, []
+            if s.samples:
+                emitted, num_accepted = output.sampled[r.request_id]
+                if s.num_drafts:
+                    kept = num_accepted + 1
+                    self.draft_policy.observe_verified(r.request_id, s.num_drafts, num_accepted)
+                r.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+                self.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+            num_fed.append(s.num_tokens + s.num_drafts)
+            updates.append(RequestUpdate(r, emitted, kept))
+        self.state_bank.commit_step(plan.request_ids, output.present, num_fed,
+                                    [u.num_kept for u in updates], output.captures)
+        for s, u in zip(plan.scheduled, updates):
+            r = s.request
+            r.num_computed += u.num_kept
+            self.kv_pool.commit(r.request_id, r.num_computed)
+            if s.num_drafts:
+                self.head_pool.commit(r.request_id, r.num_head)
+            if u.new_token_ids:
+                u.new_token_ids, u.finish_reason = self._append_until_stop(r, u.new_token_ids)
+        return updates
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Append tokens up to and including the first stop id, or up to max_tokens / the context."""
+        last = min(req.max_output_left, self.context_length - len(req.token_ids))
+        added, finish = [], None
+        for i, t in enumerate(tokens):
+            added.append(t)
+            if t in req.stop_token_ids:
+                finish = FinishReason.STOP
+                break
+            if i + 1 >= last:
+                finish = FinishReason.LENGTH
+                break
+        req.token_ids.extend(added)
+        return added, finish
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Every pool consistent; each running request's KV length equals its state length; no
+        pool space held by a request that is not running."""
+        self.kv_pool.check_integrity()
+        self.state_bank.check_integrity()
+        if self.head_pool is not None:
+            self.head_pool.check_integrity()
+        for r in self.running:
+            kv, st = self.kv_pool.committed_len(r.request_id), self.state_bank.committed_len(r.request_id)
+            assert kv == st == r.num_computed, (
+                f"{r.request_id}: committed KV {kv}, state {st}, engine {r.num_computed}")
+        resident = set(self.state_bank.request_ids)
+        assert resident == {r.request_id for r in self.running}, "state rows held by non-running requests"
+        assert set(self.kv_pool.request_ids) <= resident, "KV blocks held by non-resident requests"
+        if self.head_pool is not None:
+            assert set(self.head_pool.request_ids) <= resident, "head KV blocks held by non-resident requests"
+        queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
+        assert queued == set(self.requests), "a live request is in no queue, or a finished one still is"
+
+    def is_idle_and_empty(self) -> bool:
+        """No requests, and every pool back to empty."""
+        return (not self.has_work and self.state_bank.num_resident_rows == 0
+                and self.kv_pool.num_free_blocks == self.kv_pool.num_usable_blocks
+                and (self.head_pool is None or self.head_pool.num_free_blocks == self.head_pool.num_usable_blocks))
