@@ -124,7 +124,23 @@ class _Call:
     event_loop: asyncio.AbstractEventLoop
 
 
-_STOP = object()
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _SetGrant:
+    num_blocks: int
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+Command = _Add | _Call | _Abort | _SetGrant | _Stop     # what the inbox carries
 
 
 class EngineLoop:
@@ -163,7 +179,7 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._inbox.put(_STOP)
+        self._inbox.put(_Stop())
         self._thread.join(timeout)
 
     @property
@@ -188,10 +204,10 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
 
     def set_grant(self, num_blocks: int, num_rows: int) -> None:
-        self._inbox.put(("grant", min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows)))
+        self._inbox.put(_SetGrant(min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows)))
 
     async def call(self, fn: Callable[[Any], Any]):
         """Run ``fn(engine)`` on the owner thread between steps; its result (or exception)."""
@@ -205,7 +221,7 @@ class EngineLoop:
         while True:
             busy = self.engine.has_work and self._failed is None
             for command in self._take_commands(block=not busy):
-                if command is _STOP:
+                if isinstance(command, _Stop):
                     self._fail_all(EngineFailed("the replica is shutting down"), stopping=True)
                     return
                 self._apply(command)
@@ -216,7 +232,7 @@ class EngineLoop:
             if time.monotonic() - self._published_at >= self.snapshot_interval_s or not self.engine.has_work:
                 self._publish()
 
-    def _take_commands(self, block: bool) -> list:
+    def _take_commands(self, block: bool) -> list[Command]:
         """Everything in the inbox; when idle, first wait (a while) for something to arrive."""
         commands = []
         if block:
@@ -230,7 +246,7 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command) -> None:
+    def _apply(self, command: Command) -> None:
         if isinstance(command, _Add):
             if self._failed is not None:
                 self._dequeued()
@@ -248,10 +264,10 @@ class EngineLoop:
             except Exception as e:  # handed back to the caller
                 result, error = None, e
             command.event_loop.call_soon_threadsafe(_settle, command.future, result, error)
-        elif command[0] == "abort":
-            self._abort(command[1])
-        elif command[0] == "grant":
-            self.ledger.set_grant(command[1], command[2])
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+        elif isinstance(command, _SetGrant):
+            self.ledger.set_grant(command.num_blocks, command.num_rows)
 
     def _admit(self) -> None:
         while self._pending and self.ledger.can_reserve(self._pending[0].footprint):

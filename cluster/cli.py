@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(needs: pip install 'mtpserve[export]')")
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--precision", default="fp16", choices=["fp16", "fp32"],
+                   help="weights and activations of the export (bf16 is not served: numpy and CuPy have no bfloat16)")
     p.add_argument("--block-size", type=int, default=16, help="paged KV block size in tokens")
     p.add_argument("--capture-capacity", type=int, default=4,
                    help="state transitions captured per step; draft tokens per step <= min(7, this)")

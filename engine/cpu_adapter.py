@@ -1,6 +1,7 @@
 """CPU adapter: turn the paged fp16 CUDA export into a model ONNX Runtime's CPU EP can run.
 
-`adapt_for_cpu(export_dir)` converts once and caches the result on disk (DESIGN §7):
+`adapt_for_cpu(export_dir)` converts once and caches the result on disk (under ~/.cache/mtpserve or
+$MTPSERVE_CACHE, keyed by the export's content hash):
 
 1. fp16 -> fp32 everywhere (initializers, graph I/O, value_info, Cast targets, Constant tensors,
    tensor attributes). KV pools and conv carries become fp32; recurrent state already is.

@@ -191,6 +191,7 @@ def load_manifest(model_dir: str | os.PathLike) -> ModelManifest:
     main_graph = _read_graph(path, main_file)
     inputs = _tensor_specs(main_graph.input)
     outputs = _tensor_specs(main_graph.output)
+    _refuse_unservable_dtypes(inputs + outputs, where)
     in_by_name = {t.name: t for t in inputs}
     out_by_name = {t.name: t for t in outputs}
 
@@ -325,6 +326,20 @@ def _read_graph(path: Path, filename: str) -> onnx.GraphProto:
     return model.graph
 
 
+SERVABLE_DTYPES = ("float32", "float16", "int64", "int32")
+
+
+def _refuse_unservable_dtypes(specs: tuple[TensorSpec, ...], where: str) -> None:
+    """The engine's pools and step buffers are numpy / CuPy arrays, which have no bfloat16 (nor
+    any type outside SERVABLE_DTYPES): refuse such an export here, by name, not inside a step."""
+    bad = [t for t in specs if t.dtype not in SERVABLE_DTYPES]
+    if bad:
+        raise ModelLoadError(
+            f"{where}: input/output {bad[0].name!r} is {bad[0].dtype}; mtpserve serves fp16 or fp32 exports "
+            f"(the inputs and outputs may be {', '.join(SERVABLE_DTYPES)}): re-export with -p fp16 "
+            "(`mtpserve export --precision fp16`)")
+
+
 def _tensor_specs(values) -> tuple[TensorSpec, ...]:
     specs = []
     for v in values:
@@ -398,6 +413,7 @@ def _mtp_head(path: Path, mtp_cfg: dict, main_hidden: str, main_outs: dict) -> M
     filename = mtp_cfg.get("filename", "mtp.onnx")
     graph = _read_graph(path, filename)
     ins, outs = _tensor_specs(graph.input), _tensor_specs(graph.output)
+    _refuse_unservable_dtypes(ins + outs, f"{path.name}/{filename}")
     in_by, out_by = {t.name: t for t in ins}, {t.name: t for t in outs}
     names_in, names_out = mtp_cfg.get("inputs", {}), mtp_cfg.get("outputs", {})
     hid_in = names_in.get("hidden_states", "hidden_states")

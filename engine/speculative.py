@@ -58,21 +58,6 @@ def _packed_offsets(num_drafts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return target_start, draft_start
 
 
-def verify_greedy_batch(target_logits, draft_tokens: Sequence[Sequence[int]], xp=None) -> list[tuple[list[int], int]]:
-    """Greedy verification of many requests: target_logits [sum(K_r + 1), V] packed by request
-    (see ``_packed_offsets``), draft_tokens[r] the K_r drafts of request r. One device sync."""
-    xp = xp or np
-    argmax = to_host(xp.asarray(target_logits).argmax(axis=1))
-    target_start, _ = _packed_offsets([len(d) for d in draft_tokens])
-    assert argmax.shape[0] == sum(len(d) + 1 for d in draft_tokens), "target rows != sum(K_r + 1)"
-    return [accept_greedy(argmax[s : s + len(d) + 1], d) for s, d in zip(target_start, draft_tokens)]
-
-
-def verify_greedy(target_logits, draft_tokens: Sequence[int], xp=None) -> tuple[list[int], int]:
-    """Greedy verification of one request: target_logits [K+1, V] (rows for [t, d0..dK-1])."""
-    return verify_greedy_batch(target_logits, [draft_tokens], xp)[0]
-
-
 def verify_sampled_batch(
     target_probs,
     draft_probs,
@@ -142,17 +127,6 @@ def verify_sampled_batch(
     ]
 
 
-def verify_sampled(
-    target_probs,
-    draft_probs,
-    draft_tokens: Sequence[int],
-    rng: np.random.Generator,
-    xp=None,
-) -> tuple[list[int], int]:
-    """``verify_sampled_batch`` for one request: target_probs [K+1, V], draft_probs [K, V]."""
-    return verify_sampled_batch(target_probs, draft_probs, [draft_tokens], [rng], xp)[0]
-
-
 def propose_drafts(
     draft_logits,
     params: SamplingParams | Sequence[SamplingParams],
@@ -165,7 +139,7 @@ def propose_drafts(
     token was drawn from, to keep for verification (``verify_sampled_batch`` wants q packed by
     request, draft 0..K_r-1 of each request in turn). Every row draws one uniform from its
     RNG, greedy rows included (their q is one-hot). Greedy requests need no q: use
-    ``sampler.sample`` for them and verify with ``verify_greedy``.
+    ``sampler.sample`` for them and verify with ``accept_greedy``.
     """
     xp = xp or np
     q = probs(draft_logits, params, xp)

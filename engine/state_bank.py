@@ -1,4 +1,4 @@
-"""Fixed-state bank for the recurrent (Gated DeltaNet) layers, double-banked (DESIGN §3).
+"""Fixed-state bank for the recurrent (Gated DeltaNet) layers, double-banked, with exact rollback.
 
 One row per resident request, shared by every linear-attention layer. All those layers have one
 state shape, so the bank holds them stacked, layer first::

@@ -74,3 +74,14 @@ def test_non_paged_export_is_refused(tiny_checkpoint, tmp_path):
                    check=True, capture_output=True)
     with pytest.raises(ModelLoadError, match="not a paged export"):
         load_manifest(out)
+
+
+def test_a_bf16_export_is_refused_at_load_with_the_fix(tiny_paged_export, tmp_path):
+    import onnx
+    model = copy_export(tiny_paged_export, tmp_path)
+    graph = onnx.load(model / "model.onnx", load_external_data=False)
+    logits = next(o for o in graph.graph.output if o.name == "logits")
+    logits.type.tensor_type.elem_type = onnx.TensorProto.BFLOAT16
+    onnx.save(graph, model / "model.onnx")
+    with pytest.raises(ModelLoadError, match=r"'logits' is bfloat16.*-p fp16"):
+        load_manifest(model)

@@ -3,7 +3,7 @@ reference, step after step.
 
 Output stays correct whatever the head is fed (verification sees to that), so a head fed the
 wrong hidden rows only shows as lower acceptance. The reference recomputes every draft from
-scratch (DESIGN §4): the main model over the whole sequence gives hidden[0..n-1]; head row j
+scratch: the main model over the whole sequence gives hidden[0..n-1]; head row j
 pairs hidden[j] with token j+1, so a head forward over rows 0..n-1 gives d0 at its last row;
 draft d(i) comes from a head forward over rows 0..n-1+i whose chained rows take d(i-1) and the
 head's own hidden_states_out of the row before.

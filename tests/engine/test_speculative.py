@@ -15,11 +15,22 @@ from mtpserve.engine.speculative import (
     SpecDecodeStats,
     accept_greedy,
     propose_drafts,
-    verify_greedy,
-    verify_greedy_batch,
-    verify_sampled,
     verify_sampled_batch,
 )
+
+def verify_greedy_batch(target_logits, draft_tokens):
+    """Greedy verification of requests packed by request (K_r + 1 target rows each)."""
+    argmax = np.asarray(target_logits).argmax(axis=1)
+    starts = np.cumsum([0] + [len(d) + 1 for d in draft_tokens])
+    return [accept_greedy(argmax[s:s + len(d) + 1], d) for s, d in zip(starts, draft_tokens)]
+
+
+def verify_greedy(target_logits, draft_tokens):
+    return verify_greedy_batch(target_logits, [draft_tokens])[0]
+
+
+def verify_sampled(target_probs, draft_probs, draft_tokens, rng):
+    return verify_sampled_batch(target_probs, draft_probs, [draft_tokens], [rng])[0]
 
 VOCAB = 8
 NUM_TRIALS = 20000

@@ -19,7 +19,7 @@ SPEC = FixedStateSpec(LAYERS, capacity=C)
 def ref_gdn(S, k, v, g, beta, capacity):
     """Gated delta rule over n tokens from S [Hv, Dv, Dk] (V-major). k [n, Hk, Dk] raw keys,
     v [n, Hv, Dv], g [n, Hv] log-decay, beta [n, Hv]. Returns the final state and the capsule
-    row the op would capture (first min(n, capacity) transitions), laid out as DESIGN §3 says.
+    row the op would capture (first min(n, capacity) transitions), laid out as state_bank.split_capsule reads it.
     Slots past n are unspecified in the op; NaN here, so a replay that reads them fails."""
     n, Hk, Dk = k.shape
     Hv, Dv = v.shape[1:]
