@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="state transitions captured per step; draft tokens per step <= min(7, this)")
     p.set_defaults(func=cmd_export)
 
-    from mtpserve.cluster.bench import add_bench_parser
+    from mtpserve.cluster.bench.cli import add_bench_parser
     from mtpserve.cluster.generate import add_generate_parser
     from mtpserve.cluster.serve import add_serve_parser
     add_generate_parser(sub)

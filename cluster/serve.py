@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from mtpserve.cluster.app import ServeOptions, build_app, parse_draft_tokens
+from mtpserve.cluster.app import ServeOptions, parse_draft_tokens
 from mtpserve.engine.bundled import MODEL_DIR
 
 DEFAULT_APP_NAME = "mtpserve"
@@ -72,22 +72,15 @@ def options_from_args(args, num_cpus_available: float | None = None,
 
 def cmd_serve(args) -> int:
     import ray
-    from ray import serve
 
-    from mtpserve.actors.planner import shutdown_planner
-    from mtpserve.actors.proxy_middleware import install
+    from mtpserve.cluster import deploy
     try:
         options = options_from_args(args, None)
         options.validate()
     except ValueError as e:
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2
-    started_ray = args.address is None
-    if started_ray:
-        install()
-        ray.init(include_dashboard=False, logging_level="WARNING")
-    else:
-        ray.init(address=args.address, logging_level="WARNING")
+    started_ray = deploy.connect(args.address)
     resources = ray.cluster_resources()
     if args.device == "cuda" and not resources.get("GPU"):
         print("mtpserve: error: --device cuda, but the Ray cluster has no GPU", file=sys.stderr)
@@ -96,9 +89,8 @@ def cmd_serve(args) -> int:
     options = options_from_args(args, resources.get("CPU") if started_ray else None, int(resources.get("GPU", 0)))
     stop = _install_signal_handlers()
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(options), name=args.app_name, route_prefix="/", blocking=False)
-        host, port = _proxy_address(args.host, args.port)
+        host, port = deploy.start_http(args.host, args.port)
+        deploy.deploy(options, args.app_name, route_prefix="/")
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
                   f"--host/--port do not change it", flush=True)
@@ -115,25 +107,9 @@ def cmd_serve(args) -> int:
         pass
     finally:
         print("mtpserve: shutting down", flush=True)
-        try:
-            serve.delete(args.app_name)
-            shutdown_planner(args.app_name)
-            if started_ray:
-                serve.shutdown()
-        finally:
-            ray.shutdown()
+        deploy.teardown(args.app_name, started_ray)
     print("mtpserve: stopped", flush=True)
     return 0
-
-
-def _proxy_address(host: str, port: int) -> tuple[str, int]:
-    """Where Serve's HTTP proxies really listen (a running Serve keeps its first options)."""
-    try:
-        from ray.serve.context import _get_global_client
-        config = _get_global_client().http_config
-        return config.host, config.port
-    except Exception:  # a private API: fall back to what was asked for
-        return host, port
 
 
 def _install_signal_handlers() -> dict:

@@ -19,11 +19,11 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """Path of a seeded random Qwen3.5 checkpoint with an MTP head (mtpserve.cluster.bench_model.TINY)."""
+    """Path of a seeded random Qwen3.5 checkpoint with an MTP head (mtpserve.cluster.checkpoints.TINY)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from mtpserve.cluster.bench_model import TINY, make_checkpoint
+    from mtpserve.cluster.checkpoints import TINY, make_checkpoint
     return make_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), TINY)
 
 
@@ -31,7 +31,7 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_paged_export(tiny_checkpoint, tmp_path_factory):
     """Path of the builder's paged fp16 export (-e cuda, block size 16, capture capacity 4)."""
     pytest.importorskip("onnxruntime_genai")
-    from mtpserve.cluster.bench_model import export_paged
+    from mtpserve.cluster.checkpoints import export_paged
     return export_paged(tiny_checkpoint, tmp_path_factory.mktemp("tiny_paged"))
 
 
@@ -50,15 +50,13 @@ def _free_port() -> int:
 def ray_cluster():
     """{"address": GCS address, "url": Serve's HTTP base URL}; reuses a Ray started earlier."""
     ray = pytest.importorskip("ray")
-    from ray import serve
+    from mtpserve.cluster import deploy
     started = not ray.is_initialized()
     port = int(os.environ.setdefault(PORT_ENV, str(_free_port())))
     if started:
-        from mtpserve.actors.proxy_middleware import install
-        install()        # the proxy answers requests whose replica died with OpenAI errors
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # the proxy answers requests whose replica died with OpenAI errors (the middleware)
+        deploy.connect(num_cpus=4, quiet=True)
+        deploy.start_http("127.0.0.1", port)
     yield {"address": ray.get_runtime_context().gcs_address, "url": f"http://127.0.0.1:{port}"}
     if started:
-        serve.shutdown()
-        ray.shutdown()
+        deploy.teardown(None, started_ray=True)

@@ -15,15 +15,12 @@ ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 openai = pytest.importorskip("openai")
 
-from ray import serve  # noqa: E402
-
 from mtpserve.actors.engine_loop import LoopSnapshot  # noqa: E402
 from mtpserve.actors.metrics import MetricsSnapshot  # noqa: E402
-from mtpserve.actors.planner import (WorkerReport, get_or_create_planner, get_planner,  # noqa: E402
-                                     shutdown_planner)
-from mtpserve.cluster.app import ServeOptions, build_app  # noqa: E402
-from mtpserve.cluster.bench_fault import kill_replica  # noqa: E402
+from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner, shutdown_planner  # noqa: E402
+from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import MTPClient, replica_statuses  # noqa: E402
+from mtpserve.cluster.deploy import deployed, kill_replica, placement, replica_actor_name  # noqa: E402
 from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 from mtpserve.engine.manifest import load_manifest  # noqa: E402
@@ -38,12 +35,8 @@ PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def"]
 def app(ray_cluster, model_dir):
     options = ServeOptions(model_dir=str(model_dir), num_replicas=2, num_threads=1, num_blocks=NUM_BLOCKS,
                            max_resident_requests=NUM_ROWS, num_cpus_per_replica=0.5)
-    serve.run(build_app(options), name=APP, route_prefix=f"/{APP}")
-    base = f"{ray_cluster['url']}/{APP}"
-    _wait_for(lambda: (v := _placement()) is not None and len(v.replicas) == 2, "both replicas report to the planner")
-    yield {"base": base, "model": options.served_model_name, "model_dir": model_dir}
-    serve.delete(APP)
-    shutdown_planner(APP)
+    with deployed(options, APP, route_prefix=f"/{APP}", timeout_s=30.0):     # both replicas report to the planner
+        yield {"base": f"{ray_cluster['url']}/{APP}", "model": options.served_model_name, "model_dir": model_dir}
 
 
 def _wait_for(predicate, what: str, timeout: float = 30.0):
@@ -57,11 +50,7 @@ def _wait_for(predicate, what: str, timeout: float = 30.0):
 
 def _placement():
     """The planner's placement view, or None while it is missing or restarting."""
-    planner = get_planner(APP)
-    try:
-        return ray.get(planner.placement.remote(), timeout=10) if planner is not None else None
-    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-        return None
+    return placement(APP)
 
 
 def _live_placement():
@@ -211,7 +200,7 @@ def test_planner_and_worker_restarts_rebuild_the_view(app):
     # a worker dies: Serve replaces it; the planner drops the dead one and learns the new one
     # (the victim comes from the rebuilt view itself: a later view may briefly miss a slow reporter)
     victim = next(rid for rid in views[-1].replicas if rid != home)
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMServer#{victim}", namespace="serve"), no_restart=True)
+    ray.kill(ray.get_actor(replica_actor_name(APP, victim), namespace="serve"), no_restart=True)
     _wait_for(lambda: (v := _placement()) is not None and victim not in v.replicas and len(v.replicas) == 2,
               "a new replica replaced the dead one in the planner's view", timeout=120)
     replicas = {_complete(app, f"c{i} = ")[1] for i in range(6)}

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mtpserve.cluster import bench_anchor
-from mtpserve.cluster.bench import add_bench_parser
-from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
-from mtpserve.cluster.bench_model import MID, TINY, num_parameters, text_config
-from mtpserve.cluster.bench_report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
-from mtpserve.cluster.bench_workload import Load, Workload, poisson_arrivals, random_workload
+from mtpserve.cluster.bench import anchor as bench_anchor
+from mtpserve.cluster.bench.cli import add_bench_parser
+from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
+from mtpserve.cluster.bench.report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
+from mtpserve.cluster.bench.workload import Load, Workload, poisson_arrivals, random_workload
+from mtpserve.cluster.checkpoints import MID, TINY, num_parameters, text_config
 
 
 def bench(argv: list[str]) -> int:
@@ -344,6 +344,15 @@ def test_http_mode_records_refused_requests(fake_server, tmp_path):
     assert (r["num_completed"], r["num_failed"]) == (2, 2) and "2 of 4 requests failed" in r["error"]
     assert any("bad prompt" in e or "400" in e for e in r["request_errors"])
     assert "ignore_eos" not in FakeOpenAI.state["bodies"][0]
+
+
+def test_serving_overhead_runs_through_bench_with_its_own_options(monkeypatch):
+    from mtpserve.cluster.bench import serving_overhead
+    seen = {}
+    monkeypatch.setattr(serving_overhead, "main", lambda argv, prog=None: seen.update(argv=argv, prog=prog) or 0)
+    assert bench(["--model", "M", "--serving-overhead", "--requests", "3", "--model", "N", "--port", "9"]) == 0
+    assert seen == {"argv": ["--model", "M", "--requests", "3", "--model", "N", "--port", "9"],
+                    "prog": "mtpserve bench --serving-overhead"}     # the bench's --model first: later ones win
 
 
 def test_anchor_child_reports_an_og_without_cuda(tiny_paged_export):

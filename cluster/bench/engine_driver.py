@@ -12,8 +12,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from mtpserve.cluster.bench_report import LoadRun, RequestRecord, distribution_ms
-from mtpserve.cluster.bench_workload import Load, Submitter, Workload, per_load
+from mtpserve.cluster.bench.report import LoadRun, RequestRecord, distribution_ms
+from mtpserve.cluster.bench.workload import Load, Submitter, Workload, per_load
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams

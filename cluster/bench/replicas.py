@@ -3,8 +3,8 @@
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32     CPU replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256     one replica per GPU
 
-For each replica count, in one run: deploy the app (``cluster.app.build_app``, as `mtpserve
-serve` does) on a local Ray (or ``--address``), wait until every replica reports to the planner,
+For each replica count, in one run: deploy the app (``cluster.deploy``, as `mtpserve serve`
+does) on a local Ray (or ``--address``), wait until every replica reports to the planner,
 drive its HTTP endpoint with the `bench --url` driver at every load, delete the app. Figures per
 (replicas, load) are the usual ones; on top, the scaling ratio N-vs-1 replicas at each load
 and each replica's share of the requests (from the ``x-mtpserve-replica`` header), to show
@@ -20,7 +20,8 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
-from mtpserve.cluster import bench_report as report
+from mtpserve.cluster import deploy
+from mtpserve.cluster.bench import report
 
 APP_NAME = "mtpserve-bench"
 DEFAULT_PORT = 8000
@@ -45,23 +46,6 @@ def parse_replicas(value: str, device: str, num_devices: int) -> tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------- the app
-@contextmanager
-def local_ray(address: str | None):
-    """Ray for the run: join ``address`` or start a local one (with replica-loss errors in its proxy)."""
-    import ray
-
-    from mtpserve.actors.proxy_middleware import install
-    if address:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    else:
-        install()
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def num_devices(ray, device: str) -> int:
     resource = "GPU" if device == "cuda" else "CPU"
     return int(ray.cluster_resources().get(resource, 0))
@@ -83,57 +67,21 @@ def serve_options(args, num_replicas: int, num_cpus: int):
 @contextmanager
 def deployed(options, port: int, log, timeout_s: float = 600.0):
     """The Serve app with ``options``, every replica reporting to its planner; yields the base URL."""
-    from ray import serve
-
-    from mtpserve.actors.planner import shutdown_planner
-    from mtpserve.cluster.app import build_app
     started = time.perf_counter()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(options), name=APP_NAME, route_prefix="/")
-    try:
-        wait_for_view(lambda v: len(v.replicas) == options.num_replicas, timeout_s,
-                      f"{options.num_replicas} replicas report to the planner")
+    _, port = deploy.start_http(deploy.LOCAL_HOST, port)
+    with deploy.deployed(options, APP_NAME, route_prefix="/", timeout_s=timeout_s):
         log(f"{replica_label(options.num_replicas)} up in {time.perf_counter() - started:.1f} s")
-        yield f"http://127.0.0.1:{_proxy_port(port)}"
-    finally:
-        serve.delete(APP_NAME)
-        shutdown_planner(APP_NAME)
-
-
-def placement():
-    """The planner's placement view, or None while it is missing or restarting."""
-    import ray
-
-    from mtpserve.actors.planner import get_planner
-    planner = get_planner(APP_NAME)
-    try:
-        return ray.get(planner.placement.remote(), timeout=10) if planner is not None else None
-    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-        return None
-
-
-def wait_for_view(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    """The first placement view satisfying ``predicate``; RuntimeError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        view = placement()
-        if view is not None and predicate(view):
-            return view
-        time.sleep(interval_s)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting until {what}")
-
-
-def _proxy_port(port: int) -> int:
-    from mtpserve.cluster.serve import _proxy_address
-    return _proxy_address("127.0.0.1", port)[1]
+        yield f"http://{deploy.LOCAL_HOST}:{port}"
 
 
 # ---------------------------------------------------------------------------- the sweep
 def run_replica_sweep(args, loads_with_workloads, log) -> list:
     """LoadRuns of every replica count (--replicas) at every load; ``system`` is the replica label."""
-    from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
+    import ray
+
+    from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
     runs = []
-    with local_ray(args.address) as ray:
+    with deploy.connected(args.address or None, quiet=True):
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         replica_counts = parse_replicas(args.replicas, args.device, num_devices(ray, args.device))
         log(f"replica counts {replica_counts} on {args.device}; loads {[l.label for l, _ in loads_with_workloads]}")

@@ -2,7 +2,7 @@
 
 og.Engine runs the paged export on CUDA only (PagedAttention has no CPU kernel), so on the CPU
 this reports why it skipped. On CUDA it runs in a child process (`python -m
-mtpserve.cluster.bench_anchor SPEC OUT`), before our engine takes the GPU, for two reasons:
+mtpserve.cluster.bench.anchor SPEC OUT`), before our engine takes the GPU, for two reasons:
 og.Engine has been seen to stall silently with a small block pool (DESIGN §6), and a hung
 native call cannot be interrupted in-process; the parent kills the child past a hard deadline,
 and the child reports a stall (no token for `stall_s` while requests are pending) by itself.
@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtpserve.cluster.bench_report import LoadRun, RequestRecord
-from mtpserve.cluster.bench_workload import Load, Submitter, Workload, per_load
+from mtpserve.cluster.bench.report import LoadRun, RequestRecord
+from mtpserve.cluster.bench.workload import Load, Submitter, Workload, per_load
 
 NEEDS_CUDA = ("--compare ortgenai needs CUDA: og.Engine runs the paged export's PagedAttention "
               "only on CUDA (it has no CPU kernel); skipped. Rerun with --device cuda on a GPU machine.")
@@ -60,7 +60,7 @@ def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -
         spec_path.write_text(json.dumps(spec))
         note = None
         try:
-            proc = subprocess.run([sys.executable, "-m", "mtpserve.cluster.bench_anchor", str(spec_path), str(out_path)],
+            proc = subprocess.run([sys.executable, "-m", "mtpserve.cluster.bench.anchor", str(spec_path), str(out_path)],
                                   timeout=sweep.timeout_s, stdout=_stderr_fd(), env=_child_env())
             if proc.returncode != 0:
                 note = f"og.Engine child exited with {proc.returncode}"
@@ -121,7 +121,7 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
 
 
 def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep, max_tokens: int) -> LoadRun:
-    """Like bench_engine.run_load, for og.Engine: one `engine.run` call is one step."""
+    """Like engine_driver.run_load, for og.Engine: one `engine.run` call is one step."""
     import numpy as np
 
     prompts, n = workload.prompt_ids, workload.num_requests

@@ -16,8 +16,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from mtpserve.cluster.bench_report import LoadRun, RequestRecord
-from mtpserve.cluster.bench_workload import Load, Workload
+from mtpserve.cluster.bench.report import LoadRun, RequestRecord
+from mtpserve.cluster.bench.workload import Load, Workload
 
 REPLICA_HEADER = "x-mtpserve-replica"     # which replica answered (mtpserve's own servers)
 

@@ -1,6 +1,7 @@
 """Serving overhead: TTFT and inter-token latency through HTTP vs. the in-process engine.
 
-    python -m mtpserve.cluster.serving_overhead [--model DIR] [--requests 20] [--max-tokens 64]
+    mtpserve bench --serving-overhead [--model DIR] [--requests 20] [--max-tokens 64]
+    python -m mtpserve.cluster.bench.serving_overhead [--model DIR] [--requests 20] [--max-tokens 64]
 
 Runs the same prompts one at a time (latency, not throughput) twice: straight on an ``Engine``
 in this process, then streamed over HTTP from one CPU replica of the Serve app on a local Ray.
@@ -20,6 +21,7 @@ import numpy as np
 
 from mtpserve.engine.bundled import MODEL_DIR
 
+APP_NAME = "overhead"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class LinkedList:\n    def __init__(self",
            "for i in range(10):\n    ", "with open(path) as f:\n", "try:\n    import json\nexcept"]
 
@@ -91,8 +93,8 @@ def _server_ttft(url: str) -> tuple[float, float]:
     return total, count
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(MODEL_DIR))
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -105,26 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     measure_engine(args.model, prompts[:2], 8, args.draft_tokens, args.threads)        # warm-up
     engine = measure_engine(args.model, prompts, args.max_tokens, args.draft_tokens, args.threads)
 
-    import ray
-    from ray import serve
-
-    from mtpserve.actors.planner import shutdown_planner
-    from mtpserve.cluster.app import ServeOptions, build_app
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    from mtpserve.cluster import deploy
+    from mtpserve.cluster.app import ServeOptions
+    started = deploy.connect(quiet=True, proxy_middleware=False)   # the proxy as Serve ships it
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        deploy.start_http(deploy.LOCAL_HOST, args.port)
         options = ServeOptions(model_dir=args.model, draft_tokens=args.draft_tokens, num_threads=args.threads,
                                num_blocks=1024, max_resident_requests=64)
-        serve.run(build_app(options), name="overhead", route_prefix="/")
-        url = f"http://127.0.0.1:{args.port}"
+        deploy.deploy(options, APP_NAME, route_prefix="/")
+        url = f"http://{deploy.LOCAL_HOST}:{args.port}"
         measure_http(url, options.served_model_name, prompts[:2], 8)                    # warm-up
         before = _server_ttft(url)
         http = measure_http(url, options.served_model_name, prompts, args.max_tokens)
         after = _server_ttft(url)
     finally:
-        shutdown_planner("overhead")
-        serve.shutdown()
-        ray.shutdown()
+        deploy.teardown(APP_NAME, started)
 
     print(f"{args.requests} requests one at a time, {args.max_tokens} tokens each, greedy, "
           f"draft tokens {args.draft_tokens}, {args.threads} ORT thread(s)")

@@ -1,5 +1,8 @@
 """Random-weight Qwen3.5 (+MTP) checkpoints for tests and benchmarks, exported with the builder.
 
+The test fixtures (tests/conftest.py, tests/engine/tiny_checkpoint.py) and `mtpserve bench
+--make-model` take their models from here.
+
 Two shapes share one recipe:
 
     TINY   hidden 64, 4 layers (GDN/attn alternating), vocab 300: the test fixture, fp16-exact

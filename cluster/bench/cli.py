@@ -8,6 +8,7 @@
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32   the Serve app, 1 then 2 replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256  1 replica, then one per GPU
     mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
+    mtpserve bench --serving-overhead --requests 24 --max-tokens 64          HTTP vs in-process latency
 
 Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
 (closed-loop concurrencies, or Poisson request rates) against the same prompts, after a warm-up.
@@ -15,8 +16,10 @@ Figures follow DESIGN §8; speedups are against K=0 of the same run. Results go 
 <results-dir>/<timestamp>-<name>.json (+ .png). With --synthetic-acceptance every draft is
 accepted with that probability instead of checked against the model (for untrained MTP heads):
 such outputs are not the model's, and every report says "synthetic". With --replicas the
-real Serve app is deployed once per replica count and driven over HTTP (cluster/bench_cluster.py;
---kill-replica-after: cluster/bench_fault.py).
+real Serve app is deployed once per replica count and driven over HTTP (cluster/bench/replicas.py;
+--kill-replica-after: cluster/bench/fault.py). --serving-overhead runs cluster/bench/serving_overhead.py
+with the options after it (see `mtpserve bench --serving-overhead --help`; --model given before it
+is passed on).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from mtpserve.cluster import bench_report as report
-from mtpserve.cluster.bench_workload import (BUNDLED_PROMPTS, Load, Workload, random_workload, text_workload)
+from mtpserve.cluster.bench import report
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, Load, Workload, random_workload, text_workload
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -59,6 +62,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "concurrency's load and record errors, recovery and the pools afterwards")
     g.add_argument("--address", help="with --replicas: deploy onto this Ray cluster instead of a local one")
     g.add_argument("--port", type=int, default=8000, help="with --replicas: Serve's HTTP port")
+    g.add_argument("--serving-overhead", nargs=argparse.REMAINDER, metavar="OPTION",
+                   help="instead: TTFT and inter-token latency over HTTP from one CPU replica vs the in-process "
+                        "engine, one request at a time; the options after it are that tool's own (--requests, "
+                        "--max-tokens, --draft-tokens, --threads, --port; --model defaults to this --model)")
 
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", default="bundled", choices=["bundled", "random"],
@@ -125,6 +132,10 @@ def _log(message: str) -> None:
 
 def cmd_bench(args) -> int:
     from mtpserve.engine.manifest import ModelLoadError
+    if args.serving_overhead is not None:
+        from mtpserve.cluster.bench import serving_overhead
+        return serving_overhead.main(["--model", args.model, *args.serving_overhead],
+                                     prog="mtpserve bench --serving-overhead")
     try:
         return _bench(args)
     except (ValueError, ModelLoadError, RuntimeError) as e:
@@ -178,7 +189,7 @@ def _bench(args) -> int:
     if args.url and args.compare:
         raise ValueError("--compare ortgenai runs in process; drop --url")
     if args.make_model:
-        from mtpserve.cluster.bench_model import make_bench_model
+        from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root
         out = Path(args.model_out or default_cache_root() / "bench-models" / args.make_model)
         started = time.perf_counter()
@@ -207,8 +218,8 @@ def _bench(args) -> int:
     if args.replicas:
         return _bench_cluster(args, workload, loads, manifest)
     if args.url:
-        from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
-        from mtpserve.cluster.bench_workload import per_load
+        from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
+        from mtpserve.cluster.bench.workload import per_load
         target = HttpTarget(args.url.rstrip("/"), args.served_model, args.api_key, args.max_tokens,
                             args.temperature, args.ignore_eos, args.timeout_s, args.warmup_requests)
         runs = run_http_loads(target, per_load(workload, loads, args.seed), log=_log)
@@ -216,7 +227,7 @@ def _bench(args) -> int:
             run.synthetic_acceptance = a
     else:
         if args.compare == "ortgenai":
-            from mtpserve.cluster.bench_anchor import AnchorSweep, run_anchor
+            from mtpserve.cluster.bench.anchor import AnchorSweep, run_anchor
             anchor_k = parse_list(args.anchor_draft_tokens, int, "--anchor-draft-tokens")
             if not anchor_k:
                 anchor_k = (0,) if synthetic else draft_tokens
@@ -226,7 +237,7 @@ def _bench(args) -> int:
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
-        from mtpserve.cluster.bench_engine import EngineSweep, run_engine_sweep
+        from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                             args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                             args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
@@ -249,12 +260,12 @@ def _check_cluster_args(args, loads) -> None:
 
 
 def _bench_cluster(args, workload: Workload, loads, manifest) -> int:
-    from mtpserve.cluster import bench_cluster as cluster
-    from mtpserve.cluster.bench_workload import per_load
+    from mtpserve.cluster.bench import replicas
+    from mtpserve.cluster.bench.workload import per_load
     if args.kill_replica_after is None:
-        runs = cluster.run_replica_sweep(args, per_load(workload, loads, args.seed), log=_log)
+        runs = replicas.run_replica_sweep(args, per_load(workload, loads, args.seed), log=_log)
         return _report(args, runs, workload, loads, manifest, False, None, mode="replicas")
-    from mtpserve.cluster import bench_fault as fault
+    from mtpserve.cluster.bench import fault
     top = max(loads, key=lambda l: l.concurrency)
     figures = fault.run_fault(args, top, workload, log=_log)
     return _report(args, figures.pop("runs"), workload, (top,), manifest, False, None, mode="fault", fault=figures)
@@ -272,13 +283,13 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     now = _dt.datetime.now()
     path = Path(args.results_dir) / f"{now.strftime('%Y%m%d-%H%M%S')}-{name}.json"
     lengths = [len(p) for p in workload.prompt_ids]
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "serving_overhead")}
     if args.url:
         settings["draft_tokens"] = "the server's"
     scaling = None
     if mode == "replicas":
-        from mtpserve.cluster import bench_cluster as cluster
-        scaling = cluster.scaling(summaries)
+        from mtpserve.cluster.bench import replicas
+        scaling = replicas.scaling(summaries)
     payload = {
         "name": name, "created": now.isoformat(timespec="seconds"), "mode": mode,
         "command": sys.argv, "git_commit": _git_commit(),
@@ -308,7 +319,7 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     if args.no_plot or mode == "fault":
         plot_note = None
     elif scaling is not None:
-        plot_note = cluster.plot_scaling(summaries, scaling, path.with_suffix(".png"), title)
+        plot_note = replicas.plot_scaling(summaries, scaling, path.with_suffix(".png"), title)
     else:
         plot_note = report.plot(summaries, path.with_suffix(".png"), title)
     if synthetic:
@@ -322,25 +333,18 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
               f"{bound['bound_ms']:.3f} ms ({bound['bytes_per_step'] / 1e9:.3f} GB at {bound['copy_gbps']:g} GB/s): "
               f"{100 * bound['fraction_of_bound']:.1f}% of the bound")
     if scaling:
-        print("\n" + cluster.format_scaling(scaling))
+        print("\n" + replicas.format_scaling(scaling))
     if fault is not None:
-        from mtpserve.cluster.bench_fault import format_fault
+        from mtpserve.cluster.bench.fault import format_fault
         print("\n" + format_fault(fault))
     drew = not (args.no_plot or plot_note or mode == "fault")
     print(f"\nresults: {path}" + (f"\nplot:    {path.with_suffix('.png')}" if drew else ""))
     if plot_note:
         print(plot_note)
     if fault is not None:
+        from mtpserve.cluster.bench.fault import fault_ok
         return 0 if fault_ok(fault) else 1
     return 0 if all(s["num_completed"] for s in summaries) else 1
-
-
-def fault_ok(fault: dict) -> bool:
-    """Only the victim's in-flight requests failed, the app recovered and its pools are clean."""
-    others, after = fault["during"]["others"], fault["after_recovery"]
-    return (others["num_completed"] == others["num_requests"] and after["num_completed"] == after["num_requests"]
-            and fault["recovery_s"]["view_recovered_s"] is not None
-            and all(s["integrity"] == "ok" and s["idle_and_empty"] for s in fault["replicas_after"].values()))
 
 
 def _manifest(model: str, required: bool):

@@ -18,47 +18,14 @@ when it lives on another node); Serve is left to replace it. Recorded:
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections import Counter
 
-from mtpserve.cluster.bench_cluster import (APP_NAME, deployed, local_ray, num_devices, parse_replicas, placement,
-                                            replica_label, replica_share, serve_options)
-
-
-def replica_actor_name(app_name: str, replica_id: str) -> str:
-    return f"SERVE_REPLICA::{app_name}#LLMServer#{replica_id}"
-
-
-def kill_replica(app_name: str, replica_id: str) -> str:
-    """Kill a replica's process without letting it clean up; returns how."""
-    import ray
-    actor = ray.get_actor(replica_actor_name(app_name, replica_id), namespace="serve")
-    try:   # Serve's replica actor answers its pid and node (a private method: fall back on ray.kill)
-        pid, _, _, node_id = ray.get(actor.is_allocated.remote(), timeout=10)[:4]
-    except Exception:   # noqa: BLE001
-        pid = node_id = None
-    if pid and node_id == ray.get_runtime_context().get_node_id():
-        os.kill(pid, signal.SIGKILL)
-        return f"SIGKILL pid {pid}"
-    ray.kill(actor, no_restart=False)
-    return "ray.kill"
-
-
-def serve_replica_ids(app_name: str) -> set[str]:
-    """Replica ids of the app's live Serve replica actors."""
-    import ray
-    prefix = replica_actor_name(app_name, "")
-    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
-
-
-def _num_running(app_name: str) -> int:
-    from ray import serve
-    app = serve.status().applications.get(app_name)
-    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values()) if app else 0
+from mtpserve.cluster import deploy
+from mtpserve.cluster.bench.replicas import (APP_NAME, deployed, num_devices, parse_replicas, replica_label,
+                                             replica_share, serve_options)
+from mtpserve.cluster.deploy import kill_replica, num_running, placement, serve_replica_ids
 
 
 def wait_for_recovery(victim: str, num_replicas: int, killed_at: float, timeout_s: float) -> dict:
@@ -68,11 +35,11 @@ def wait_for_recovery(victim: str, num_replicas: int, killed_at: float, timeout_
     deadline = killed_at + timeout_s
     while time.perf_counter() < deadline and None in out.values():
         now = time.perf_counter() - killed_at
-        view = placement()
+        view = placement(APP_NAME)
         if view is not None and out["victim_left_view_s"] is None and victim not in view.replicas:
             out["victim_left_view_s"] = round(now, 2)
         if out["serve_replaced_s"] is None and serve_replica_ids(APP_NAME) - before - {victim} \
-                and _num_running(APP_NAME) == num_replicas:
+                and num_running(APP_NAME) == num_replicas:
             out["serve_replaced_s"] = round(now, 2)
         if view is not None and victim not in view.replicas and len(view.replicas) == num_replicas:
             out["view_recovered_s"] = round(now, 2)
@@ -101,10 +68,12 @@ def outcomes(records, victim: str, max_tokens: int | None) -> dict:
 
 def run_fault(args, load, workload, log) -> dict:
     """The fault run (see the module docstring); returns its figures and the two LoadRuns."""
-    from mtpserve.cluster.bench_http import HttpTarget, run_http_loads
-    from mtpserve.cluster.bench_workload import Load, Workload
+    import ray
+
+    from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
+    from mtpserve.cluster.bench.workload import Load, Workload
     from mtpserve.cluster.client import replica_statuses
-    with local_ray(args.address) as ray:
+    with deploy.connected(args.address or None, quiet=True):
         num_replicas = max(parse_replicas(args.replicas, args.device, num_devices(ray, args.device)))
         if num_replicas < 2:
             raise ValueError("--kill-replica-after needs --replicas N with N >= 2")
@@ -120,7 +89,7 @@ def run_fault(args, load, workload, log) -> dict:
                                                                                       log=log)[0]))
             loader.start()
             time.sleep(args.kill_replica_after)
-            view = placement()
+            view = placement(APP_NAME)
             victim = max(view.replicas, key=lambda rid: view.replicas[rid].num_running)
             running = {rid: r.num_running for rid, r in view.replicas.items()}
             how = kill_replica(APP_NAME, victim)
@@ -133,7 +102,7 @@ def run_fault(args, load, workload, log) -> dict:
             run.system = replica_label(num_replicas) + ", one killed"
             after = run_http_loads(target, [(Load(concurrency=num_replicas * 2), post_workload)], log=log)[0]
             after.system = replica_label(num_replicas) + ", after recovery"
-            new = sorted(set(placement().replicas) - set(view.replicas))
+            new = sorted(set(placement(APP_NAME).replicas) - set(view.replicas))
             statuses = replica_statuses(APP_NAME)
     return {
         "num_replicas": num_replicas, "victim": victim, "killed_by": how, "kill_after_s": args.kill_replica_after,
@@ -167,3 +136,11 @@ def format_fault(f: dict) -> str:
              "pools:     " + ", ".join(f"{rid}: integrity {s['integrity']}, idle and empty {s['idle_and_empty']}"
                                        for rid, s in f["replicas_after"].items())]
     return "\n".join(lines)
+
+
+def fault_ok(fault: dict) -> bool:
+    """Only the victim's in-flight requests failed, the app recovered and its pools are clean."""
+    others, after = fault["during"]["others"], fault["after_recovery"]
+    return (others["num_completed"] == others["num_requests"] and after["num_completed"] == after["num_requests"]
+            and fault["recovery_s"]["view_recovered_s"] is not None
+            and all(s["integrity"] == "ok" and s["idle_and_empty"] for s in fault["replicas_after"].values()))

@@ -1,0 +1,188 @@
+"""Deploying the Serve app, written once for `mtpserve serve`, the benchmarks and the tests.
+
+    started = connect(address)                  # join a Ray cluster, or start a local one
+    host, port = start_http("127.0.0.1", 8000)  # Serve's HTTP proxies (where they really listen)
+    deploy(options, "mtpserve")                 # serve.run(build_app(options)) under a name and route prefix
+    wait_for_replicas("mtpserve", options.num_replicas, timeout_s=600)
+    ...
+    teardown("mtpserve", started)               # serve.delete, the planner, Serve and Ray
+
+or, as context managers, ``with connected(address) as started:`` (Ray for a block) and ``with
+deployed(options, app_name) as view:`` (the app, every replica reporting to its planner, deleted
+afterwards). A local Ray's proxies answer requests whose replica died with OpenAI errors
+(``actors/proxy_middleware.py``); on a cluster, that module's environment variable is set on the
+nodes. The replica helpers at the end (actor names, ``kill_replica``, Serve's RUNNING count)
+serve the fault benchmark and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+LOCAL_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+# ---------------------------------------------------------------------------- Ray
+def connect(address: str | None = None, *, quiet: bool = False, num_cpus: int | None = None,
+            proxy_middleware: bool = True) -> bool:
+    """Join the Ray cluster at ``address``, or start a local Ray (``num_cpus``: Ray's default is the
+    machine's cores) whose proxies use the replica-loss middleware unless ``proxy_middleware`` is
+    False. ``quiet``: Ray logs errors only and workers' output stays off the driver. Returns True
+    when it started Ray (``teardown`` then shuts Serve and Ray down)."""
+    import ray
+
+    logging = {"logging_level": "ERROR", "log_to_driver": False} if quiet else {"logging_level": "WARNING"}
+    if address is not None:
+        ray.init(address=address, **logging)
+        return False
+    if proxy_middleware:
+        from mtpserve.actors.proxy_middleware import install
+        install()
+    extra = {} if num_cpus is None else {"num_cpus": num_cpus}
+    ray.init(include_dashboard=False, **extra, **logging)
+    return True
+
+
+def start_http(host: str = LOCAL_HOST, port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """Start Serve with its HTTP proxies on ``host:port``; returns where they really listen (a
+    Serve already running on the cluster keeps its first options)."""
+    from ray import serve
+    serve.start(http_options={"host": host, "port": port})
+    return proxy_address(host, port)
+
+
+def proxy_address(host: str, port: int) -> tuple[str, int]:
+    """Where Serve's HTTP proxies really listen (a running Serve keeps its first options)."""
+    try:
+        from ray.serve.context import _get_global_client
+        config = _get_global_client().http_config
+        return config.host, config.port
+    except Exception:  # a private API: fall back to what was asked for
+        return host, port
+
+
+# ---------------------------------------------------------------------------- the app
+def deploy(options, app_name: str, route_prefix: str = "/") -> None:
+    """``serve.run`` of ``build_app(options)`` as ``app_name`` at ``route_prefix`` (returns once
+    Serve runs the app; its replicas may still be reporting to the planner)."""
+    from ray import serve
+
+    from mtpserve.cluster.app import build_app
+    serve.run(build_app(options), name=app_name, route_prefix=route_prefix, blocking=False)
+
+
+def placement(app_name: str):
+    """The app's planner's placement view, or None while the planner is missing or restarting."""
+    import ray
+
+    from mtpserve.actors.planner import get_planner
+    planner = get_planner(app_name)
+    try:
+        return ray.get(planner.placement.remote(), timeout=10) if planner is not None else None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def wait_for_view(app_name: str, predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """The first placement view satisfying ``predicate``; RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = placement(app_name)
+        if view is not None and predicate(view):
+            return view
+        time.sleep(interval_s)
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting until {what}")
+
+
+def wait_for_replicas(app_name: str, num_replicas: int, timeout_s: float = 600.0):
+    """The placement view once ``num_replicas`` replicas report to the app's planner."""
+    return wait_for_view(app_name, lambda v: len(v.replicas) == num_replicas, timeout_s,
+                         f"{num_replicas} replicas report to the planner")
+
+
+def delete(app_name: str) -> None:
+    """Delete the app and its planner (a detached actor: deleting the app leaves it running)."""
+    from ray import serve
+
+    from mtpserve.actors.planner import shutdown_planner
+    serve.delete(app_name)
+    shutdown_planner(app_name)
+
+
+def teardown(app_name: str | None, started_ray: bool) -> None:
+    """``delete(app_name)`` (when given), Serve's shutdown when we started Ray, then Ray's
+    (a joined cluster keeps running; this process only disconnects)."""
+    import ray
+    from ray import serve
+    try:
+        if app_name is not None:
+            delete(app_name)
+        if started_ray:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def connected(address: str | None = None, **connect_options):
+    """Ray for the block (``connect``'s options); yields whether we started it. Afterwards only
+    ``ray.shutdown()``: a local Ray takes its Serve down with it (faster and quieter than
+    ``serve.shutdown()`` first); a joined cluster keeps its Serve."""
+    import ray
+    started = connect(address, **connect_options)
+    try:
+        yield started
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def deployed(options, app_name: str, route_prefix: str = "/", timeout_s: float = 600.0):
+    """The app with ``options`` on the running Serve (``start_http`` first), every replica
+    reporting to its planner; yields that placement view. The app and its planner are deleted
+    afterwards."""
+    deploy(options, app_name, route_prefix)
+    try:
+        yield wait_for_replicas(app_name, options.num_replicas, timeout_s)
+    finally:
+        delete(app_name)
+
+
+# ---------------------------------------------------------------------------- replicas
+def replica_actor_name(app_name: str, replica_id: str) -> str:
+    """Serve's actor name of one of the app's LLMServer replicas."""
+    return f"SERVE_REPLICA::{app_name}#LLMServer#{replica_id}"
+
+
+def kill_replica(app_name: str, replica_id: str) -> str:
+    """Kill a replica's process without letting it clean up; returns how."""
+    import ray
+    actor = ray.get_actor(replica_actor_name(app_name, replica_id), namespace="serve")
+    try:   # Serve's replica actor answers its pid and node (a private method: fall back on ray.kill)
+        pid, _, _, node_id = ray.get(actor.is_allocated.remote(), timeout=10)[:4]
+    except Exception:   # noqa: BLE001
+        pid = node_id = None
+    if pid and node_id == ray.get_runtime_context().get_node_id():
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL pid {pid}"
+    ray.kill(actor, no_restart=False)
+    return "ray.kill"
+
+
+def serve_replica_ids(app_name: str) -> set[str]:
+    """Replica ids of the app's live Serve replica actors."""
+    import ray
+    prefix = replica_actor_name(app_name, "")
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def num_running(app_name: str) -> int:
+    """Replicas Serve reports RUNNING for the app, over its deployments."""
+    from ray import serve
+    app = serve.status().applications.get(app_name)
+    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values()) if app else 0
