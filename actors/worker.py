@@ -30,36 +30,14 @@ from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
 from mtpserve.actors.ingress import OpenAIRoutes, api
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
-from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.request import TokenEvent
 from mtpserve.engine.sampler import SamplingParams
-from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST
 
 logger = logging.getLogger("ray.serve")
 
 ROUTER_CLASS = "mtpserve.actors.router.StateAffinityRouter"
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a replica needs; plain values (it travels inside the Serve config)."""
-    model_dir: str
-    model_name: str
-    device: str = "cpu"
-    num_threads: int = 0
-    num_blocks: int | None = None
-    max_resident_requests: int = 64
-    max_tokens_per_step: int = 512
-    max_requests_per_step: int = 64
-    max_model_len: int | None = None         # longest prompt + output served; None = the model's context
-    draft_tokens: int | None = None          # None = adaptive (planner), else a fixed K
-    draft_cost: float = DEFAULT_DRAFT_COST
-    max_pending: int = 1024                  # requests waiting for admission before a 429
-    api_key: str | None = None               # else $MTPSERVE_API_KEY on the replica, else none
-    report_interval_s: float = 0.2
-
-
 @dataclass
 class Generation:
     """A finished request, as ``generate`` returns it to Python callers."""
@@ -75,24 +53,18 @@ class Worker:
     """The replica's logic (the Serve deployment ``LLMServer`` below adds the HTTP routes)."""
 
     def __init__(self, config: dict | WorkerConfig):
-        self.config = cfg = config if isinstance(config, WorkerConfig) else WorkerConfig(**config)
+        self.config = cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.from_dict(config)
         try:
             ctx = serve.get_replica_context()
             self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
         except Exception:             # outside Serve (tests, benchmarks): no planner
             self.replica_id, self.app_name = "local", None
         self.incarnation = uuid.uuid4().hex
-        engine_config = EngineConfig(
-            cfg.model_dir, cfg.device, cfg.num_threads,
-            CacheConfig(cfg.num_blocks, cfg.max_resident_requests),
-            SchedulerConfig(cfg.max_tokens_per_step, cfg.max_requests_per_step),
-            SpecConfig.parse(cfg.draft_tokens, draft_cost=cfg.draft_cost),
-            max_model_len=cfg.max_model_len)
-        self.engine = Engine(engine_config)
+        self.engine = Engine(cfg.engine)
         m = self.engine.manifest
         self.max_drafts = self.engine.max_drafts
         self.tokenizer = self.engine.tokenizer
-        self.model_name = cfg.model_name
+        self.model_name = cfg.served_model_name
         self.context_length = m.context_length
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
         self.recorder = MetricsRecorder()
@@ -218,7 +190,7 @@ class Worker:
             try:
                 if planner is None:
                     planner = self._planner = get_or_create_planner(self.app_name,
-                                                                    draft_cost=self.config.draft_cost)
+                                                                    draft_cost=self.config.engine.spec.draft_cost)
                 snapshot = self.loop.snapshot
                 report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.recorder.snapshot(),
                                       self.max_drafts, adaptive=self.policy is not None, actor_name=self._actor_name)

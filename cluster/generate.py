@@ -63,7 +63,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line, all run concurrently")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--draft-tokens", type=int, default=2, help="MTP draft tokens per step (0 = off)")
+    p.add_argument("--draft-tokens", default="2",
+                   help="MTP draft tokens per step: K (0 = off) or auto (each request's K from its acceptance)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -92,7 +93,7 @@ def cmd_generate(args) -> int:
                               cache=CacheConfig(num_blocks=args.num_blocks,
                                                 max_resident_requests=max(8, min(64, len(prompts)))),
                               scheduler=SchedulerConfig(max_tokens_per_step=args.max_tokens_per_step),
-                              spec=SpecConfig(num_draft_tokens=args.draft_tokens))
+                              spec=SpecConfig(draft_tokens=args.draft_tokens))
         engine = Engine(config)
         start = time.perf_counter()
         results = run_prompts(engine, prompts, params)

@@ -20,54 +20,44 @@ import signal
 import sys
 import time
 
-from mtpserve.cluster.app import ServeOptions, parse_draft_tokens
-from mtpserve.engine.bundled import MODEL_DIR
+from mtpserve.cluster.app import ServeOptions
+from mtpserve.cluster.flags import add_setting_flags, given_settings
+from mtpserve.engine.config import config_fields
 
 DEFAULT_APP_NAME = "mtpserve"
+SETTINGS = config_fields(ServeOptions)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the `serve` subcommand to an argparse subparsers object; returns its parser."""
+    """Add the `serve` subcommand to an argparse subparsers object; returns its parser.
+
+    Besides --host/--port/--address/--app-name, every setting of ServeOptions (the replicas, the
+    worker, the engine) has a flag named after it; --model and --replicas are the short names of
+    model_dir and num_replicas."""
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on Ray Serve")
-    p.add_argument("--model", default=str(MODEL_DIR),
-                   help="paged onnxruntime-genai export directory (default: the bundled model)")
-    p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the folder's name)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--replicas", type=int, default=None,
-                   help="engine replicas (default: one per GPU of the Ray cluster with --device cuda, else 1)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--draft-tokens", default="auto", metavar="K|auto",
-                   help="MTP draft tokens per step: a fixed K (0 = off) or auto (planner-chosen per request)")
     p.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, ray://host:10001) "
                                                    "instead of starting a local one")
-    p.add_argument("--api-key", default=os.environ.get("MTPSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 (default: $MTPSERVE_API_KEY)")
     p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="paged KV blocks per replica (default: every resident request at full context, "
-                        "within 2 GiB of KV)")
-    p.add_argument("--max-resident-requests", type=int, default=64, help="state rows per replica")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output a request may reach (default: the model's context); "
-                        "lower it for long-context models to size the KV cache and the block tables")
-    p.add_argument("--num-threads", type=int, default=0, help="ONNX Runtime threads per replica (0 = default)")
+    add_setting_flags(p.add_argument_group("settings (ServeOptions, the worker and engine configs)"),
+                      SETTINGS, rename={"model_dir": "--model", "num_replicas": "--replicas"})
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def options_from_args(args, num_cpus_available: float | None = None,
                       num_gpus_available: int | None = None) -> ServeOptions:
-    num_replicas = args.replicas or (num_gpus_available if args.device == "cuda" and num_gpus_available else 1)
-    num_cpus = 1.0
-    if args.device == "cpu" and num_cpus_available:   # fit N CPU replicas on a small machine
-        num_cpus = max(0.1, min(1.0, num_cpus_available / num_replicas))
-    return ServeOptions(model_dir=args.model, model_name=args.model_name, device=args.device,
-                        num_replicas=num_replicas, draft_tokens=parse_draft_tokens(args.draft_tokens),
-                        num_threads=args.num_threads, num_blocks=args.num_blocks,
-                        max_resident_requests=args.max_resident_requests, max_model_len=args.max_model_len,
-                        api_key=args.api_key,
-                        num_cpus_per_replica=num_cpus)
+    """The flags given, over ServeOptions' defaults; replicas default to one per GPU with device
+    cuda, and CPU replicas share the CPUs of a local Ray."""
+    values = given_settings(args, SETTINGS)
+    values.setdefault("api_key", os.environ.get("MTPSERVE_API_KEY"))
+    cuda = values.get("device") == "cuda"
+    num_replicas = values.get("num_replicas") or (num_gpus_available if cuda and num_gpus_available else 1)
+    values["num_replicas"] = num_replicas
+    if not cuda and num_cpus_available and "num_cpus_per_replica" not in values:   # fit N replicas on a small machine
+        values["num_cpus_per_replica"] = max(0.1, min(1.0, num_cpus_available / num_replicas))
+    return ServeOptions.from_flat(**values)
 
 
 def cmd_serve(args) -> int:
@@ -82,7 +72,7 @@ def cmd_serve(args) -> int:
         return 2
     started_ray = deploy.connect(args.address)
     resources = ray.cluster_resources()
-    if args.device == "cuda" and not resources.get("GPU"):
+    if options.worker.engine.device == "cuda" and not resources.get("GPU"):
         print("mtpserve: error: --device cuda, but the Ray cluster has no GPU", file=sys.stderr)
         ray.shutdown()
         return 2
@@ -95,7 +85,7 @@ def cmd_serve(args) -> int:
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
                   f"--host/--port do not change it", flush=True)
         url = f"http://{host}:{port}"
-        print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.device} "
+        print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.worker.engine.device} "
               f"replica{'s' if options.num_replicas > 1 else ''}) at {url}/v1", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{options.served_model_name}\", \"prompt\": \"def \", \"max_tokens\": 32}}'",

@@ -1,11 +1,26 @@
-"""One frozen engine configuration, made of sub-configs, passed down as plain values."""
+"""One frozen engine configuration, made of sub-configs, passed down as plain values.
+
+Configs nest: a Serve deployment's options hold a worker config, which holds this engine config,
+which holds the cache, scheduler and speculative configs. Each setting is defined once, as a
+dataclass field with its default and its help (``help=`` metadata); the command line and the
+Serve config files reach every leaf by its flat name through ``config_fields`` / ``from_flat``
+(leaf names are unique across the tree: ``num_blocks``, ``draft_tokens``, ``num_replicas``, ...).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 
+from mtpserve.engine.bundled import MODEL_DIR
 from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS as MAX_DRAFT_TOKENS
+
+
+def setting(default, help: str, **kwargs):
+    """A config field with its help text (what ``--help`` and the docs show)."""
+    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -15,9 +30,10 @@ class CacheConfig:
     num_blocks None = enough for every resident request at full context, capped so the main
     model's KV pool takes at most kv_pool_gib (see `resolve_num_blocks`).
     """
-    num_blocks: int | None = None
-    max_resident_requests: int = 64     # fixed-state bank rows (one per resident request)
-    kv_pool_gib: float = 2.0
+    num_blocks: int | None = setting(None, "paged KV blocks per pool (default: every resident request at full "
+                                           "context, within kv_pool_gib)")
+    max_resident_requests: int = setting(64, "fixed-state bank rows: requests resident at once")
+    kv_pool_gib: float = setting(2.0, "the most GiB the main model's KV pool may take when num_blocks is unset")
 
     def validate(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -40,8 +56,8 @@ def resolve_num_blocks(cache: CacheConfig, context_length: int, block_size: int,
 @dataclass(frozen=True)
 class SchedulerConfig:
     """One token budget and a batch limit shared by prefill chunks, decodes and drafts."""
-    max_tokens_per_step: int = 512
-    max_requests_per_step: int = 64
+    max_tokens_per_step: int = setting(512, "the step's token budget (prefill chunks + decodes + drafts)")
+    max_requests_per_step: int = setting(64, "the most requests one step runs")
 
     def validate(self) -> None:
         if self.max_tokens_per_step < 1 + MAX_DRAFT_TOKENS:
@@ -55,57 +71,67 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding: draft tokens per request per step.
 
-    num_draft_tokens: a fixed K for every request (0 = MTP off).
-    adaptive: ``--draft-tokens auto``: each request's K is chosen from its measured acceptance
-    and the measured step cost (``draft_policy.AdaptiveDraftPolicy``), up to the model's
-    capture capacity; ``draft_cost`` is the guess it starts from (a draft level's cost in plain
-    decode steps). num_draft_tokens is then ignored.
+    draft_tokens: a fixed K for every request (0 = MTP off), or "auto": each request's K is
+    chosen from its measured acceptance and the measured step cost (``AdaptiveDraftPolicy``), up
+    to the model's capture capacity, starting from the guess ``draft_cost`` (a draft level's cost
+    in plain decode steps). An integer given as a string ("3") is taken as that integer.
     synthetic_acceptance: benchmarking only, for models whose MTP head is untrained: the verifier
     accepts each draft with this probability instead of comparing it with the target (greedy
     requests). The output is then NOT the model's; every report labels such runs synthetic.
     """
-    num_draft_tokens: int = 0
-    adaptive: bool = False
-    draft_cost: float = DEFAULT_DRAFT_COST
-    synthetic_acceptance: float | None = None
+    draft_tokens: int | str = setting(0, "MTP draft tokens per step: K (0 = off) or auto (each request's K "
+                                         "from its measured acceptance and the step cost)")
+    draft_cost: float = setting(DEFAULT_DRAFT_COST, "draft_tokens auto: the cost of a draft level, in plain "
+                                                    "decode steps, assumed until it is measured")
+    synthetic_acceptance: float | None = setting(None, "benchmarks only: accept each draft with this "
+                                                       "probability (the output is not the model's)")
 
-    @staticmethod
-    def parse(draft_tokens: str | int | None, **kwargs) -> SpecConfig:
-        """From a CLI / config value: an integer K, or "auto" (None means "auto" too)."""
-        if draft_tokens is None or str(draft_tokens).strip().lower() == "auto":
-            return SpecConfig(adaptive=True, **kwargs)
-        try:
-            return SpecConfig(num_draft_tokens=int(draft_tokens), **kwargs)
-        except ValueError:
-            raise ValueError(f"draft tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] or 'auto', "
-                             f"got {draft_tokens!r}") from None
+    def __post_init__(self) -> None:
+        k = self.draft_tokens
+        if isinstance(k, str):
+            k = k.strip().lower()
+            if k != "auto":
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ValueError(f"draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] or 'auto', "
+                                     f"got {self.draft_tokens!r}") from None
+            object.__setattr__(self, "draft_tokens", k)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_tokens == "auto"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """The fixed K (0 when adaptive: the policy chooses)."""
+        return 0 if self.adaptive else self.draft_tokens
 
     def validate(self) -> None:
-        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        k = self.draft_tokens
+        if not self.adaptive and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] or 'auto', got {k!r}")
         if self.draft_cost <= 0:
-            raise ValueError(f"draft cost must be > 0, got {self.draft_cost}")
+            raise ValueError(f"draft_cost must be > 0, got {self.draft_cost}")
         a = self.synthetic_acceptance
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {a}")
 
-    @property
-    def label(self) -> str:
-        """"auto" or the fixed K, as the CLI spells it."""
-        return "auto" if self.adaptive else str(self.num_draft_tokens)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str
-    device: str = "cpu"                  # "cpu" or "cuda"
-    num_threads: int = 0                 # ORT intra-op threads; 0 = ORT's default
+    model_dir: str = setting(str(MODEL_DIR), "paged onnxruntime-genai export directory (the default is the "
+                                             "bundled model)")
+    device: str = setting("cpu", "cpu or cuda")
+    num_threads: int = setting(0, "ONNX Runtime intra-op threads (0 = ORT's default)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
-    fused_replay: bool = True            # CUDA: the commit's recurrent replay as one CuPy kernel
-    warm_up: bool = True                 # CUDA: run every decode batch size once at start (see Engine)
-    max_model_len: int | None = None     # longest prompt + output a request may reach; None = the model's context
+    fused_replay: bool = setting(True, "CUDA: the commit's recurrent replay as one CuPy kernel")
+    warm_up: bool = setting(True, "CUDA: run every decode batch size once at start (ORT's first call of a "
+                                  "shape costs 45-85 ms)")
+    max_model_len: int | None = setting(None, "longest prompt + output a request may reach (default: the "
+                                              "model's context); sizes the KV cache and, on CUDA, the block tables")
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -115,3 +141,73 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.spec.validate()
+
+
+# ---------------------------------------------------------------------- flat names of nested configs
+@dataclass(frozen=True)
+class ConfigField:
+    """One leaf setting of a nested config: its flat name, where it sits, its type and help."""
+    name: str
+    path: tuple[str, ...]        # attribute names from the root config down to the leaf
+    type: typing.Any             # the annotation (int, float | None, ...)
+    default: typing.Any
+    help: str
+
+
+def config_fields(cls) -> dict[str, ConfigField]:
+    """Every leaf field of the config dataclass ``cls`` and the ones nested in it, by flat name;
+    defaults are those of ``cls()`` (a nested config's default may differ from its class's own)."""
+    out: dict[str, ConfigField] = {}
+    _collect(cls, cls(), (), out)
+    return out
+
+
+def _collect(cls, defaults, prefix: tuple[str, ...], out: dict[str, ConfigField]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t, default = hints[f.name], getattr(defaults, f.name)
+        if dataclasses.is_dataclass(t):
+            _collect(t, default, prefix + (f.name,), out)
+            continue
+        assert f.name not in out, f"config leaf name {f.name!r} is defined twice"
+        out[f.name] = ConfigField(f.name, prefix + (f.name,), t, default, f.metadata.get("help", ""))
+
+
+def from_flat(cls, values: dict, base=None):
+    """``cls`` (a nested config) with the flat-named ``values`` set and everything else from
+    ``base`` (default: the defaults); ValueError naming any unknown setting."""
+    fields = config_fields(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown settings {unknown}; known: {sorted(fields)}")
+    tree: dict = {}
+    for name, value in values.items():
+        node = tree
+        *parents, leaf = fields[name].path
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return _build(cls, tree, base)
+
+
+def _build(cls, tree: dict, base):
+    """``base`` (or ``cls()``, whose nested defaults may differ from the nested class's own:
+    a server's engine drafts adaptively) with the values in ``tree`` replaced."""
+    base = cls() if base is None else base
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in tree.items():
+        t = hints[name]
+        kwargs[name] = _build(t, value, getattr(base, name)) if dataclasses.is_dataclass(t) else value
+    return dataclasses.replace(base, **kwargs)
+
+
+def to_flat(config) -> dict:
+    """The flat-named leaf values of a nested config (the inverse of ``from_flat``)."""
+    out = {}
+    for name, f in config_fields(type(config)).items():
+        value = config
+        for p in f.path:
+            value = getattr(value, p)
+        out[name] = value
+    return out

@@ -83,8 +83,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="stop at EOS (default: always generate --max-tokens)")
 
     g = p.add_argument_group("configurations")
-    g.add_argument("--draft-tokens", help="MTP draft counts to run, e.g. 0,1,2,3 (0 = MTP off; default 0,2); "
-                                          "with --replicas the servers' one setting, K or auto (default auto)")
+    g.add_argument("--draft-tokens", help="MTP draft counts to run, e.g. 0,1,2,3,auto (0 = MTP off, auto = the "
+                                          "adaptive policy; default 0,2); with --replicas the servers' one "
+                                          "setting, K or auto (default auto)")
     g.add_argument("--synthetic-acceptance", type=float, default=None,
                    help="accept each draft with this probability (untrained MTP heads); labels the run synthetic "
                         "(with --url it only labels the results: the server must be run that way)")
@@ -114,13 +115,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def draft_count(value: str) -> int | str:
+    """One --draft-tokens item: an integer K, or "auto" (the adaptive policy)."""
+    return "auto" if value.strip().lower() == "auto" else int(value)
+
+
 def parse_list(value: str | None, kind, what: str) -> tuple:
     if value is None:
         return ()
     try:
         items = tuple(kind(v) for v in str(value).split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{what} must be a comma-separated list of numbers, got {value!r}") from None
+        raise ValueError(f"{what} must be a comma-separated list, got {value!r}") from None
     if not items:
         raise ValueError(f"{what} is empty")
     return items
@@ -180,7 +186,7 @@ def _bench(args) -> int:
         _check_cluster_args(args, loads)
         draft_tokens = ()
     else:
-        draft_tokens = parse_list(args.draft_tokens or "0,2", int, "--draft-tokens")
+        draft_tokens = parse_list(args.draft_tokens or "0,2", draft_count, "--draft-tokens")
     a = args.synthetic_acceptance
     if a is not None and args.temperature > 0:
         raise ValueError("--synthetic-acceptance applies to greedy requests only: use --temperature 0")
@@ -230,7 +236,7 @@ def _bench(args) -> int:
             from mtpserve.cluster.bench.anchor import AnchorSweep, run_anchor
             anchor_k = parse_list(args.anchor_draft_tokens, int, "--anchor-draft-tokens")
             if not anchor_k:
-                anchor_k = (0,) if synthetic else draft_tokens
+                anchor_k = (0,) if synthetic else tuple(k for k in draft_tokens if k != "auto")
                 if synthetic:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, distribution_ms
 from mtpserve.cluster.bench.workload import Load, Submitter, Workload, per_load
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.speculative import SpecDecodeStats
@@ -26,7 +27,7 @@ class EngineSweep:
     model_dir: str
     device: str
     num_threads: int
-    draft_tokens: tuple[int, ...]
+    draft_tokens: tuple[int | str, ...]       # fixed counts, or "auto"
     synthetic_acceptance: float | None
     loads: tuple[Load, ...]
     max_tokens: int
@@ -41,17 +42,20 @@ class EngineSweep:
     timeout_s: float = 600.0
 
 
-def engine_config(sweep: EngineSweep, k: int, block_size: int, max_prompt_len: int, num_requests: int) -> EngineConfig:
-    """Pools sized so every load can keep its requests resident (unless told otherwise)."""
+def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
+                  num_requests: int) -> EngineConfig:
+    """Pools sized so every load can keep its requests resident (unless told otherwise); k is
+    a fixed draft count or "auto"."""
     peak = max((l.concurrency or num_requests) for l in sweep.loads)
     resident = sweep.max_resident_requests or max(1, min(peak, 256))
-    per_request = math.ceil((max_prompt_len + sweep.max_tokens + k + 1) / block_size) + 1
+    most_drafts = MAX_NUM_DRAFTS if k == "auto" else k
+    per_request = math.ceil((max_prompt_len + sweep.max_tokens + most_drafts + 1) / block_size) + 1
     num_blocks = sweep.num_blocks or max(64, resident * per_request + 8)
-    budget = sweep.max_tokens_per_step or max(512, resident * (k + 1))
+    budget = sweep.max_tokens_per_step or max(512, resident * (most_drafts + 1))
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
-                        spec=SpecConfig(num_draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
+                        spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len)
 
 

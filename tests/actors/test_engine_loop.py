@@ -18,7 +18,7 @@ def make_loop(model_dir):
 
     def make(num_blocks=64, rows=8, max_pending=1024, adaptive=True):
         config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(num_blocks, rows),
-                              spec=SpecConfig(adaptive=True) if adaptive else SpecConfig(4))
+                              spec=SpecConfig("auto" if adaptive else 4))
         loop = EngineLoop(Engine(config), max_pending).start()
         loops.append(loop)
         return loop

@@ -31,7 +31,7 @@ def engine_on(model_dir, device, k=0, budget=64):
     return Engine(EngineConfig(str(model_dir), device=device,
                                cache=CacheConfig(num_blocks=512, max_resident_requests=32),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
-                               spec=SpecConfig(num_draft_tokens=k)))
+                               spec=SpecConfig(draft_tokens=k)))
 
 
 def _prefill_logits(engine, prompts):

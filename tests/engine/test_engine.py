@@ -42,7 +42,7 @@ def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16
     config = EngineConfig(str(model_dir), num_threads=2,
                           cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
                           scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
-                          spec=SpecConfig(num_draft_tokens=k))
+                          spec=SpecConfig(draft_tokens=k))
     return Engine(config, policy)
 
 

@@ -26,7 +26,7 @@ def limit_engine(model_dir, k):
     return Engine(EngineConfig(str(model_dir), num_threads=2, max_model_len=MAX_MODEL_LEN,
                                cache=CacheConfig(num_blocks=64, max_resident_requests=8),
                                scheduler=SchedulerConfig(max_tokens_per_step=256, max_requests_per_step=8),
-                               spec=SpecConfig(num_draft_tokens=k)))
+                               spec=SpecConfig(draft_tokens=k)))
 
 
 def run_to_the_limits(engine, prompts):

@@ -1,0 +1,52 @@
+"""What a replica runs: its engine's config and the serving edge's settings (no Ray in here, so
+the CLI and Serve config builders can import it cheaply)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpserve.engine.bundled import MODEL_DIR
+from mtpserve.engine.config import EngineConfig, SpecConfig, from_flat, setting
+
+BUNDLED_MODEL_NAME = "mtpserve-bundled"
+
+
+def _flatten(values: dict) -> dict:
+    """Nested dicts of config values -> flat leaf names (leaf names are unique, see engine.config)."""
+    flat = {}
+    for k, v in values.items():
+        flat.update(_flatten(v) if isinstance(v, dict) else {k: v})
+    return flat
+
+
+def _serving_engine() -> EngineConfig:
+    return EngineConfig(spec=SpecConfig("auto"))        # a server drafts adaptively unless told K
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a replica needs: its engine's config and the serving edge's settings."""
+    engine: EngineConfig = field(default_factory=_serving_engine)
+    model_name: str | None = setting(None, "the name clients pass as `model` (default: the model folder's "
+                                           "name, mtpserve-bundled for the bundled model)")
+    max_pending: int = setting(1024, "requests waiting for admission on a replica before it answers 429")
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1 (else $MTPSERVE_API_KEY "
+                                        "on the replica, else none)")
+    report_interval_s: float = setting(0.2, "seconds between a replica's reports to the planner actor")
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        path = Path(self.engine.model_dir).resolve()
+        return BUNDLED_MODEL_NAME if path == Path(MODEL_DIR).resolve() else path.name
+
+    def to_dict(self) -> dict:
+        """Plain nested values (what travels inside the Serve config)."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(values: dict) -> WorkerConfig:
+        return from_flat(WorkerConfig, _flatten(values))

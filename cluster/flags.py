@@ -1,0 +1,43 @@
+"""Command-line flags for config settings: one flag per leaf field, its default and help taken
+from the field (``engine.config.setting``), so nothing is defined twice.
+
+Flags default to "not given" (``argparse.SUPPRESS``): ``given_settings`` returns only the
+settings the user set, to lay over the config's own defaults with ``from_flat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+
+from mtpserve.engine.config import ConfigField
+
+
+def add_setting_flags(parser, fields: dict[str, ConfigField], names: list[str] | None = None,
+                      rename: dict[str, str] | None = None) -> None:
+    """Add ``--name-with-dashes`` (or ``rename[name]``) for each setting in ``names`` (default all)."""
+    rename = rename or {}
+    for name in names or fields:
+        f = fields[name]
+        flag = rename.get(name, "--" + name.replace("_", "-"))
+        shown = "" if f.default is None else f" (default: {f.default})"
+        kind = _scalar_type(f.type)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f.help + shown)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=f.help + shown)
+
+
+def given_settings(args, fields: dict[str, ConfigField]) -> dict:
+    """{setting name: value} of the setting flags the user gave."""
+    return {n: v for n, v in vars(args).items() if n in fields}
+
+
+def _scalar_type(annotation):
+    """int / float / bool / str of an annotation like ``int | None``; str for mixed ones (int | str)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return annotation
