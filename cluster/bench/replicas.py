@@ -52,16 +52,16 @@ def num_devices(ray, device: str) -> int:
 
 
 def serve_options(args, num_replicas: int, num_cpus: int):
-    from mtpserve.cluster.app import ServeOptions, parse_draft_tokens
+    from mtpserve.cluster.app import ServeOptions
     threads = args.num_threads
     if args.device == "cpu" and not threads:
         threads = max(1, num_cpus // num_replicas)
-    return ServeOptions(model_dir=args.model, device=args.device, num_replicas=num_replicas,
-                        draft_tokens=parse_draft_tokens(args.draft_tokens or "auto"), num_threads=threads,
-                        num_blocks=args.num_blocks, max_resident_requests=args.max_resident_requests or 64,
-                        max_model_len=args.max_model_len,
-                        num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas))
-                        if args.device == "cpu" else 1.0)
+    given = {"draft_tokens": args.draft_tokens, "num_blocks": args.num_blocks,
+             "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len}
+    return ServeOptions.from_flat(
+        model_dir=args.model, device=args.device, num_replicas=num_replicas, num_threads=threads,
+        num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas)) if args.device == "cpu" else 1.0,
+        **{k: v for k, v in given.items() if v is not None})
 
 
 @contextmanager

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     started = deploy.connect(quiet=True, proxy_middleware=False)   # the proxy as Serve ships it
     try:
         deploy.start_http(deploy.LOCAL_HOST, args.port)
-        options = ServeOptions(model_dir=args.model, draft_tokens=args.draft_tokens, num_threads=args.threads,
-                               num_blocks=1024, max_resident_requests=64)
+        options = ServeOptions.from_flat(model_dir=args.model, draft_tokens=args.draft_tokens,
+                                         num_threads=args.threads, num_blocks=1024)
         deploy.deploy(options, APP_NAME, route_prefix="/")
         url = f"http://{deploy.LOCAL_HOST}:{args.port}"
         measure_http(url, options.served_model_name, prompts[:2], 8)                    # warm-up

@@ -33,8 +33,8 @@ PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def"]
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, model_dir):
-    options = ServeOptions(model_dir=str(model_dir), num_replicas=2, num_threads=1, num_blocks=NUM_BLOCKS,
-                           max_resident_requests=NUM_ROWS, num_cpus_per_replica=0.5)
+    options = ServeOptions.from_flat(model_dir=str(model_dir), num_replicas=2, num_threads=1, num_blocks=NUM_BLOCKS,
+                                     max_resident_requests=NUM_ROWS, num_cpus_per_replica=0.5)
     with deployed(options, APP, route_prefix=f"/{APP}", timeout_s=30.0):     # both replicas report to the planner
         yield {"base": f"{ray_cluster['url']}/{APP}", "model": options.served_model_name, "model_dir": model_dir}
 

@@ -1,7 +1,6 @@
 """manifests/: every file is a valid Serve config; the CPU one deploys with `serve run` and answers."""
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import subprocess
 import sys
@@ -15,7 +14,7 @@ requests = pytest.importorskip("requests")
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from mtpserve.cluster.app import ServeOptions  # noqa: E402
+from mtpserve.cluster.app import setting_names  # noqa: E402
 from mtpserve.engine.bundled import MODEL_DIR  # noqa: E402
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
@@ -32,7 +31,7 @@ def _serve_configs() -> dict[str, dict]:
 def test_every_manifest_is_a_valid_serve_config_of_this_package():
     configs = _serve_configs()
     assert {"serve-cpu.yaml", "serve-gpu.yaml", "rayservice.yaml"} <= set(configs)
-    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    fields = set(setting_names())
     for name, config in configs.items():
         schema = ServeDeploySchema.model_validate(config)
         for app in schema.applications:

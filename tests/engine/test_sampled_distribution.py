@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 
-import mtpserve.engine.engine as engine_module
+import mtpserve.engine.speculative as speculative_module
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, sample_from_probs
 from mtpserve.engine.speculative import SpecDecodeStats
@@ -117,7 +117,7 @@ def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offs
     requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], dataclasses.replace(params, seed=seed_offset + i))
                 for i in range(NUM_REQUESTS)]
     proposed = []
-    propose = engine._propose
+    propose = engine.proposer.propose
 
     def recording(drafting):
         drafting = list(drafting)
@@ -125,7 +125,7 @@ def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offs
         proposed.extend((s.request, s.request.num_output_tokens, drafts[s.request.request_id].q) for s in drafting)
         return drafts
 
-    engine._propose = recording
+    engine.proposer.propose = recording
     number = {r.request_id: i for i, r in enumerate(requests)}
     q_at = {}                                      # output position (request * max_tokens + j) -> q
     while engine.has_work:
@@ -207,7 +207,7 @@ def test_sampled_mtp_tokens_are_distributed_as_the_target(model_dir, setting):
 ])
 def test_the_checks_catch_a_wrong_rule_by_far(model_dir, monkeypatch, wrong_rule, setting, max_tokens, caught_by):
     """Each wrong rule fails its check by far; all but the subtlest, (b), already on half the tokens."""
-    monkeypatch.setattr(engine_module, *wrong_rule())
+    monkeypatch.setattr(speculative_module, *wrong_rule())
     stats = statistics(sampled_run(model_dir, setting, max_tokens))
     limit = {"zero_probability_tokens": 10, "pit_chi_square": FAR * PIT_CRITICAL,
              "acceptance_score_z": FAR * Z_CRITICAL}[caught_by]
