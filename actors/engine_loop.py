@@ -22,8 +22,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from mtpserve.engine.admission import Footprint, ReservationLedger, check_request
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
@@ -76,7 +77,7 @@ class LoopSnapshot:
 class RequestStream:
     """One request's TokenEvents as an async iterator; ends after the finishing event."""
 
-    def __init__(self, request_id: str, loop_owner: "EngineLoop"):
+    def __init__(self, request_id: str, loop_owner: EngineLoop):
         self.request_id = request_id
         self._owner = loop_owner
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -173,7 +174,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
 
     # ------------------------------------------------------------------ caller side (any thread)
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._publish()
         self._thread.start()
         return self

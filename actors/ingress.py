@@ -25,8 +25,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mtpserve.actors.engine_loop import EngineFailed, Overloaded
-from mtpserve.actors.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest,
-                                      chunk_choice, completion_body, sse_chunk, usage)
+from mtpserve.actors.protocol import (
+    SSE_DONE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk_choice,
+    completion_body,
+    sse_chunk,
+    usage,
+)
 
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
 from mtpserve.actors.engine_loop import LoopSnapshot
 from mtpserve.actors.metrics import MetricsSnapshot
+from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
 
 NAMESPACE = "mtpserve"
 SILENT_AFTER_S = 1.0             # a replica this long without a report is checked for liveness

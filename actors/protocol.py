@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,7 +48,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, description=f"Choices to generate per prompt (1..{MAX_N}).")
     stream: bool = Field(False, description="Stream Server-Sent Events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = Field(None, description="Up to 4 strings that end generation.")
+    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end generation.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     seed: int | None = Field(None, description="Seeds sampling; choice i of n uses seed + i.")
     ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
@@ -91,14 +91,14 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists.")
     max_tokens: int | None = Field(16, description="Tokens to generate per choice (default 16).")
     echo: bool = Field(False, description="Not supported.")
     best_of: int | None = Field(None, description="Not supported.")
     suffix: str | None = Field(None, description="Not supported.")
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         if self.echo or self.best_of not in (None, 1) or self.suffix:
             raise bad_request("echo, best_of and suffix are not supported by this server")
         p = self.prompt
@@ -114,7 +114,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: str | list[dict] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -21,7 +21,6 @@ import logging
 import random
 import time
 from collections import defaultdict
-from typing import Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -75,7 +74,7 @@ class StateAffinityRouter(RequestRouter):
 
     # ------------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._ensure_refresh_task()
         if not candidate_replicas:
             return []

@@ -19,8 +19,8 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator
 
 import ray
 from ray import serve

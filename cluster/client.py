@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from ray import serve
 

@@ -24,8 +24,8 @@ therefore queues; nobody fails and nobody is preempted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mtpserve.engine.kv_pool import cdiv
 

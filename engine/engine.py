@@ -66,7 +66,7 @@ class Engine:
             self.xp = np
             self._stream = None
         else:
-            import cupy   # the GPU extra: pip install 'mtpserve[gpu]'
+            import cupy  # the GPU extra: pip install 'mtpserve[gpu]'
             self.manifest = source
             self.xp = cupy
             # one stream for every CuPy op and every ORT run: ordered without host syncs

@@ -19,8 +19,9 @@ Arrays come from an array module `xp`: numpy on the CPU, cupy on CUDA (nothing e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort

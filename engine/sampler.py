@@ -17,8 +17,8 @@ top-k, the nucleus boundary), so the kept set is a function of the logits alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -48,8 +48,9 @@ Arrays come from an array module ``xp`` passed in (numpy here, cupy on the GPU);
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -263,7 +263,7 @@ def child_main(spec_path: str, out_path: str) -> int:
                     break
         except Exception as e:   # noqa: BLE001 - report og's failure and go on with the next K
             notes.append(f"K={k}: og.Engine failed: {type(e).__name__}: {str(e)[:300]}")
-        engine = model = None
+        engine = model = None   # noqa: F841 - drop og's objects so gc frees them before the next K
         gc.collect()
         result["note"] = "; ".join(notes) or None
         save()

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, distribution_ms
 from mtpserve.cluster.bench.workload import Load, Submitter, Workload, per_load
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from mtpserve.engine.speculative import MAX_NUM_DRAFTS
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
-from mtpserve.engine.speculative import SpecDecodeStats
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats
 
 
 @dataclass(frozen=True)

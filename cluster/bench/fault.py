@@ -23,8 +23,15 @@ import time
 from collections import Counter
 
 from mtpserve.cluster import deploy
-from mtpserve.cluster.bench.replicas import (APP_NAME, deployed, num_devices, parse_replicas, replica_label,
-                                             replica_share, serve_options)
+from mtpserve.cluster.bench.replicas import (
+    APP_NAME,
+    deployed,
+    num_devices,
+    parse_replicas,
+    replica_label,
+    replica_share,
+    serve_options,
+)
 from mtpserve.cluster.deploy import kill_replica, num_running, placement, serve_replica_ids
 
 

@@ -95,7 +95,7 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
             payload["ignore_eos"] = True
         try:
             await _stream(session, target.url, payload, rec, t0)
-        except (asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
         except Exception as e:   # noqa: BLE001 - aiohttp's errors: one failed request must not end the run
             rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]

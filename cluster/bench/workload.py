@@ -4,8 +4,8 @@ when (closed loop at a concurrency, or Poisson arrivals at a request rate)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -18,6 +18,7 @@ import onnx
 import pytest
 
 from mtpserve.engine.cpu_adapter import INFO_FILE, CpuAdapterError, adapt_for_cpu, export_key
+
 from tiny_checkpoint import BLOCK_SIZE
 
 ort = pytest.importorskip("onnxruntime")

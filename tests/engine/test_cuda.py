@@ -130,6 +130,7 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
 def test_fused_replay_kernel_matches_the_array_replay(heads):
     """The commit's one-kernel recurrent replay equals state_bank.replay_recurrent on every kept count."""
     import cupy as cp
+
     from mtpserve.engine.cuda_kernels import FusedRecurrentReplay
     from mtpserve.engine.state_bank import FixedLayerSpec, replay_recurrent, split_capsule
     Hv, Hk = heads

@@ -3,8 +3,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from mtpserve.engine.draft_policy import (AcceptanceEMA, AdaptiveDraftPolicy, DraftCostModel, DraftPolicy, FixedDraftPolicy,
-                                          StepCostEstimator, choose_num_drafts, expected_tokens)
+from mtpserve.engine.draft_policy import (
+    AcceptanceEMA,
+    AdaptiveDraftPolicy,
+    DraftCostModel,
+    DraftPolicy,
+    FixedDraftPolicy,
+    StepCostEstimator,
+    choose_num_drafts,
+    expected_tokens,
+)
 from mtpserve.engine.engine import StepTiming
 from mtpserve.engine.sampler import SamplingParams
 

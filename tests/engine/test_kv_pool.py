@@ -1,6 +1,7 @@
 """KVPool: reservation, commit, trim, free, slot arithmetic and integrity under random traffic."""
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mtpserve.engine.kv_pool import KVPool

@@ -101,7 +101,8 @@ def test_decode_first_then_chunked_prefill_share_one_budget():
     for r in (a, b):
         assert len(kv.block_table(r.request_id)) * BS >= r.num_computed + 4
         assert len(head.block_table(r.request_id)) * BS >= r.num_computed + 2
-    kv.check_integrity(); head.check_integrity(); bank.check_integrity()
+    for pool in (kv, head, bank):
+        pool.check_integrity()
 
 
 def test_the_layout_places_each_request_s_rows_once():
@@ -197,7 +198,8 @@ def test_a_full_head_pool_drops_the_drafts_not_the_request():
     assert [(s.request.request_id, s.num_tokens, s.num_drafts) for s in plan.scheduled] == [
         ("a", 1, 3), ("b", 1, 0)]
     assert not plan.preempted and "b" not in head
-    kv.check_integrity(); head.check_integrity(); bank.check_integrity()
+    for pool in (kv, head, bank):
+        pool.check_integrity()
 
 
 def test_drafts_share_the_step_budget_with_decodes():
@@ -243,7 +245,8 @@ def test_pool_exhaustion_preempts_the_newest_running_request():
     assert "r2" not in kv and "r2" not in bank and list(sched.waiting) == [reqs[2]]
     assert [s.request.request_id for s in plan.scheduled] == ["r0", "r1"]
     assert sched.num_preemptions == 1
-    kv.check_integrity(); bank.check_integrity()
+    for pool in (kv, bank):
+        pool.check_integrity()
 
 
 def test_a_request_that_cannot_fit_alone_preempts_itself_instead_of_looping():
@@ -254,7 +257,8 @@ def test_a_request_that_cannot_fit_alone_preempts_itself_instead_of_looping():
     sched.update_from_output(plan, outputs(plan))
     plan = sched.schedule()
     assert plan.preempted == [a] and not plan.scheduled
-    kv.check_integrity(); bank.check_integrity()
+    for pool in (kv, bank):
+        pool.check_integrity()
 
 
 def test_finish_releases_everything_from_either_queue():

@@ -18,6 +18,7 @@ from mtpserve.engine.speculative import (
     verify_sampled_batch,
 )
 
+
 def verify_greedy_batch(target_logits, draft_tokens):
     """Greedy verification of requests packed by request (K_r + 1 target rows each)."""
     argmax = np.asarray(target_logits).argmax(axis=1)

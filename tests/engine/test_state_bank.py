@@ -2,12 +2,19 @@
 recurrence, against the real ORT ops, and random traffic together with the KV pool."""
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mtpserve.engine.kv_pool import KVPool
-from mtpserve.engine.state_bank import (FixedLayerSpec, FixedStateSpec, StateBank, StepCaptures,
-                                        StepStates, split_capsule)
+from mtpserve.engine.state_bank import (
+    FixedLayerSpec,
+    FixedStateSpec,
+    StateBank,
+    StepCaptures,
+    StepStates,
+    split_capsule,
+)
 
 C = 4
 LAYERS = tuple(FixedLayerSpec(L, conv_dim=5, conv_kernel_size=4, num_v_heads=4, v_head_dim=3,
