@@ -30,10 +30,9 @@ everything, requeues it for recompute) instead of failing anyone. Admissions nev
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from mtpserve.engine.config import MAX_DRAFT_TOKENS, SchedulerConfig
 from mtpserve.engine.draft_policy import DraftPolicy
@@ -68,16 +67,15 @@ class StepLayout:
     Request i's target rows are target_row[i] .. target_row[i] + num_drafts[i]: they check its
     drafts d0.. in turn, and the last gives the bonus token.
     """
-    row_start: np.ndarray     # int64 [B]
-    num_rows: np.ndarray      # int64 [B] = num_tokens + num_drafts
-    target_row: np.ndarray    # int64 [B] = row_start + num_tokens - 1
+    row_start: list[int]
+    num_rows: list[int]       # num_tokens + num_drafts
+    target_row: list[int]     # row_start + num_tokens - 1
 
     @staticmethod
     def of(scheduled: list[ScheduledRequest]) -> StepLayout:
-        num_rows = np.fromiter((s.num_tokens + s.num_drafts for s in scheduled), np.int64, len(scheduled))
-        num_tokens = np.fromiter((s.num_tokens for s in scheduled), np.int64, len(scheduled))
-        row_start = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).astype(np.int64)
-        return StepLayout(row_start, num_rows, row_start + num_tokens - 1)
+        num_rows = [s.num_tokens + s.num_drafts for s in scheduled]
+        row_start = [0, *itertools.accumulate(num_rows)][:-1]
+        return StepLayout(row_start, num_rows, [r + s.num_tokens - 1 for r, s in zip(row_start, scheduled)])
 
 
 @dataclass

@@ -251,7 +251,7 @@ def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, l
             continue
         r = s.request
         if not r.params.is_greedy:
-            (verified if s.num_drafts else plain).append((s, int(last)))
+            (verified if s.num_drafts else plain).append((s, last))
             continue
         if argmax is None:
             argmax = to_host(logits.argmax(axis=1))

@@ -111,13 +111,13 @@ def test_the_layout_places_each_request_s_rows_once():
     sched.add(req("d", 5, arrival=3))
     plan, _ = step(sched)            # d's prefill defers every draft
     assert [s.num_tokens + s.num_drafts for s in plan.scheduled] == [1, 1, 1, 5]
-    assert plan.layout.row_start.tolist() == [0, 1, 2, 3] and plan.layout.target_row.tolist() == [0, 1, 2, 7]
+    assert plan.layout.row_start == [0, 1, 2, 3] and plan.layout.target_row == [0, 1, 2, 7]
     plan, _ = step(sched)            # a, b, d draft 3; c (2 of 4 tokens left) 1
     assert [(s.request.request_id, s.num_tokens, s.num_drafts) for s in plan.scheduled] == [
         ("a", 1, 3), ("b", 1, 3), ("c", 1, 1), ("d", 1, 3)]
-    assert plan.layout.row_start.tolist() == [0, 4, 8, 10]
-    assert plan.layout.num_rows.tolist() == [4, 4, 2, 4]
-    assert plan.layout.target_row.tolist() == [0, 4, 8, 10]
+    assert plan.layout.row_start == [0, 4, 8, 10]
+    assert plan.layout.num_rows == [4, 4, 2, 4]
+    assert plan.layout.target_row == [0, 4, 8, 10]
 
 
 def test_commit_keeps_the_accepted_drafts_plus_one_and_appends_what_was_emitted():
