@@ -44,10 +44,10 @@ def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16
     return Engine(config, policy)
 
 
-def run_all(engine, prompts, params, check_every_step=True):
-    """Submit everything at once, step to the end; returns {request_id: token ids}, finish reasons."""
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp)
+def run_requests(engine, prompts, params, check_every_step=True, after_step=None):
+    """Submit everything at once (ids r0, r1, ...), step to the end, checking the pools after each
+    step and calling ``after_step(engine)``; (tokens by id, finish reasons by id, Requests by id)."""
+    requests = {f"r{i}": engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))}
     tokens, reasons = {}, {}
     while engine.has_work:
         for ev in engine.step():
@@ -56,7 +56,15 @@ def run_all(engine, prompts, params, check_every_step=True):
                 reasons[ev.request_id] = ev.finish_reason
         if check_every_step:
             engine.check_integrity()
+        if after_step is not None:
+            after_step(engine)
     assert engine.is_idle_and_empty(), "pools not back to empty after every request finished"
+    return tokens, reasons, requests
+
+
+def run_all(engine, prompts, params, check_every_step=True):
+    """``run_requests`` without the Requests: (tokens by id, finish reasons by id)."""
+    tokens, reasons, _ = run_requests(engine, prompts, params, check_every_step)
     return tokens, reasons
 
 

@@ -15,7 +15,7 @@ from mtpserve.engine.kv_pool import cdiv
 from mtpserve.engine.request import FinishReason
 from mtpserve.engine.sampler import SamplingParams
 
-from test_engine import PROMPTS
+from test_engine import PROMPTS, run_requests
 
 MAX_MODEL_LEN = 64
 # (prompt tokens, max_tokens): the first four end at max_model_len, the last two at max_tokens
@@ -35,10 +35,8 @@ def run_to_the_limits(engine, prompts):
     Returns (tokens, reasons, number of planned decodes whose drafts the limit cut below K).
     """
     k = engine.config.spec.num_draft_tokens
-    limits = {}
-    for i, (ids, (_, max_tokens)) in enumerate(zip(prompts, SHAPES)):
-        engine.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        limits[f"r{i}"] = min(len(ids) + max_tokens, MAX_MODEL_LEN)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) for _, max_tokens in SHAPES]
+    limits = {f"r{i}": min(len(ids) + p.max_tokens, MAX_MODEL_LEN) for i, (ids, p) in enumerate(zip(prompts, params))}
     capped = 0
     schedule = engine.scheduler.schedule
 
@@ -54,18 +52,14 @@ def run_to_the_limits(engine, prompts):
         return plan
 
     engine.scheduler.schedule = checked_schedule
-    tokens, reasons = {}, {}
-    while engine.has_work:
-        for ev in engine.step():
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            if ev.finish_reason is not None:
-                reasons[ev.request_id] = ev.finish_reason
-        engine.check_integrity()
+
+    def check_blocks(engine):
         for pool in (engine.kv_pool, engine.head_pool):
             for rid in (pool.request_ids if pool is not None else []):
                 blocks = len(pool.block_table(rid))
                 assert blocks <= cdiv(limits[rid], pool.block_size), f"{rid} holds {blocks} blocks"
-    assert engine.is_idle_and_empty()
+
+    tokens, reasons, _ = run_requests(engine, prompts, params, after_step=check_blocks)
     return tokens, reasons, capped
 
 

@@ -13,6 +13,7 @@ from mtpserve.engine.request import FinishReason
 from mtpserve.engine.sampler import SamplingParams
 
 from test_engine import PROMPTS, make_engine
+from test_engine import run_requests as generate
 
 # ChatML requests of the kind the bundled model was trained on: it writes the function, then
 # <|im_end|>, one of the model's EOS ids, after 22-60 tokens.
@@ -26,20 +27,6 @@ CHAT_PROMPTS = [f"<|im_start|>user\nWrite the Python function `{f}` of the modul
                 f"<|im_start|>assistant\n" for f, m in FUNCTIONS]
 # enough budget that every decoding request drafts its full K each step
 BUDGET = 512
-
-
-def generate(engine, prompts, params):
-    """All requests at once, stepped to the end with integrity checks; (tokens, reasons, requests)."""
-    requests = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    tokens, reasons = {}, {}
-    while engine.has_work:
-        for ev in engine.step():
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            if ev.finish_reason is not None:
-                reasons[ev.request_id] = ev.finish_reason
-        engine.check_integrity()
-    assert engine.is_idle_and_empty(), "pools not back to empty after every request finished"
-    return tokens, reasons, {r.request_id: r for r in requests}
 
 
 def cut_inside_a_step(request) -> bool:
