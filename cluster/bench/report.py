@@ -112,7 +112,7 @@ def theory_tokens_per_forward(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def spec_figures(spec: dict, k: int | None, synthetic: float | None) -> dict:
+def spec_figures(spec: dict, k: int | str | None, synthetic: float | None) -> dict:
     """Derived speculative figures from counters: num_drafts, num_draft_tokens,
     num_accepted_tokens, num_target_forwards, num_emitted_tokens, accepted_per_position,
     drafted_per_position (any may be missing or None)."""
@@ -133,6 +133,8 @@ def spec_figures(spec: dict, k: int | None, synthetic: float | None) -> dict:
     if forwards and emitted:
         out["tokens_per_target_forward"] = round(emitted / forwards, 4)
     per_pos = out.get("acceptance_rate_per_position")
+    if k == "auto":                 # the adaptive policy's K varies per request and step: no one theory
+        return out
     if k is None and per_pos:       # a server's K: as many positions as its counters report
         k = out["inferred_num_draft_tokens"] = len(per_pos)
     if k:

@@ -145,6 +145,17 @@ def test_compare_ortgenai_on_cpu_says_it_needs_cuda(tiny_paged_export, tmp_path,
     assert "needs CUDA" in data["anchor_note"] and [r["system"] for r in data["results"]] == ["mtpserve"]
 
 
+def test_the_adaptive_policy_is_benchmarked_beside_fixed_k(model_dir, tmp_path):
+    rc = bench(["--model", str(model_dir), "--draft-tokens", "0,auto", "--num-prompts", "4", "--max-tokens", "24",
+                "--concurrency", "2", "--warmup-requests", "0", "--no-plot", "--results-dir", str(tmp_path)])
+    assert rc == 0
+    results = only_json(tmp_path)["results"]
+    assert [r["num_draft_tokens"] for r in results] == [0, "auto"]
+    auto = results[1]
+    assert auto["num_completed"] == 4 and auto["spec"]["num_draft_tokens"] > 0
+    assert "theory_tokens_per_forward" not in auto["spec"], "no one K to compare against"
+
+
 def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--concurrency", "1", "--request-rate", "2", "--results-dir", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
