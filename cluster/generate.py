@@ -7,11 +7,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.cluster.flags import add_setting_flags, given_settings
+from mtpserve.engine.config import EngineConfig, config_fields, from_flat
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.speculative import SpecDecodeStats
 
+ENGINE_SETTINGS = config_fields(EngineConfig)
 
 @dataclass
 class GenerationResult:
@@ -70,8 +72,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-tokens-per-step", type=int, default=256, help="the step's token budget")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per paged pool (default: sized from the model)")
+    add_setting_flags(p.add_argument_group("engine settings"), ENGINE_SETTINGS,
+                      names=["num_threads", "num_blocks", "max_resident_requests", "max_tokens_per_step",
+                             "max_requests_per_step", "max_model_len"])
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -89,11 +92,9 @@ def cmd_generate(args) -> int:
         params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  seed=None if args.seed is None else args.seed + i,
                                  max_tokens=args.max_tokens) for i in range(len(prompts))]
-        config = EngineConfig(args.model, device=args.device,
-                              cache=CacheConfig(num_blocks=args.num_blocks,
-                                                max_resident_requests=max(8, min(64, len(prompts)))),
-                              scheduler=SchedulerConfig(max_tokens_per_step=args.max_tokens_per_step),
-                              spec=SpecConfig(draft_tokens=args.draft_tokens))
+        config = from_flat(EngineConfig, {"model_dir": args.model, "device": args.device,
+                                          "draft_tokens": args.draft_tokens,
+                                          **given_settings(args, ENGINE_SETTINGS)})
         engine = Engine(config)
         start = time.perf_counter()
         results = run_prompts(engine, prompts, params)
