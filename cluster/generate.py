@@ -15,6 +15,7 @@ from mtpserve.engine.speculative import SpecDecodeStats
 
 ENGINE_SETTINGS = config_fields(EngineConfig)
 
+
 @dataclass
 class GenerationResult:
     prompt: str
