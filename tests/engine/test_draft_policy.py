@@ -155,6 +155,7 @@ def test_a_seeded_sampled_request_gets_the_same_k_whatever_the_load_and_explorat
 
 def test_fixed_draft_policy():
     assert FixedDraftPolicy(3).num_drafts(object()) == 3
+    assert FixedDraftPolicy(7).num_drafts(None) == 7, "MAX_NUM_DRAFTS itself is allowed"
     assert FixedDraftPolicy(0).num_drafts(None) == 0
     for bad in (-1, 8, 2.0, True):
         with pytest.raises(ValueError, match="num_drafts"):

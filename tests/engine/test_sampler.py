@@ -13,6 +13,8 @@ from mtpserve.engine.sampler import SamplingParams, make_rng, probs, sample, sam
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_p=True), "top_p"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),
@@ -73,7 +75,7 @@ def test_top_p_keeps_smallest_nucleus_with_ties_to_lower_ids():
     np.testing.assert_allclose(out[1], [0, 0.625, 0.375, 0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("vocab", [8, 4096])          # the full sort, and the candidate shortcut
+@pytest.mark.parametrize("vocab", [8, 64, 4096])      # the full sort (short and long rows), and the candidate shortcut
 def test_top_p_boundary_a_token_is_kept_while_the_mass_before_it_is_below_top_p(vocab):
     """Equal logits give exact probabilities 1/vocab, so the mass before each token lands exactly
     on top_p: the token there is dropped (the nucleus is the smallest set reaching top_p)."""
@@ -81,6 +83,48 @@ def test_top_p_boundary_a_token_is_kept_while_the_mass_before_it_is_below_top_p(
     for top_p, num_kept in [(0.25, vocab // 4), (0.5, vocab // 2), (0.5 + 0.5 / vocab, vocab // 2 + 1)]:
         out = probs(logits, SamplingParams(top_p=top_p))[0]
         assert np.count_nonzero(out) == num_kept and out[:num_kept].all(), (top_p, np.count_nonzero(out))
+
+
+def test_top_k_keeps_the_k_highest_with_ties_to_lower_ids_on_random_rows():
+    rng = np.random.default_rng(11)
+    logits = rng.integers(0, 6, size=(64, 40)).astype(np.float32)      # many ties
+    for k in (1, 2, 3, 7, 20, 39):
+        kept = probs(logits, SamplingParams(top_k=k)) > 0
+        for row, keep in zip(logits, kept):
+            order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+            assert set(np.flatnonzero(keep)) == set(order[:k]), (k, row)
+
+
+def test_top_p_keeps_the_nucleus_with_ties_to_lower_ids_on_random_rows():
+    rng = np.random.default_rng(12)
+    logits = rng.integers(0, 4, size=(32, 300)).astype(np.float32)     # long rows, many ties
+    for top_p in (0.1, 0.5, 0.9):
+        kept = probs(logits, SamplingParams(top_p=top_p)) > 0
+        for row, keep in zip(logits, kept):
+            p = np.exp(row.astype(np.float64) - row.max())
+            p /= p.sum()
+            order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+            mass_before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+            assert set(np.flatnonzero(keep)) == {i for i, m in zip(order, mass_before) if m < top_p}, top_p
+
+
+def test_probabilities_stay_finite_for_large_logits():
+    logits = np.array([[90.0, 0.0, -90.0], [-200.0, -201.0, -250.0]], dtype=np.float32)
+    out = probs(logits, SamplingParams(temperature=1.0))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out.sum(axis=1), 1, rtol=1e-6)
+    assert out[0, 0] > 0.999 and out[1, 0] > out[1, 1] > out[1, 2]
+
+
+def test_valid_edge_values_are_accepted():
+    assert SamplingParams(max_tokens=1).max_tokens == 1
+    assert SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
+    assert SamplingParams(top_p=1, temperature=0).is_greedy
+
+
+def test_a_seed_is_taken_mod_2_to_the_64():
+    assert make_rng(5 + 2**64).random() == make_rng(5).random()
+    assert make_rng(-1).random() == make_rng(2**64 - 1).random()
 
 
 def test_top_p_applies_to_the_top_k_renormalised_distribution():

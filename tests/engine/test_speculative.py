@@ -240,3 +240,18 @@ def test_stats_count_steps_and_derive_rates():
     assert (empty.acceptance_rate, empty.acceptance_length, empty.tokens_per_target_forward) == (0.0, 1.0, 0.0)
     with pytest.raises(AssertionError):
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=3, num_emitted_tokens=4)
+    with pytest.raises(AssertionError, match="emitted 3 with 1 accepted"):
+        stats.record_step(num_draft_tokens=2, num_accepted_tokens=1, num_emitted_tokens=3)
+
+
+def test_merged_stats_sum_every_counter():
+    a, b = SpecDecodeStats(), SpecDecodeStats()
+    a.record_step(3, 2, 3)
+    a.record_step(0, 0, 1)
+    b.record_step(2, 0, 1)
+    b.record_step(3, 3, 4)
+    m = a.merged(b)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forwards", "num_emitted_tokens"):
+        assert getattr(m, name) == getattr(a, name) + getattr(b, name), name
+    assert m.accepted_per_position == [2, 2, 1] and m.drafted_per_position == [3, 3, 2]
+    assert (a.num_drafts, a.num_target_forwards) == (1, 2), "merged() leaves its inputs alone"

@@ -160,9 +160,10 @@ def test_consecutive_rows_in_one_bank_step_in_place():
 
 def test_in_place_steps_match_copied_steps_under_random_traffic():
     """Twin banks fed the same steps: one binds its rows in place whenever it can (the model
-    writes present into the bank), the other always gathers and publishes copies."""
+    writes present into the bank), the other always gathers and publishes copies, and replays
+    one layer at a time (rows whose active bank is the target replay in place, chunk by chunk)."""
     rng = np.random.default_rng(7)
-    twins = StateBank(SPEC, max_rows=5), StateBank(SPEC, max_rows=5)
+    twins = StateBank(SPEC, max_rows=5), StateBank(SPEC, max_rows=5, replay_chunk_bytes=1)
     resident, in_place_steps, copied_steps, names = [], 0, 0, iter(range(10 ** 6))
     for _ in range(60):
         if len(resident) < 5 and rng.random() < 0.4:
@@ -215,6 +216,13 @@ def test_commit_step_rejects_bad_steps_without_changing_state():
         bank.commit_step(["a"], StepStates(SPEC.layer_ids, present.conv[:1], present.recurrent), [6], [6])
     assert bank.committed_len("a") == 0 and bank.active_bank("a") == 0
     assert not bank.gather_step_inputs(["a"]).recurrent.any()
+
+
+def test_a_bank_needs_rows_and_a_capacity_of_zero_or_more():
+    with pytest.raises(ValueError, match="bad bank shape"):
+        StateBank(SPEC, max_rows=0)
+    bank = StateBank(FixedStateSpec(LAYERS, capacity=0), max_rows=1)      # MTP off: nothing to replay
+    assert bank.admit("a") == 0 and bank.num_free_rows == 0
 
 
 def test_spec_requires_one_state_shape_for_all_layers():
