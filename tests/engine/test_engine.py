@@ -114,6 +114,27 @@ def test_sampling_that_keeps_one_token_gives_the_greedy_tokens_under_mtp(model_d
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_synthetic_acceptance_accepts_each_draft_with_its_probability(model_dir, greedy_reference, acceptance):
+    """Benchmark mode for untrained heads: drafts are accepted at random, not checked. With 0 every
+    step emits the target's token (the greedy output); with 1 every draft is kept."""
+    config = EngineConfig(str(model_dir), num_threads=2, cache=CacheConfig(num_blocks=512, max_resident_requests=16),
+                          scheduler=SchedulerConfig(max_tokens_per_step=256, max_requests_per_step=16),
+                          spec=SpecConfig(draft_tokens=3, synthetic_acceptance=acceptance))
+    engine = Engine(config)
+    tokens, _ = run_all(engine, PROMPTS[:8], [GREEDY64] * 8)
+    s = engine.stats
+    assert s.num_draft_tokens > 300
+    if acceptance == 0.0:
+        assert tokens == {f"r{i}": greedy_reference[f"r{i}"] for i in range(8)} and s.num_accepted_tokens == 0
+    elif acceptance == 1.0:
+        assert s.num_accepted_tokens == s.num_draft_tokens
+        assert all(len(t) == 64 for t in tokens.values())
+    else:
+        for i, rate in enumerate(s.acceptance_rate_per_position):   # draft i is kept if it and all before are
+            assert abs(rate - acceptance ** (i + 1)) < 0.1, s.acceptance_rate_per_position
+
+
 def reference_decode(model_dir, engine, prompt_ids, num_tokens):
     """Plain greedy decode: the whole sequence recomputed each token, no cache reuse."""
     m = engine.manifest
