@@ -139,8 +139,6 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """Queue a request. Bad input raises ValueError (the serving edge turns it into a 400)."""
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_request(ids, params.max_tokens, self.limits)
         stop_ids = frozenset(params.stop_token_ids) | (

@@ -85,14 +85,11 @@ class StepPlan:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     layout: StepLayout | None = None
+    request_ids: list[str] = field(default_factory=list)    # of `scheduled`, in order; set once by schedule()
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens + s.num_drafts for s in self.scheduled)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request.request_id for s in self.scheduled]
 
 
 @dataclass
@@ -174,6 +171,7 @@ class Scheduler:
         # packed in state-row order: a steady batch then reads and writes its bank rows in place
         plan.scheduled.sort(key=lambda s: self.state_bank.row(s.request.request_id))
         plan.layout = StepLayout.of(plan.scheduled)
+        plan.request_ids = [s.request.request_id for s in plan.scheduled]
         return plan
 
     def _plan(self, running: list[Request], waiting: list[Request]) -> StepPlan:
