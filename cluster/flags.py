@@ -24,10 +24,21 @@ def add_setting_flags(parser, fields: dict[str, ConfigField], names: list[str] |
         shown = "" if f.default is None else f" (default: {f.default})"
         kind = _scalar_type(f.type)
         if kind is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f.help + shown)
+            # --flag, --flag on|off (true|false, yes|no, 1|0), or --no-flag
+            parser.add_argument(flag, dest=name, nargs="?", const=True, type=on_off, default=argparse.SUPPRESS,
+                                metavar="on|off", help=f.help + shown)
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_false", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=f.help + shown)
+
+
+def on_off(text: str) -> bool:
+    value = {"on": True, "true": True, "yes": True, "1": True,
+             "off": False, "false": False, "no": False, "0": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
 
 
 def given_settings(args, fields: dict[str, ConfigField]) -> dict:

@@ -130,6 +130,8 @@ class EngineConfig:
     fused_replay: bool = setting(True, "CUDA: the commit's recurrent replay as one CuPy kernel")
     warm_up: bool = setting(True, "CUDA: run every decode batch size once at start (ORT's first call of a "
                                   "shape costs 45-85 ms)")
+    cuda_graphs: bool = setting(True, "CUDA: capture every decode and uniform verify step shape as a CUDA graph "
+                                      "at start and replay them (off: every step runs eagerly, for debugging)")
     max_model_len: int | None = setting(None, "longest prompt + output a request may reach (default: the "
                                               "model's context); sizes the KV cache and, on CUDA, the block tables")
 

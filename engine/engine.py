@@ -51,6 +51,7 @@ class StepTiming:
     num_head_forwards: int      # MTP head forwards (catch-up + chained), = the step's largest K
     has_prefill: bool           # the step carried a prompt chunk
     seconds: float
+    graphed: bool = False       # the main forward replayed a captured CUDA graph
 
 
 class Engine:
@@ -73,6 +74,8 @@ class Engine:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         with self.device_context():
             self._build(config, draft_policy)
+            if self.graphs is not None:
+                self.graphs.capture_all()
             if self._stream is not None and config.warm_up:
                 self._warm_up_decode_shapes()
         if self._stream is not None:
@@ -91,8 +94,10 @@ class Engine:
                               for l in m.kv_layers)
         num_blocks = resolve_num_blocks(config.cache, m.context_length, m.block_size, bytes_per_block)
         use_mtp = m.mtp is not None and (config.spec.adaptive or config.spec.num_draft_tokens > 0)
+        graphs = self._stream is not None and config.cuda_graphs
         self.runner = Runner(m, num_blocks, config.num_threads, config.device, self.xp, with_head=use_mtp,
-                             cuda_stream=self._stream.ptr if self._stream is not None else None)
+                             cuda_stream=self._stream.ptr if self._stream is not None else None,
+                             cuda_graphs=graphs)
         self.kv_pool = KVPool(num_blocks, m.block_size)
         self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
         self.proposer = MTPProposer(self.runner, self.head_pool, self.xp) if use_mtp else None
@@ -107,6 +112,7 @@ class Engine:
         if draft_policy is None and config.spec.adaptive:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
+        self.graphs = self._step_graphs(config) if graphs else None
         self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length)
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
@@ -117,17 +123,34 @@ class Engine:
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
 
+    def _step_graphs(self, config: EngineConfig):
+        """The captured steps (CUDA): every padded batch size up to the step's request limit, one
+        token per request (decode) and 1 + K for each draft count the policy can give, every
+        KV-length bucket of the context."""
+        from mtpserve.engine.cuda_graphs import GraphCatalog, StepGraphs, graph_batch_sizes, table_width_buckets
+        m = self.manifest
+        largest = min(config.scheduler.max_requests_per_step, config.cache.max_resident_requests)
+        drafts = range(1, self.max_drafts + 1) if config.spec.adaptive else [config.spec.num_draft_tokens]
+        counts = tuple(sorted({1} | {1 + k for k in drafts if 0 < k <= self.max_drafts}))
+        catalog = GraphCatalog(graph_batch_sizes(largest), counts,
+                               table_width_buckets(m.block_size, m.context_length), m.block_size)
+        return StepGraphs(self.runner, self.state_bank, catalog, self.xp)
+
     def _warm_up_decode_shapes(self) -> None:
         """One decode-shaped forward (one token per request, on the scratch block, states zero)
-        of the main model and the head at every batch size a step can have: ORT's PagedAttention
-        pays 45-85 ms on the first call of each shape, which would otherwise land on live steps."""
+        of the main model (when its steps are not captured) and the head at every batch size a
+        step can have: ORT's PagedAttention pays 45-85 ms on the first call of each shape, which
+        would otherwise land on live steps."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
+        if self.graphs is not None and self.runner.head_session is None:
+            return
         logger.info("engine: warming up decode batch sizes 1..%d (a first call of each costs ORT 45-85 ms)", largest)
         for batch in range(1, largest + 1):
             rows = [PackedRows([0], 0, []) for _ in range(batch)]
-            self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
+            if self.graphs is None:
+                self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
@@ -188,6 +211,7 @@ class Engine:
         self.num_steps += 1
         drafting = [s for s in plan.scheduled if s.num_drafts]
         drafts = self.proposer.propose(drafting) if drafting else {}
+        replays = self.graphs.num_replays if self.graphs is not None else 0
         out = self._verify(plan, drafts)
         sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, out.logits, self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
@@ -202,7 +226,8 @@ class Engine:
                     self._finish(u.request, event.finish_reason)
                 events.append(event)
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
-                                    any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started)
+                                    any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
+                                    graphed=self.graphs is not None and self.graphs.num_replays > replays)
         return events
 
     def _verify(self, plan: StepPlan, drafts: dict):
@@ -214,6 +239,11 @@ class Engine:
             if s.num_drafts:
                 tokens = tokens + drafts[r.request_id].tokens
             rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_table(r.request_id)))
+        if self.graphs is not None:
+            out = self.graphs.run(plan.request_ids, rows, [s.num_tokens for s in plan.scheduled],
+                                  copy_hidden=self.proposer is not None)
+            if out is not None:
+                return out
         io = self.state_bank.step_buffers(plan.request_ids)
         capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
         return self.runner.run_main(rows, io.past, capture, present_into=io.present)

@@ -147,6 +147,14 @@ class _Binding:
         for (name, arr), at in zip(sent, offsets):
             self._bind(name, self._on_device, arr.dtype.type, arr.shape, base + at)
 
+    def bind_at(self, name: str, arr, output: bool = False) -> None:
+        """Bind ``arr`` itself, by pointer (a host numpy array on the CPU, a device array where it
+        is): no copy is made, so a captured graph sees this very buffer on every replay."""
+        if not arr.flags.c_contiguous:
+            raise AssertionError(f"{name} must be one contiguous block to be bound by pointer")
+        device = "cpu" if isinstance(arr, np.ndarray) else self._on_device
+        self._bind(name, device, arr.dtype.type, arr.shape, self._ptr(arr), output=output)
+
     def _bind_input(self, name: str, arr, device: str) -> None:
         self._keep.append(arr)
         self._bind(name, device, arr.dtype.type, arr.shape, self._ptr(arr))
@@ -167,8 +175,8 @@ class _Binding:
         self.outputs[name] = arr
         return arr
 
-    def run(self, session: ort.InferenceSession) -> dict[str, Array]:
-        session.run_with_iobinding(self.io)
+    def run(self, session: ort.InferenceSession, run_options: ort.RunOptions | None = None) -> dict[str, Array]:
+        session.run_with_iobinding(self.io, run_options)
         return self.outputs
 
 
@@ -201,11 +209,18 @@ class Runner:
     """Runs packed steps of the main model and the MTP head on one device."""
 
     def __init__(self, manifest: ModelManifest, num_blocks: int, num_threads: int = 0,
-                 device: str = "cpu", xp=np, with_head: bool = True, cuda_stream: int | None = None):
+                 device: str = "cpu", xp=np, with_head: bool = True, cuda_stream: int | None = None,
+                 cuda_graphs: bool = False):
         """cuda_stream: the raw pointer of the CUDA stream ORT must run on (CUDA only). The engine
         passes the one its CuPy work runs on, so state gathers, forwards and commits are ordered
-        on a single stream without host synchronisation."""
+        on a single stream without host synchronisation. cuda_graphs: make the main session able
+        to capture steps (cuda_graphs.StepGraphs); its eager steps then run with graph id -1."""
         self.manifest, self.xp, self.device = manifest, xp, device
+        self.cuda_graphs = cuda_graphs and device == "cuda"
+        self._eager_options = None
+        if self.cuda_graphs:
+            self._eager_options = ort.RunOptions()
+            self._eager_options.add_run_config_entry("gpu_graph_id", "-1")    # ORT: no capture, no replay
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.add_session_config_entry("session.set_denormal_as_zero", "1")   # decayed recurrent state
@@ -231,9 +246,12 @@ class Runner:
             if cuda_stream:
                 options["user_compute_stream"] = str(cuda_stream)
             providers = [("CUDAExecutionProvider", options)]
-        self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=providers)
+        main_providers = providers
+        if self.cuda_graphs:
+            main_providers = [("CUDAExecutionProvider", {**providers[0][1], "enable_cuda_graph": "1"})]
+        self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=main_providers)
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
-        self._main_inputs = {i.name for i in self.session.get_inputs()}
+        self.main_input_names = {i.name for i in self.session.get_inputs()}
         self._main_binding = _Binding(self.session, xp, device)
         self.kv.bind(self._main_binding)
         self.head_session = self.head_kv = None
@@ -261,7 +279,7 @@ class Runner:
         m, xp = self.manifest, self.xp
         b = self._main_binding
         capture = bool(capture_counts.any())
-        num_tokens = self._begin(b, rows, self._main_inputs, self.table_width, {
+        num_tokens = self._begin(b, rows, self.main_input_names, self.table_width, {
             "state_update_capture_count": capture_counts.astype(np.int32),
             "state_update_active": np.array([int(capture)], np.int32)})
         batch = len(rows)
@@ -292,7 +310,7 @@ class Runner:
             b.output(layer.state_output, None, None, into=present.recurrent[i])
             b.output(layer.capture_output, None, None, into=captures.recurrent_capsule[i])
         self._bind_logits_hidden(b, num_tokens, m.logits_output, m.hidden_output)
-        out = b.run(self.session)
+        out = b.run(self.session, self._eager_options)
         return MainOutputs(out[m.logits_output], out[m.hidden_output], present,
                            captures if capture else None)
 

@@ -31,8 +31,10 @@ consecutive and share one active bank ``b``, ``io.past`` is those rows of bank `
 
 Otherwise ``io.past`` is a gathered copy and the runner allocates present; the commit then writes
 every new row into one bank (the other bank of the step's first row), so rows that stepped
-together share an active bank again. Rows are handed out lowest first and the engine packs a
-step in row order, so a steady batch stays consecutive.
+together share an active bank again. Rows are handed out lowest first, a release moves the
+highest resident row into the freed one (resident rows are always ``0 .. R-1``), and the engine
+packs a step in row order, so a steady batch stays consecutive. A captured CUDA-graph step binds
+bank rows ``[0, padded batch)`` directly (``padded_in_place``).
 
 ``commit_step`` prepares every new row in the **inactive** bank (the op's present row when all fed
 tokens were kept, a compact replay from the active row otherwise), then publishes: flips those
@@ -313,10 +315,27 @@ class StateBank:
         return row
 
     def release(self, request_id: str) -> bool:
-        """Free the request's row (finish, cancel, preempt); False if it held none."""
+        """Free the request's row (finish, cancel, preempt); False if it held none.
+
+        The resident rows stay a dense prefix ``0 .. R-1`` (what a captured step binds, see
+        ``padded_in_place``): the highest resident row moves into the freed one (its active
+        bank's conv and recurrent rows, one copy each), so a row moves only when another
+        request leaves::
+
+            rows  | a | b | c | d |        release b:   | a | d | c |   (d's row 3 -> 1)
+        """
         row = self._rows.pop(request_id, None)
         if row is None:
             return False
+        last = max(self._rows.values(), default=-1)
+        if last > row:
+            moved = next(r for r, at in self._rows.items() if at == last)
+            bank = int(self._active[last])
+            self.conv[:, bank, row] = self.conv[:, bank, last]
+            self.recurrent[:, bank, row] = self.recurrent[:, bank, last]
+            self._active[row], self._committed[row] = bank, self._committed[last]
+            self._rows[moved] = row
+            row = last
         heapq.heappush(self._free_rows, row)
         return True
 
@@ -357,6 +376,30 @@ class StateBank:
             return StepBuffers(past, self._in_place)
         self._in_place = None
         return StepBuffers(self._gather(rows), None)
+
+    def padded_in_place(self, request_ids: Sequence[str], num_rows: int) -> tuple[int, StepStates] | None:
+        """For a captured step over bank rows ``[0, num_rows)``: ``(b, present)`` when the step's
+        requests hold rows ``0 .. B-1`` in order, all active in bank ``b``, and no resident row
+        in ``[B, num_rows)`` is active in bank ``1-b``; else None (the step runs eagerly)::
+
+            bank b     | r0 r1 .. rB-1 | pad .. num_rows-1 |  -> bound as past.L.*    (read)
+            bank 1-b   | r0 r1 .. rB-1 | pad .. num_rows-1 |  <- bound as present.L.* (written)
+
+        A padding row is free, or a resident request outside the step whose bank ``1-b`` is
+        inactive: whatever the graph writes there is never read. ``present`` (rows ``0 .. B-1``
+        of bank ``1-b``) goes to ``commit_step`` as the in-place present."""
+        rows = self._host_rows(request_ids)
+        batch = len(rows)
+        if num_rows > self.max_rows or batch > num_rows or (rows != np.arange(batch)).any():
+            return None
+        b = int(self._active[0])
+        if (self._active[rows] != b).any():
+            return None
+        if any(batch <= at < num_rows and self._active[at] != b for at in self._rows.values()):
+            return None
+        ids = self.spec.layer_ids
+        self._in_place = StepStates(ids, self.conv[:, 1 - b, :batch], self.recurrent[:, 1 - b, :batch])
+        return b, self._in_place
 
     def commit_step(self, request_ids: Sequence[str], present: StepStates,
                     num_fed: Sequence[int], num_kept: Sequence[int],

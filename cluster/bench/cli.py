@@ -33,6 +33,7 @@ from pathlib import Path
 
 from mtpserve.cluster.bench import report
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, Load, Workload, random_workload, text_workload
+from mtpserve.cluster.flags import on_off
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -94,6 +95,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int,
                    help="longest prompt + output the engine serves (default: the model's context)")
     g.add_argument("--max-tokens-per-step", type=int, help="the step's token budget (default: max(512, rows x (K+1)))")
+    g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
+                   help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
     g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
@@ -247,7 +250,7 @@ def _bench(args) -> int:
         sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                             args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                             args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
-                            args.warmup_requests, args.timeout_s)
+                            args.warmup_requests, args.timeout_s, args.cuda_graphs)
         runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 

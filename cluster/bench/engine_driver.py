@@ -39,6 +39,7 @@ class EngineSweep:
     max_model_len: int | None = None
     num_warmup_requests: int = 4
     timeout_s: float = 600.0
+    cuda_graphs: bool = True
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
@@ -55,7 +56,7 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
                         spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
-                        max_model_len=sweep.max_model_len)
+                        max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs)
 
 
 def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:
@@ -71,8 +72,11 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
         config = engine_config(sweep, k, block_size, max_prompt, workload.num_requests)
         started = time.perf_counter()
         engine = Engine(config)
+        g = engine.graphs
         log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
-            f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident)")
+            f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident"
+            + (f"; {g.num_graphs} CUDA graphs captured in {g.capture_seconds:.1f} s, "
+               f"{g.memory_bytes / 2**20:.0f} MiB)" if g is not None else "; no CUDA graphs)"))
         if sweep.num_warmup_requests:
             n = min(sweep.num_warmup_requests, workload.num_requests)
             warm = Workload(workload.prompt_ids[:n], None)
@@ -94,7 +98,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     records: dict[str, RequestRecord] = {}
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
+    replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
     step_times: list[float] = []
+    step_shapes: list[tuple] = []
     t0 = time.perf_counter()
 
     def submit(i: int, arrival: float) -> None:
@@ -119,6 +125,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         events = engine.step()
         t = time.perf_counter()
         step_times.append(t - s)
+        last = engine.last_step
+        step_shapes.append(None if last is None else
+                           (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed))
         t -= t0
         for ev in events:
             rec = records[ev.request_id]
@@ -141,11 +150,32 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
     extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
              "step_ms": distribution_ms(step_times),
+             "slow_steps": slow_steps(step_times, step_shapes),
+             "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
     return LoadRun("mtpserve", k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
                    end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
+
+
+SLOW_STEP_FACTOR = 3.0
+
+
+def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float = SLOW_STEP_FACTOR,
+               min_count: int = 5) -> list[dict]:
+    """Steps longer than ``factor`` x the median of steps of the same shape (requests, rows,
+    prefill or not, graphed or not), among shapes seen at least ``min_count`` times: a first-call
+    cost or a stall that landed on live traffic. Empty is the goal."""
+    by_shape: dict[tuple, list[float]] = {}
+    for t, shape in zip(seconds, shapes):
+        if shape is not None:
+            by_shape.setdefault(shape, []).append(t)
+    medians = {k: sorted(v)[len(v) // 2] for k, v in by_shape.items() if len(v) >= min_count}
+    return [{"step": i, "ms": round(t * 1e3, 3), "median_ms": round(medians[shape] * 1e3, 3),
+             "requests": shape[0], "rows": shape[1], "prefill": shape[2], "graphed": shape[3]}
+            for i, (t, shape) in enumerate(zip(seconds, shapes))
+            if shape in medians and t > factor * medians[shape]]
 
 
 def _spec_counts(s: SpecDecodeStats) -> dict:

@@ -73,3 +73,27 @@ def test_export_refuses_what_is_not_a_qwen35_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     proc = mtpserve("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "Qwen3.5" in proc.stderr
+
+
+def test_on_off_settings_take_a_value_a_bare_flag_or_a_no_flag():
+    """`--cuda-graphs off` (the documented way to debug the eager path), `--cuda-graphs`, and
+    `--no-cuda-graphs` all reach the engine config; a word that is neither is refused."""
+    import argparse
+
+    from mtpserve.cluster.flags import add_setting_flags, given_settings
+    from mtpserve.engine.config import EngineConfig, config_fields, from_flat
+    fields = config_fields(EngineConfig)
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser, fields, ["cuda_graphs", "warm_up"])
+
+    def parsed(*argv):
+        return from_flat(EngineConfig, given_settings(parser.parse_args(list(argv)), fields))
+
+    assert parsed().cuda_graphs is True
+    assert parsed("--cuda-graphs", "off").cuda_graphs is False
+    assert parsed("--cuda-graphs", "ON").cuda_graphs is True
+    assert parsed("--no-cuda-graphs").cuda_graphs is False
+    assert parsed("--cuda-graphs", "--warm-up", "no").cuda_graphs is True
+    assert parsed("--cuda-graphs", "--warm-up", "no").warm_up is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graphs", "maybe"])

@@ -27,11 +27,11 @@ def _cuda_available() -> bool:
 needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU with onnxruntime-gpu and cupy")
 
 
-def engine_on(model_dir, device, k=0, budget=64):
+def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True):
     return Engine(EngineConfig(str(model_dir), device=device,
                                cache=CacheConfig(num_blocks=512, max_resident_requests=32),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
-                               spec=SpecConfig(draft_tokens=k)))
+                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs))
 
 
 def _prefill_logits(engine, prompts):
@@ -123,6 +123,41 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
           f"tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
     assert not mismatched
     assert engine.stats.num_accepted_tokens > 0
+    print(f"K={k}: {engine.graphs.num_replays} of {engine.num_steps} steps replayed a graph")
+    assert engine.graphs.num_replays > 0
+
+
+def _graph_share(engine) -> float:
+    g = engine.graphs
+    return g.num_replays / max(1, engine.num_steps)
+
+
+@needs_cuda
+def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
+    """Greedy decode through captured graphs (padded batches, KV buckets, both banks) gives the
+    eager engine's tokens; most steps replay a graph (the rest carry prompt chunks)."""
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(PROMPTS)
+    eager, _ = run_all(engine_on(model_dir, "cuda", budget=48, cuda_graphs=False), PROMPTS, params)
+    engine = engine_on(model_dir, "cuda", budget=48)
+    graphed, _ = run_all(engine, PROMPTS, params)
+    g = engine.graphs
+    print(f"graphs: {g.num_graphs} captured in {g.capture_seconds:.1f} s ({g.memory_bytes / 2**20:.0f} MiB); "
+          f"{g.num_replays} of {engine.num_steps} steps replayed, {g.num_eager} decode steps eager")
+    assert [r for r in eager if eager[r] != graphed[r]] == []
+    assert g.num_replays > 0.5 * engine.num_steps
+    assert engine.is_idle_and_empty()
+
+
+@needs_cuda
+def test_cuda_graph_seeded_sampling_is_reproducible(model_dir):
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    engine = engine_on(model_dir, "cuda", k=2, budget=48)
+    first, _ = run_all(engine, PROMPTS, params)
+    second, _ = run_all(engine, PROMPTS, params)
+    assert first == second
+    assert _graph_share(engine) > 0.3
+    assert engine.is_idle_and_empty()
 
 
 @needs_cuda

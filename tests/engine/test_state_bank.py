@@ -95,7 +95,8 @@ def test_admit_release_and_rows_are_zeroed_on_reuse():
     assert bank.committed_len("a") == 2 and bank.active_bank("a") == 1
     assert bank.gather_step_inputs(["a"]).recurrent_of(0).any()
     assert bank.release("a") and not bank.release("a")
-    assert bank.admit("c") == 0
+    assert bank.row("b") == 0                       # the highest resident row moved down
+    assert bank.admit("c") == 1
     past = bank.gather_step_inputs(["c"])
     assert bank.committed_len("c") == 0
     assert not past.conv.any() and not past.recurrent.any()
@@ -398,3 +399,52 @@ class Traffic(RuleBasedStateMachine):
 
 TestTraffic = Traffic.TestCase
 TestTraffic.settings = settings(max_examples=40, stateful_step_count=15, deadline=None)
+
+
+def test_release_keeps_resident_rows_dense_and_a_moved_row_keeps_its_state():
+    """A captured step binds bank rows 0..B-1: a release moves the highest resident row into the
+    hole, with its active bank, state and committed length."""
+    bank = StateBank(SPEC, max_rows=4)
+    rng = np.random.default_rng(3)
+    for r in "abcd":
+        bank.admit(r)
+    toks = {r: {s.layer_id: random_tokens(rng, s, 3) for s in LAYERS} for r in "abcd"}
+    present, caps = run_step(bank, list("abcd"), toks)
+    bank.commit_step(list("abcd"), present, [3] * 4, [3, 1, 2, 3], caps)
+    before = {r: bank.gather_step_inputs([r]) for r in "abcd"}
+    lens = {r: bank.committed_len(r) for r in "abcd"}
+    bank.release("b")
+    assert sorted(bank.row(r) for r in "acd") == [0, 1, 2] and bank.row("d") == 1
+    for r in "acd":
+        after = bank.gather_step_inputs([r])
+        np.testing.assert_array_equal(after.conv, before[r].conv)
+        np.testing.assert_array_equal(after.recurrent, before[r].recurrent)
+        assert bank.committed_len(r) == lens[r]
+    bank.release("c")                                # the highest row itself: nothing moves
+    assert bank.row("a") == 0 and bank.row("d") == 1
+    assert bank.admit("e") == 2
+    bank.check_integrity()
+
+
+def test_padded_in_place_binds_rows_from_zero_only_when_padding_is_harmless():
+    bank = StateBank(SPEC, max_rows=4)
+    for r in "abc":
+        bank.admit(r)
+    assert bank.padded_in_place(["b", "a"], 4) is None               # not in row order
+    assert bank.padded_in_place(["b", "c"], 4) is None               # does not start at row 0
+    assert bank.padded_in_place(["a", "b", "c"], 5) is None          # more rows than the bank has
+    b, present = bank.padded_in_place(["a", "b"], 4)                 # c (row 2) pads: active 0 as well
+    assert b == 0 and present.conv.shape[1] == 2
+    # the step writes bank 1 rows 0..1 in place: commit publishes them without a copy
+    rng = np.random.default_rng(4)
+    toks = {r: {s.layer_id: random_tokens(rng, s, 1) for s in LAYERS} for r in "ab"}
+    ref, _ = run_step(bank, ["a", "b"], toks)
+    present.conv[...] = ref.conv
+    present.recurrent[...] = ref.recurrent
+    bank.commit_step(["a", "b"], present, [1, 1], [1, 1])
+    assert bank.active_bank("a") == bank.active_bank("b") == 1 and bank.active_bank("c") == 0
+    np.testing.assert_array_equal(bank.gather_step_inputs(["a", "b"]).recurrent, ref.recurrent)
+    # c is now active in bank 0 = the bank a padded step over a, b would write: refused
+    assert bank.padded_in_place(["a", "b"], 4) is None
+    assert bank.padded_in_place(["a", "b"], 2) is not None
+    assert bank.padded_in_place(["a", "b", "c"], 4) is None          # banks differ within the step

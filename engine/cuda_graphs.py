@@ -1,0 +1,318 @@
+"""Captured main-model steps on CUDA: decode and uniform verify steps replay a CUDA graph.
+
+ORT's CUDA provider (``enable_cuda_graph=1``) captures a session's Run as one CUDA graph per
+``gpu_graph_id`` run option and replays it afterwards, with every launch of every node in one
+call (DESIGN §9: bundled decode 1.29 -> 0.37 ms, 1.4 B 3.87 -> 2.25 ms). A graph replays the
+addresses it was captured with, so a captured step binds everything at a fixed place:
+
+    inputs      one device block per graph, filled by ONE host -> device copy per step from a
+                pinned staging block (input_ids, position_ids, past lengths, block table; the
+                packed ranges and capture counts are constant per shape and written once)
+    host inputs attention_metadata = [tokens per request, table width * block size, 1] and
+                state_update_active, fixed per graph (read when the graph is captured)
+    KV pools    bound in place, as in every step
+    states      the state bank's rows [0, batch) directly (StateBank.padded_in_place):
+                past = bank b, present = bank 1-b, so ORT's re-runs at capture are idempotent
+    outputs     logits, hidden states and captures: prefixes of buffers shared by all graphs
+
+A graph is keyed by ``GraphShape(batch, tokens, table_width, bank)``. A step of B requests, each
+feeding 1 token plus the same number of drafts, runs the graph of the smallest captured batch
+>= B and table width >= its longest KV; rows B.. are padding (token 0 at position 0 on the
+scratch block 0, state rows that nobody reads). Every other step (prefill chunks, mixed draft
+counts, rows not at 0..B-1) runs eagerly on the same session (``gpu_graph_id = -1``).
+
+Every graph is captured at start-up (``StepGraphs.capture_all``), while the bank is empty: no
+live step pays ORT's first-call cost of a new shape (0.5-0.85 s on the 1.4 B model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
+from mtpserve.engine.state_bank import StateBank, StepCaptures
+
+logger = logging.getLogger("mtpserve")
+
+SMALLEST_KV_BUCKET = 256      # tokens: the first block-table bucket; then powers of two up to the context
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """One captured step: ``batch`` padded requests feeding ``tokens`` rows each (1 = decode,
+    1 + K = verify of K drafts), block tables ``table_width`` wide, past states in bank ``bank``."""
+    batch: int
+    tokens: int
+    table_width: int
+    bank: int
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Padded batch sizes: 1, 2, 4, 8, then every multiple of 8, then ``max_batch`` itself."""
+    sizes = {b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch}
+    return tuple(sorted(sizes))
+
+
+def table_width_buckets(block_size: int, context_length: int, smallest: int = SMALLEST_KV_BUCKET) -> tuple[int, ...]:
+    """Block-table widths (in blocks) of the KV-length buckets: powers of two tokens from
+    ``smallest`` up to the context (the last bucket is the whole context). A loose bound is
+    not free for multi-token queries (DESIGN §9: a 4-token verify at B=8 took 4.35 -> 8.97 ms
+    with max_kv_len 4096 instead of 100), so a step uses the tightest bucket that fits."""
+    full = -(-context_length // block_size)
+    widths, tokens = set(), smallest
+    while tokens < context_length:
+        widths.add(-(-tokens // block_size))
+        tokens *= 2
+    widths.add(full)
+    return tuple(sorted(w for w in widths if w <= full))
+
+
+@dataclass(frozen=True)
+class GraphCatalog:
+    """Which step shapes are captured, and which one a step uses (no GPU in here)."""
+    batch_sizes: tuple[int, ...]
+    token_counts: tuple[int, ...]
+    table_widths: tuple[int, ...]
+    block_size: int
+
+    def shapes(self) -> list[GraphShape]:
+        return [GraphShape(b, n, w, bank) for n in self.token_counts for w in self.table_widths
+                for b in self.batch_sizes for bank in (0, 1)]
+
+    def choose(self, num_rows: Sequence[int], num_tokens: Sequence[int], kv_lens: Sequence[int]) -> tuple[int, int, int] | None:
+        """``(batch, tokens, table_width)`` for a step whose request i feeds ``num_tokens[i]`` new
+        tokens in ``num_rows[i]`` rows (tokens + drafts) and reaches ``kv_lens[i]`` tokens of KV,
+        or None when no captured graph fits: a prompt chunk, draft counts that differ, more
+        requests or a longer KV than any graph's."""
+        if not num_rows or any(t != 1 for t in num_tokens):
+            return None
+        n = num_rows[0]
+        if n not in self.token_counts or any(r != n for r in num_rows):
+            return None
+        batch = next((b for b in self.batch_sizes if b >= len(num_rows)), None)
+        blocks = -(-max(kv_lens) // self.block_size)
+        width = next((w for w in self.table_widths if w >= blocks), None)
+        if batch is None or width is None:
+            return None
+        return batch, n, width
+
+
+class _StaticInputs:
+    """One graph's device inputs at fixed addresses, and their pinned host staging::
+
+        pinned host  | input_ids | position_ids | cu_seqlens | past | block_table | capture |
+        device       the same bytes, one copy per step; each input bound at base + its offset
+    """
+
+    def __init__(self, layout: dict[str, tuple[type, tuple[int, ...]]], xp):
+        import cupy
+        offsets, end = {}, 0
+        for name, (dtype, shape) in layout.items():
+            offsets[name] = end
+            end += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 8) * 8
+        self.nbytes = max(end, 8)
+        self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
+        self._host_bytes = np.frombuffer(self._pinned, np.uint8, self.nbytes)
+        self._host_bytes[:] = 0
+        self.device_bytes = xp.zeros(self.nbytes, np.uint8)
+        self.host, self.device = {}, {}
+        for name, (dtype, shape) in layout.items():
+            at, size = offsets[name], int(np.prod(shape)) * np.dtype(dtype).itemsize
+            self.host[name] = self._host_bytes[at:at + size].view(dtype).reshape(shape)
+            self.device[name] = self.device_bytes[at:at + size].view(dtype).reshape(shape)
+        self._sent = cupy.cuda.Event(block=False, disable_timing=True)
+        self._sent.record()
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host staging views, once the previous step's copy has read them."""
+        self._sent.synchronize()
+        return self.host
+
+    def upload(self) -> None:
+        """One host -> device copy of the whole block, on the current stream (asynchronous)."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._host_bytes.ctypes.data, self.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self._sent.record(stream)
+
+
+@dataclass
+class _Graph:
+    shape: GraphShape
+    graph_id: int
+    binding: _Binding
+    inputs: _StaticInputs
+    run_options: ort.RunOptions
+    host_arrays: list            # host inputs read at capture: kept alive with the graph
+
+
+class StepGraphs:
+    """Every captured main-model step of one engine, and the buffers they share.
+
+    ``run(request_ids, rows, num_tokens)`` replays the step's graph and returns its outputs, or
+    None when the step has no graph (the engine then runs it eagerly). ``num_replays`` and
+    ``num_eager`` count the decode-shaped steps of each kind.
+    """
+
+    def __init__(self, runner: Runner, bank: StateBank, catalog: GraphCatalog, xp):
+        if not runner.cuda_graphs:
+            raise AssertionError("the runner's main session was made without enable_cuda_graph")
+        self.runner, self.bank, self.catalog, self.xp = runner, bank, catalog, xp
+        m = runner.manifest
+        max_batch = max(catalog.batch_sizes)
+        if max_batch > bank.max_rows:
+            raise ValueError(f"graph batch {max_batch} > the state bank's {bank.max_rows} rows")
+        max_tokens = max_batch * max(catalog.token_counts)
+        self.logits = xp.empty((max_tokens, m.vocab_size), m.compute_dtype)
+        self.hidden = xp.empty((max_tokens, m.hidden_size), runner.hidden_dtype)
+        conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
+        ids = bank.spec.layer_ids
+        self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
+                                     xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
+        self._graphs: dict[GraphShape, _Graph] = {}
+        self.num_replays = 0
+        self.num_eager = 0
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0          # device memory the captures took (graphs + ORT's arena growth)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    # ------------------------------------------------------------------ capture
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+        """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
+        import cupy
+        if self.bank.num_resident_rows:
+            raise AssertionError("graphs are captured before any request holds a state row")
+        shapes = [s for s in self.catalog.shapes() if s not in self._graphs]
+        say = progress or logger.info
+        say(f"cuda graphs: capturing {len(shapes)} step shapes (batch {list(self.catalog.batch_sizes)}, "
+            f"tokens per request {list(self.catalog.token_counts)}, KV buckets "
+            f"{[w * self.catalog.block_size for w in self.catalog.table_widths]} tokens, 2 banks)")
+        stream = cupy.cuda.get_current_stream()
+        stream.synchronize()
+        free_before = cupy.cuda.runtime.memGetInfo()[0]
+        started = last = time.perf_counter()
+        for i, shape in enumerate(shapes):
+            self._capture(shape)
+            now = time.perf_counter()
+            if now - last > 5 or i + 1 == len(shapes):
+                stream.synchronize()
+                say(f"cuda graphs: {i + 1}/{len(shapes)} captured, {now - started:.1f} s")
+                last = now
+        stream.synchronize()
+        self.capture_seconds += time.perf_counter() - started
+        self.memory_bytes = max(0, free_before - cupy.cuda.runtime.memGetInfo()[0])
+        say(f"cuda graphs: {self.num_graphs} graphs in {self.capture_seconds:.1f} s, "
+            f"{self.memory_bytes / 2**20:.0f} MiB of device memory")
+
+    def _capture(self, shape: GraphShape) -> None:
+        r, m, xp = self.runner, self.runner.manifest, self.xp
+        B, n, W = shape.batch, shape.tokens, shape.table_width
+        T = B * n
+        layout = {"input_ids": (np.int64, (T,)), "position_ids": (np.int64, (3, T)),
+                  "cumulative_sequence_lengths": (np.int32, (B + 1,)), "past_sequence_lengths": (np.int32, (B,)),
+                  "block_table": (np.int32, (B, W)), "state_update_capture_count": (np.int32, (B,))}
+        layout = {k: v for k, v in layout.items() if k in r.main_input_names}
+        inputs = _StaticInputs(layout, xp)
+        host = inputs.writable()
+        host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
+        if "state_update_capture_count" in host:
+            host["state_update_capture_count"][:] = n - 1
+        _fill_positions(host, n)
+        inputs.upload()
+        b = _Binding(r.session, xp, "cuda")
+        r.kv.bind(b)
+        for name, arr in inputs.device.items():
+            b.bind_at(name, arr)
+        host_arrays = [np.array([n, W * m.block_size, 1], np.int32), np.array([int(n > 1)], np.int32)]
+        for name, arr in zip(("attention_metadata", "state_update_active"), host_arrays):
+            if name in r.main_input_names:
+                b.bind_at(name, arr)
+        bank, index = self.bank, {layer_id: i for i, layer_id in enumerate(self.bank.spec.layer_ids)}
+        past, present = shape.bank, 1 - shape.bank
+        for layer in m.conv_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, bank.conv[i, past, :B])
+            b.bind_at(layer.state_output, bank.conv[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.conv_value[i, :B], output=True)
+        for layer in m.recurrent_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, bank.recurrent[i, past, :B])
+            b.bind_at(layer.state_output, bank.recurrent[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
+        b.bind_at(m.logits_output, self.logits[:T], output=True)
+        b.bind_at(m.hidden_output, self.hidden[:T], output=True)
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))   # 0 is ORT's default id
+        graph = _Graph(shape, len(self._graphs) + 1, b, inputs, options, host_arrays)
+        r.session.run_with_iobinding(b.io, options)        # ORT's warm-up runs, then the capture
+        self._graphs[shape] = graph
+
+    # ------------------------------------------------------------------ a step
+    def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
+            copy_hidden: bool) -> MainOutputs | None:
+        """Replay the graph of a decode / uniform verify step (rows in the step's order; request
+        i feeds ``num_tokens[i]`` new tokens); None if the step has none. ``copy_hidden``: the
+        hidden rows are kept past this step (the proposer's catch-up), so they are copied out of
+        the shared buffer."""
+        lens = [len(r.token_ids) for r in rows]
+        choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
+        if choice is None:
+            return None
+        batch, n, width = choice
+        placed = self.bank.padded_in_place(request_ids, batch)
+        if placed is None:
+            self.num_eager += 1
+            return None
+        bank, present = placed
+        graph = self._graphs[GraphShape(batch, n, width, bank)]
+        host = graph.inputs.writable()
+        _fill_step(host, rows, n, width)
+        graph.inputs.upload()
+        self.runner.session.run_with_iobinding(graph.binding.io, graph.run_options)
+        self.num_replays += 1
+        T, B = len(rows) * n, len(rows)
+        hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
+        captures = None
+        if n > 1:
+            captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
+                                    self.captures.recurrent_capsule[:, :B])
+        return MainOutputs(self.logits[:T], hidden, present, captures)
+
+
+def _fill_positions(host: dict[str, np.ndarray], n: int) -> None:
+    """position_ids of every row from past_sequence_lengths: past_b + i for row i of request b."""
+    past = host["past_sequence_lengths"].astype(np.int64)
+    host["position_ids"][:] = (np.repeat(past, n) + np.tile(np.arange(n), len(past)))[None, :]
+
+
+def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:
+    """A step's rows into a graph's staging (B real requests, padding rows after them: token 0
+    at position 0 on the scratch block 0)::
+
+        input_ids      r0: t d0 .. dK-1 | r1: ... | pad: 0 0 .. 0 | ...
+        past lengths   past_0 | past_1 | .. | 0 | 0
+        block_table    row b: request b's first `width` blocks, then 0 (scratch)
+    """
+    B = len(rows)
+    ids = host["input_ids"]
+    ids[:B * n] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, B * n)
+    ids[B * n:] = 0
+    past = host["past_sequence_lengths"]
+    past[:B] = np.fromiter((r.past_len for r in rows), np.int32, B)
+    past[B:] = 0
+    _fill_positions(host, n)
+    table = host["block_table"]
+    table[:] = 0
+    for i, r in enumerate(rows):
+        blocks = r.block_table[:width]
+        table[i, :len(blocks)] = blocks
