@@ -11,6 +11,8 @@ once (the array version builds cumulative products, masks and a batched matmul f
 The capsule layout is the one ``state_bank.split_capsule`` draws::
 
     capsule [L, B, C*W]   one step row:  | decay [C, Hv] | key [C, Hk, Dk] | delta [C, Hv, Dv] |
+                          (rows contiguous within a layer; layers may be a stride apart: a
+                          captured step's capsule is the first B rows of a larger buffer)
     state   [L, 2*R, Hv, Dv, Dk]          (bank, row) at flat index bank * R + row
 
     thread index  ((((l * P + p) * Hv + h) * Dv + v) * Dk + k)     p = replayed request
@@ -25,7 +27,7 @@ extern "C" __global__ void replay_recurrent(
         float* __restrict__ state, const float* __restrict__ capsule,
         const long long* __restrict__ step_row, const long long* __restrict__ dst,
         const long long* __restrict__ src, const long long* __restrict__ kept,
-        long long num_layers, long long num_parts, long long num_flat_rows, long long batch,
+        long long num_layers, long long num_parts, long long num_flat_rows, long long layer_stride,
         int capacity, int Hv, int Dv, int Hk, int Dk) {
     const long long total = num_layers * num_parts * Hv * Dv * Dk;
     const long long width = (long long)capacity * (Hv + (long long)Hk * Dk + (long long)Hv * Dv);
@@ -38,7 +40,7 @@ extern "C" __global__ void replay_recurrent(
         const int h = r % Hv; r /= Hv;
         const long long p = r % num_parts;
         const long long l = r / num_parts;
-        const float* cap = capsule + (l * batch + step_row[p]) * width;
+        const float* cap = capsule + l * layer_stride + step_row[p] * width;
         const float* decay = cap;                                        // [C, Hv]
         const float* key = cap + (long long)capacity * Hv;               // [C, Hk, Dk]
         const float* delta = key + (long long)capacity * Hk * Dk;        // [C, Hv, Dv]
@@ -71,13 +73,15 @@ class FusedRecurrentReplay:
 
     def __call__(self, state_flat, capsule, step_row, dst, src, kept) -> None:
         """state_flat [L, 2R, Hv, Dv, Dk] float32 (written in place at rows dst), capsule
-        [L, B, C*W] float32; step_row / dst / src / kept: int64 device arrays [P]."""
+        [L, B, C*W] float32 (each layer's [B, C*W] contiguous; the layers any stride apart);
+        step_row / dst / src / kept: int64 device arrays [P]."""
         cp = self.cupy
         C, Hv, Dv, Hk, Dk = self.dims
         L, flat_rows = state_flat.shape[:2]
-        batch = capsule.shape[1]
         assert state_flat.dtype == np.float32 and capsule.dtype == np.float32, "float32 state and capsule"
-        assert state_flat.flags.c_contiguous and capsule.flags.c_contiguous, "contiguous state and capsule"
+        assert state_flat.flags.c_contiguous, "contiguous state"
+        assert capsule.strides[2] == 4 and capsule.strides[1] == 4 * capsule.shape[2], "contiguous capsule rows"
+        layer_stride = capsule.strides[0] // 4
         assert state_flat.shape[2:] == (Hv, Dv, Dk), f"state rows {state_flat.shape[2:]} != {(Hv, Dv, Dk)}"
         assert capsule.shape[2] == C * (Hv + Hk * Dk + Hv * Dv), "capsule width"
         num_parts = int(step_row.size)
@@ -87,5 +91,5 @@ class FusedRecurrentReplay:
         blocks = min(-(-total // self.THREADS), 65535 * 8)
         args = [state_flat, capsule] + [cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
         self.kernel((blocks,), (self.THREADS,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
-                                                 np.int64(batch), np.int32(C), np.int32(Hv), np.int32(Dv),
+                                                 np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
                                                  np.int32(Hk), np.int32(Dk)))

@@ -183,6 +183,12 @@ def test_fused_replay_kernel_matches_the_array_replay(heads):
     want = state.copy()
     d, k_, dl = (a[:, step_rows] for a in (decay, key, delta))
     want[:, dst] = replay_recurrent(np, state[:, src].copy(), d, k_, dl, kept)
-    got = cp.asarray(state)
-    FusedRecurrentReplay(C, Hv, Dv, Hk, Dk)(got, cp.asarray(capsule), *(cp.asarray(a) for a in (step_rows, dst, src, kept)))
-    np.testing.assert_allclose(got.get(), want, rtol=1e-4, atol=1e-4)
+    for inside_a_larger_buffer in (False, True):     # a captured step's capsule: rows 0..B-1 of a shared buffer
+        got = cp.asarray(state)
+        cap = cp.asarray(capsule)
+        if inside_a_larger_buffer:
+            shared = cp.full((L, B + 3, capsule.shape[2]), cp.nan, cp.float32)
+            shared[:, :B] = cap
+            cap = shared[:, :B]
+        FusedRecurrentReplay(C, Hv, Dv, Hk, Dk)(got, cap, *(cp.asarray(a) for a in (step_rows, dst, src, kept)))
+        np.testing.assert_allclose(got.get(), want, rtol=1e-4, atol=1e-4)
