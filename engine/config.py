@@ -56,11 +56,21 @@ def resolve_num_blocks(cache: CacheConfig, context_length: int, block_size: int,
 @dataclass(frozen=True)
 class SchedulerConfig:
     """One token budget and a batch limit shared by prefill chunks, decodes and drafts."""
-    max_tokens_per_step: int = setting(512, "the step's token budget (prefill chunks + decodes + drafts)")
+    max_tokens_per_step: int | None = setting(None, "the step's token budget (prefill chunks + decodes + drafts; "
+                                                    "default 512 on the CPU, 2048 on CUDA)")
     max_requests_per_step: int = setting(64, "the most requests one step runs")
 
+    def for_device(self, device: str) -> SchedulerConfig:
+        """This config with the device's default token budget filled in where none was given: a
+        CPU step's cost grows with its tokens, while on the H200 a 2048-token prompt chunk runs
+        far more tokens per second than 512-token ones (1.4 B, 64 prompts at once: 2.5x the
+        output throughput) and costs a decode step sharing it about 40 ms."""
+        if self.max_tokens_per_step is not None:
+            return self
+        return dataclasses.replace(self, max_tokens_per_step=2048 if device == "cuda" else 512)
+
     def validate(self) -> None:
-        if self.max_tokens_per_step < 1 + MAX_DRAFT_TOKENS:
+        if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1 + MAX_DRAFT_TOKENS:
             raise ValueError(f"max_tokens_per_step must be >= {1 + MAX_DRAFT_TOKENS}, "
                              f"got {self.max_tokens_per_step}")
         if self.max_requests_per_step < 1:

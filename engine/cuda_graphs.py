@@ -80,10 +80,18 @@ class GraphCatalog:
     token_counts: tuple[int, ...]
     table_widths: tuple[int, ...]
     block_size: int
+    banks: tuple[int, ...] = (0, 1)       # the main model's past-state bank; (0,) for the stateless head
 
     def shapes(self) -> list[GraphShape]:
         return [GraphShape(b, n, w, bank) for n in self.token_counts for w in self.table_widths
-                for b in self.batch_sizes for bank in (0, 1)]
+                for b in self.batch_sizes for bank in self.banks]
+
+    def batch_for(self, num_requests: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= num_requests), None)
+
+    def width_for(self, kv_len: int) -> int | None:
+        blocks = -(-kv_len // self.block_size)
+        return next((w for w in self.table_widths if w >= blocks), None)
 
     def choose(self, num_rows: Sequence[int], num_tokens: Sequence[int], kv_lens: Sequence[int]) -> tuple[int, int, int] | None:
         """``(batch, tokens, table_width)`` for a step whose request i feeds ``num_tokens[i]`` new
@@ -95,9 +103,7 @@ class GraphCatalog:
         n = num_rows[0]
         if n not in self.token_counts or any(r != n for r in num_rows):
             return None
-        batch = next((b for b in self.batch_sizes if b >= len(num_rows)), None)
-        blocks = -(-max(kv_lens) // self.block_size)
-        width = next((w for w in self.table_widths if w >= blocks), None)
+        batch, width = self.batch_for(len(num_rows)), self.width_for(max(kv_lens))
         if batch is None or width is None:
             return None
         return batch, n, width
@@ -189,54 +195,21 @@ class StepGraphs:
     # ------------------------------------------------------------------ capture
     def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
         """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
-        import cupy
         if self.bank.num_resident_rows:
             raise AssertionError("graphs are captured before any request holds a state row")
-        shapes = [s for s in self.catalog.shapes() if s not in self._graphs]
-        say = progress or logger.info
-        say(f"cuda graphs: capturing {len(shapes)} step shapes (batch {list(self.catalog.batch_sizes)}, "
-            f"tokens per request {list(self.catalog.token_counts)}, KV buckets "
-            f"{[w * self.catalog.block_size for w in self.catalog.table_widths]} tokens, 2 banks)")
-        stream = cupy.cuda.get_current_stream()
-        stream.synchronize()
-        free_before = cupy.cuda.runtime.memGetInfo()[0]
-        started = last = time.perf_counter()
-        for i, shape in enumerate(shapes):
-            self._capture(shape)
-            now = time.perf_counter()
-            if now - last > 5 or i + 1 == len(shapes):
-                stream.synchronize()
-                say(f"cuda graphs: {i + 1}/{len(shapes)} captured, {now - started:.1f} s")
-                last = now
-        stream.synchronize()
-        self.capture_seconds += time.perf_counter() - started
-        self.memory_bytes = max(0, free_before - cupy.cuda.runtime.memGetInfo()[0])
-        say(f"cuda graphs: {self.num_graphs} graphs in {self.capture_seconds:.1f} s, "
-            f"{self.memory_bytes / 2**20:.0f} MiB of device memory")
+        seconds, nbytes = _capture_shapes("main model", self.catalog, self._graphs, self._capture, progress)
+        self.capture_seconds += seconds
+        self.memory_bytes += nbytes
 
     def _capture(self, shape: GraphShape) -> None:
         r, m, xp = self.runner, self.runner.manifest, self.xp
-        B, n, W = shape.batch, shape.tokens, shape.table_width
+        B, n = shape.batch, shape.tokens
         T = B * n
-        layout = {"input_ids": (np.int64, (T,)), "position_ids": (np.int64, (3, T)),
-                  "cumulative_sequence_lengths": (np.int32, (B + 1,)), "past_sequence_lengths": (np.int32, (B,)),
-                  "block_table": (np.int32, (B, W)), "state_update_capture_count": (np.int32, (B,))}
-        layout = {k: v for k, v in layout.items() if k in r.main_input_names}
-        inputs = _StaticInputs(layout, xp)
-        host = inputs.writable()
-        host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
-        if "state_update_capture_count" in host:
-            host["state_update_capture_count"][:] = n - 1
-        _fill_positions(host, n)
-        inputs.upload()
-        b = _Binding(r.session, xp, "cuda")
-        r.kv.bind(b)
-        for name, arr in inputs.device.items():
-            b.bind_at(name, arr)
-        host_arrays = [np.array([n, W * m.block_size, 1], np.int32), np.array([int(n > 1)], np.int32)]
-        for name, arr in zip(("attention_metadata", "state_update_active"), host_arrays):
-            if name in r.main_input_names:
-                b.bind_at(name, arr)
+        b, inputs, host_arrays = _paged_graph_inputs(r.session, r.kv, r.main_input_names, shape, m.block_size, xp,
+                                                     {"state_update_active": np.array([int(n > 1)], np.int32)})
+        if "state_update_capture_count" in inputs.host:
+            inputs.writable()["state_update_capture_count"][:] = n - 1
+            inputs.upload()
         bank, index = self.bank, {layer_id: i for i, layer_id in enumerate(self.bank.spec.layer_ids)}
         past, present = shape.bank, 1 - shape.bank
         for layer in m.conv_layers:
@@ -289,6 +262,61 @@ class StepGraphs:
         return MainOutputs(self.logits[:T], hidden, present, captures)
 
 
+def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Callable[[GraphShape], None],
+                    progress: Callable[[str], None] | None) -> tuple[float, int]:
+    """Capture every shape of ``catalog`` not in ``graphs`` with ``capture``, saying how it goes;
+    (seconds, device bytes the captures took: graphs and ORT's arena growth)."""
+    import cupy
+    shapes = [s for s in catalog.shapes() if s not in graphs]
+    say = progress or logger.info
+    say(f"cuda graphs: capturing {len(shapes)} {what} shapes (batch {list(catalog.batch_sizes)}, rows per "
+        f"request {list(catalog.token_counts)}, KV buckets {[w * catalog.block_size for w in catalog.table_widths]} "
+        f"tokens, {len(catalog.banks)} state bank(s))")
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    started = last = time.perf_counter()
+    for i, shape in enumerate(shapes):
+        capture(shape)
+        now = time.perf_counter()
+        if now - last > 5 and i + 1 < len(shapes):
+            say(f"cuda graphs: {i + 1}/{len(shapes)} {what} shapes captured, {now - started:.1f} s")
+            last = now
+    stream.synchronize()
+    seconds, nbytes = time.perf_counter() - started, max(0, free_before - cupy.cuda.runtime.memGetInfo()[0])
+    say(f"cuda graphs: {len(shapes)} {what} graphs in {seconds:.1f} s, {nbytes / 2**20:.0f} MiB of device memory")
+    return seconds, nbytes
+
+
+def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape, block_size: int, xp,
+                        host_extra: dict[str, np.ndarray], extra: dict | None = None):
+    """A new binding of ``session`` for one captured shape, with the paged inputs every graph has
+    (packed ranges constant per shape, the rest zero: a step of padding rows on the scratch
+    block), the KV ``pool`` in place, and ``attention_metadata`` + ``host_extra`` fixed on the
+    host. ``extra``: more entries of the staging block, sent with the step's one copy but not
+    bound (e.g. index arrays the step's device ops use). Returns (binding, inputs, host arrays)."""
+    B, n, W = shape.batch, shape.tokens, shape.table_width
+    T = B * n
+    layout = {"input_ids": (np.int64, (T,)), "position_ids": (np.int64, (3, T)),
+              "cumulative_sequence_lengths": (np.int32, (B + 1,)), "past_sequence_lengths": (np.int32, (B,)),
+              "block_table": (np.int32, (B, W)), "state_update_capture_count": (np.int32, (B,))}
+    layout = {k: v for k, v in layout.items() if k in input_names}
+    inputs = _StaticInputs({**layout, **(extra or {})}, xp)
+    host = inputs.writable()
+    host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
+    _fill_positions(host, n)
+    inputs.upload()
+    b = _Binding(session, xp, "cuda")
+    pool.bind(b)
+    for name in layout:
+        b.bind_at(name, inputs.device[name])
+    host_arrays = [np.array([n, W * block_size, 1], np.int32), *host_extra.values()]
+    for name, arr in zip(("attention_metadata", *host_extra), host_arrays):
+        if name in input_names:
+            b.bind_at(name, arr)
+    return b, inputs, host_arrays
+
+
 def _fill_positions(host: dict[str, np.ndarray], n: int) -> None:
     """position_ids of every row from past_sequence_lengths: past_b + i for row i of request b."""
     past = host["past_sequence_lengths"].astype(np.int64)
@@ -307,6 +335,147 @@ def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     ids = host["input_ids"]
     ids[:B * n] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, B * n)
     ids[B * n:] = 0
+    _fill_rows(host, rows, n, width)
+
+
+class HeadGraphs:
+    """Captured MTP-head forwards, and greedy drafting chained on the device.
+
+    A drafting step of B greedy requests with up to K drafts each, when it fits a captured shape:
+
+        catch-up   one forward of B x R rows (R = ``catch_up_rows``, the most rows a request keeps
+                   from one verify step: 1 + the largest draft count); request b's committed rows
+                   [num_head, num_computed) first, padding rows after them
+        draft 0    argmax of the logits at each request's last real catch-up row (on the device)
+        chained    K-1 forwards of B x 1 rows: row b takes draft i-1 as its token and the head's
+                   own hidden state of the row before; positions advance on the device
+        drafts     [B, K] token ids, copied to the host once
+
+    ::
+
+        catch-up rows (R = 3)   | r0: t t . | r1: t . . | pad . . . |    t = committed row, . = padding
+        last real row           |      ^    |    ^      |  ^        |    -> draft 0 of each request
+        chained i = 1 .. K-1    | r0 | r1 | pad |                         one row each, on the device
+
+    A padding row of the catch-up sits at a position past the request's committed ones: the head
+    KV it writes there is rewritten by the chained row of that position before any real row reads
+    it, and every position stays inside the step's block-table bucket. Sampled requests, prompt
+    catch-ups longer than R and shapes not captured draft eagerly (``draft`` returns None).
+    """
+
+    def __init__(self, runner: Runner, catalog: GraphCatalog, xp):
+        if not runner.cuda_graphs or runner.head_session is None:
+            raise AssertionError("the runner's head session was made without enable_cuda_graph")
+        if catalog.banks != (0,) or 1 not in catalog.token_counts or len(catalog.token_counts) > 2:
+            raise AssertionError(f"head graphs are (1 row, catch-up rows) per request, one bank: {catalog}")
+        self.runner, self.catalog, self.xp = runner, catalog, xp
+        self.catch_up_rows = max(catalog.token_counts)
+        m = runner.manifest
+        max_rows = max(catalog.batch_sizes) * self.catch_up_rows
+        # zeros: padding rows read finite hidden states (their KV lands on the scratch block)
+        self.hidden_in = xp.zeros((max_rows, m.hidden_size), runner.hidden_dtype)
+        self.logits = xp.empty((max_rows, m.vocab_size), m.compute_dtype)
+        self.hidden_out = xp.empty((max_rows, m.hidden_size), runner.hidden_dtype)
+        self._graphs: dict[GraphShape, _Graph] = {}
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+        seconds, nbytes = _capture_shapes("MTP head", self.catalog, self._graphs, self._capture, progress)
+        self.capture_seconds += seconds
+        self.memory_bytes += nbytes
+
+    def _capture(self, shape: GraphShape) -> None:
+        r, head = self.runner, self.runner.manifest.mtp
+        T = shape.batch * shape.tokens
+        b, inputs, host_arrays = _paged_graph_inputs(r.head_session, r.head_kv, r.head_input_names, shape,
+                                                     r.manifest.block_size, self.xp, {},
+                                                     extra={"last_rows": (np.int64, (shape.batch,))})
+        b.bind_at(head.hidden_input, self.hidden_in[:T])
+        b.bind_at(head.logits_output, self.logits[:T], output=True)
+        b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))
+        r.head_session.run_with_iobinding(b.io, options)
+        self._graphs[shape] = _Graph(shape, len(self._graphs) + 1, b, inputs, options, host_arrays)
+
+    def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int) -> np.ndarray | None:
+        """Greedy drafts ``[B, num_drafts]`` (host int64), or None when no captured shape fits.
+
+        rows[b]: request b's catch-up rows (the tokens at positions num_head+1 .. num_computed,
+        ``past_len`` = num_head, its head block table); hidden[b]: the main model's hidden rows
+        of those positions, as ``(array, start, count)`` segments in order."""
+        xp, R, B = self.xp, self.catch_up_rows, len(rows)
+        fed = [len(r.token_ids) for r in rows]
+        batch = self.catalog.batch_for(B)
+        if batch is None or not num_drafts or max(fed) > R:
+            return None
+        kv_len = max(max(r.past_len + R, r.past_len + n + num_drafts - 1) for r, n in zip(rows, fed))
+        width = self.catalog.width_for(kv_len)
+        catch_up = self._graphs.get(GraphShape(batch, R, width, 0))
+        chained = self._graphs.get(GraphShape(batch, 1, width, 0))
+        if catch_up is None or chained is None:
+            return None
+        # catch-up: the rows, their hidden states (one gather per source array), one replay
+        host = catch_up.inputs.writable()
+        ids = host["input_ids"]
+        ids[:] = 0
+        for b, r in enumerate(rows):
+            ids[b * R:b * R + fed[b]] = r.token_ids
+        _fill_rows(host, rows, R, width)
+        host["last_rows"][:] = np.arange(batch) * R
+        host["last_rows"][:B] += np.asarray(fed) - 1
+        catch_up.inputs.upload()
+        self._gather_hidden(hidden, R)
+        self._replay(self.runner.head_session, catch_up)
+        last = catch_up.inputs.device["last_rows"]
+        drafts = [self.logits[last].argmax(axis=1)]
+        state = self.hidden_out[last]
+        if num_drafts > 1:
+            host = chained.inputs.writable()
+            host["input_ids"][:] = 0
+            _fill_rows(host, [PackedRows((), r.past_len + n, r.block_table) for r, n in zip(rows, fed)], 1, width)
+            chained.inputs.upload()
+            dev = chained.inputs.device
+            for i in range(1, num_drafts):
+                if i > 1:                                  # the next position of every row
+                    dev["past_sequence_lengths"] += 1
+                    dev["position_ids"] += 1
+                dev["input_ids"][...] = drafts[-1]
+                self.hidden_in[:batch] = state
+                self._replay(self.runner.head_session, chained)
+                drafts.append(self.logits[:batch].argmax(axis=1))
+                state = self.hidden_out[:batch]
+        return xp.stack(drafts, axis=1)[:B].get()
+
+    def _gather_hidden(self, hidden: Sequence[Sequence[tuple]], R: int) -> None:
+        """hidden_in row b*R + i := the i-th pending hidden row of request b."""
+        by_source: dict[int, tuple] = {}
+        for b, segments in enumerate(hidden):
+            at = b * R
+            for arr, start, count in segments:
+                _, dst, src = by_source.setdefault(id(arr), (arr, [], []))
+                dst.extend(range(at, at + count))
+                src.extend(range(start, start + count))
+                at += count
+        for arr, dst, src in by_source.values():
+            index = self.xp.asarray(np.array(dst + src, np.int64))
+            self.hidden_in[index[:len(dst)]] = arr[index[len(dst):]]
+
+    def _replay(self, session, graph: _Graph) -> None:
+        session.run_with_iobinding(graph.binding.io, graph.run_options)
+        self.num_replays += 1
+
+
+def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:
+    """Past lengths, positions and block tables of a uniform step's staging (ids are the caller's);
+    padding rows after the B real ones: past 0 on the scratch block 0."""
+    B = len(rows)
     past = host["past_sequence_lengths"]
     past[:B] = np.fromiter((r.past_len for r in rows), np.int32, B)
     past[B:] = 0

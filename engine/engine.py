@@ -59,6 +59,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, draft_policy: DraftPolicy | None = None):
         config.validate()
+        config = dataclasses.replace(config, scheduler=config.scheduler.for_device(config.device))
         self.config = config
         source = load_manifest(config.model_dir)
         if config.device == "cpu":
@@ -76,6 +77,8 @@ class Engine:
             self._build(config, draft_policy)
             if self.graphs is not None:
                 self.graphs.capture_all()
+                if self.proposer is not None and self.proposer.graphs is not None:
+                    self.proposer.graphs.capture_all()
             if self._stream is not None and config.warm_up:
                 self._warm_up_decode_shapes()
         if self._stream is not None:
@@ -113,6 +116,12 @@ class Engine:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
+        if self.graphs is not None and self.proposer is not None:
+            from mtpserve.engine.cuda_graphs import GraphCatalog, HeadGraphs
+            c = self.graphs.catalog
+            self.proposer.graphs = HeadGraphs(self.runner, GraphCatalog(
+                c.batch_sizes, (1, 1 + self.max_drafts if config.spec.adaptive else 1 + config.spec.num_draft_tokens),
+                c.table_widths, c.block_size, banks=(0,)), self.xp)
         self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length)
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
@@ -137,20 +146,17 @@ class Engine:
         return StepGraphs(self.runner, self.state_bank, catalog, self.xp)
 
     def _warm_up_decode_shapes(self) -> None:
-        """One decode-shaped forward (one token per request, on the scratch block, states zero)
-        of the main model (when its steps are not captured) and the head at every batch size a
-        step can have: ORT's PagedAttention pays 45-85 ms on the first call of each shape, which
-        would otherwise land on live steps."""
+        """One eager decode-shaped forward (one token per request, on the scratch block, states
+        zero) of the main model and the head at every batch size a step can have: ORT's
+        PagedAttention pays 45-85 ms on the first call of each shape, which would otherwise land
+        on live steps (with CUDA graphs, on the decode steps that cannot replay one)."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
-        if self.graphs is not None and self.runner.head_session is None:
-            return
         logger.info("engine: warming up decode batch sizes 1..%d (a first call of each costs ORT 45-85 ms)", largest)
         for batch in range(1, largest + 1):
             rows = [PackedRows([0], 0, []) for _ in range(batch)]
-            if self.graphs is None:
-                self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
+            self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
@@ -219,7 +225,7 @@ class Engine:
         events = []
         for u, start in zip(updates, plan.layout.row_start):
             if self.proposer is not None:
-                self.proposer.keep_hidden(u.request.request_id, out.hidden[start:start + u.num_kept])
+                self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
             if u.new_token_ids:
                 event = self.outputs.process(u.request, u.new_token_ids, u.finish_reason)
                 if event.finish_reason is not None:

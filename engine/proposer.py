@@ -40,13 +40,17 @@ class Drafts:
 class MTPProposer:
     """Drafts with the MTP head; holds each request's pending main-model hidden rows."""
 
-    def __init__(self, runner: Runner, head_pool: KVPool, xp):
-        self.runner, self.head_pool, self.xp = runner, head_pool, xp
-        self._pending: dict[str, list[Array]] = {}    # [n_i, H] arrays covering [num_head, num_computed)
+    def __init__(self, runner: Runner, head_pool: KVPool, xp, graphs=None):
+        """graphs: cuda_graphs.HeadGraphs, to draft greedy steps with captured head forwards."""
+        self.runner, self.head_pool, self.xp, self.graphs = runner, head_pool, xp, graphs
+        # (array, start, count) segments: rows [start, start + count) of a step's [T, H] hidden
+        # states, together covering positions [num_head, num_computed) of the request
+        self._pending: dict[str, list[tuple[Array, int, int]]] = {}
 
-    def keep_hidden(self, request_id: str, hidden_rows: Array) -> None:
-        """The main model's hidden states of a request's newly committed positions."""
-        self._pending.setdefault(request_id, []).append(hidden_rows)
+    def keep_hidden(self, request_id: str, hidden: Array, start: int, count: int) -> None:
+        """The main model's hidden states of a request's newly committed positions: rows
+        ``hidden[start:start + count]`` (kept by reference, not copied)."""
+        self._pending.setdefault(request_id, []).append((hidden, start, count))
 
     def forget(self, request_id: str) -> None:
         """The request ended or was preempted: its pending rows are of no use any more."""
@@ -61,12 +65,20 @@ class MTPProposer:
         their head rows up to num_computed are then in the head's KV (``num_head`` advances)."""
         if not drafting:
             return {}
-        rows, hidden = [], []
-        for s in drafting:
-            r = s.request
-            rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_computed + 1], r.num_head,
-                                   self.head_pool.block_table(r.request_id)))
-            hidden.extend(self._pending.pop(r.request_id, []))
+        rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
+                           s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
+        if self.graphs is not None and all(s.request.params.is_greedy for s in drafting):
+            tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
+                                       max(s.num_drafts for s in drafting))
+            if tokens is not None:
+                result = {}
+                for s, row in zip(drafting, tokens.tolist()):
+                    self._pending.pop(s.request.request_id, None)
+                    s.request.num_head = s.request.num_computed
+                    result[s.request.request_id] = Drafts(row[:s.num_drafts], [None] * s.num_drafts)
+                return result
+        hidden = [arr[start:start + count] for s in drafting
+                  for arr, start, count in self._pending.pop(s.request.request_id, [])]
         out = self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
         last = np.cumsum([len(p.token_ids) for p in rows]) - 1
         if last[-1] == len(rows) - 1:                  # one catch-up row each: all rows are last rows

@@ -213,8 +213,9 @@ class Runner:
                  cuda_graphs: bool = False):
         """cuda_stream: the raw pointer of the CUDA stream ORT must run on (CUDA only). The engine
         passes the one its CuPy work runs on, so state gathers, forwards and commits are ordered
-        on a single stream without host synchronisation. cuda_graphs: make the main session able
-        to capture steps (cuda_graphs.StepGraphs); its eager steps then run with graph id -1."""
+        on a single stream without host synchronisation. cuda_graphs: make the main and head
+        sessions able to capture steps (cuda_graphs.StepGraphs, HeadGraphs); their eager runs then
+        pass graph id -1."""
         self.manifest, self.xp, self.device = manifest, xp, device
         self.cuda_graphs = cuda_graphs and device == "cuda"
         self._eager_options = None
@@ -246,10 +247,10 @@ class Runner:
             if cuda_stream:
                 options["user_compute_stream"] = str(cuda_stream)
             providers = [("CUDAExecutionProvider", options)]
-        main_providers = providers
+        session_providers = providers
         if self.cuda_graphs:
-            main_providers = [("CUDAExecutionProvider", {**providers[0][1], "enable_cuda_graph": "1"})]
-        self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=main_providers)
+            session_providers = [("CUDAExecutionProvider", {**providers[0][1], "enable_cuda_graph": "1"})]
+        self.session = ort.InferenceSession(str(manifest.path / "model.onnx"), so, providers=session_providers)
         self.kv = _PagedPool(manifest.kv_layers, num_blocks, manifest.block_size, xp)
         self.main_input_names = {i.name for i in self.session.get_inputs()}
         self._main_binding = _Binding(self.session, xp, device)
@@ -261,9 +262,9 @@ class Runner:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             so.intra_op_num_threads = 1
             self.head_session = ort.InferenceSession(str(manifest.path / manifest.mtp.filename), so,
-                                                     providers=providers)
+                                                     providers=session_providers)
             self.head_kv = _PagedPool(manifest.mtp.kv_layers, num_blocks, manifest.block_size, xp)
-            self._head_inputs = {i.name for i in self.head_session.get_inputs()}
+            self.head_input_names = {i.name for i in self.head_session.get_inputs()}
             self._head_binding = _Binding(self.head_session, xp, device)
             self.head_kv.bind(self._head_binding)
         self.hidden_dtype = next(t.dtype for t in manifest.outputs if t.name == manifest.hidden_output)
@@ -318,10 +319,10 @@ class Runner:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""
         head = self.manifest.mtp
         b = self._head_binding
-        num_tokens = self._begin(b, rows, self._head_inputs, self.table_width)
+        num_tokens = self._begin(b, rows, self.head_input_names, self.table_width)
         b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
         self._bind_logits_hidden(b, num_tokens, head.logits_output, head.hidden_output)
-        out = b.run(self.head_session)
+        out = b.run(self.head_session, self._eager_options)
         return HeadOutputs(out[head.logits_output], out[head.hidden_output])
 
     @staticmethod

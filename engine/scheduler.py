@@ -119,6 +119,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_pool: KVPool, head_pool: KVPool | None,
                  state_bank: StateBank, draft_policy: DraftPolicy, capture_capacity: int,
                  context_length: int):
+        if config.max_tokens_per_step is None:
+            raise AssertionError("a scheduler needs a token budget: SchedulerConfig.for_device fills the default")
         self.config = config
         self.kv_pool = kv_pool
         self.head_pool = head_pool

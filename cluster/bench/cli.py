@@ -94,7 +94,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-resident-requests", type=int, help="state-bank rows (default: the top concurrency)")
     g.add_argument("--max-model-len", type=int,
                    help="longest prompt + output the engine serves (default: the model's context)")
-    g.add_argument("--max-tokens-per-step", type=int, help="the step's token budget (default: max(512, rows x (K+1)))")
+    g.add_argument("--max-tokens-per-step", type=int,
+                   help="the step's token budget (default: max(512 on the CPU or 2048 on CUDA, rows x (K+1)))")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")

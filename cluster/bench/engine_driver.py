@@ -51,7 +51,8 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
     most_drafts = MAX_NUM_DRAFTS if k == "auto" else k
     per_request = math.ceil((max_prompt_len + sweep.max_tokens + most_drafts + 1) / block_size) + 1
     num_blocks = sweep.num_blocks or max(64, resident * per_request + 8)
-    budget = sweep.max_tokens_per_step or max(512, resident * (most_drafts + 1))
+    default = SchedulerConfig().for_device(sweep.device).max_tokens_per_step
+    budget = sweep.max_tokens_per_step or max(default, resident * (most_drafts + 1))
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),

@@ -123,8 +123,10 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
           f"tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
     assert not mismatched
     assert engine.stats.num_accepted_tokens > 0
-    print(f"K={k}: {engine.graphs.num_replays} of {engine.num_steps} steps replayed a graph")
-    assert engine.graphs.num_replays > 0
+    head = engine.proposer.graphs
+    print(f"K={k}: {engine.graphs.num_replays} of {engine.num_steps} steps replayed a graph, "
+          f"{head.num_replays} head graph replays ({head.num_graphs} head graphs)")
+    assert engine.graphs.num_replays > 0 and head.num_replays > 0
 
 
 def _graph_share(engine) -> float:
