@@ -13,7 +13,7 @@ import pytest
 
 from mtpserve.cluster.bench import anchor as bench_anchor
 from mtpserve.cluster.bench.cli import add_bench_parser
-from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
+from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep, slow_steps
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
 from mtpserve.cluster.bench.workload import Load, Workload, poisson_arrivals, random_workload
 from mtpserve.cluster.checkpoints import MID, TINY, num_parameters, text_config
@@ -56,6 +56,20 @@ def test_figures_from_hand_built_timelines():
     assert s["output_token_throughput"] == pytest.approx(6 / 2.5)
     assert s["goodput"]["num_good"] == 1 and s["goodput"]["fraction"] == pytest.approx(1 / 3, abs=1e-3)
     assert ordered(s["ttft_ms"]) and ordered(s["e2e_ms"])
+
+
+def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
+    """A first-call cost on live traffic shows as one step far above its shape's median; a
+    shape that is slow every time (a big prompt chunk) is not flagged, nor a rare shape."""
+    decode, chunk = (8, 8, False, True), (4, 2048, True, False)
+    seconds = [0.002] * 20 + [0.020] * 6 + [0.0058, 0.0059, 0.5]
+    shapes = [decode] * 20 + [chunk] * 6 + [decode, decode, (1, 1, False, False)]
+    flagged = slow_steps(seconds, shapes)
+    assert [f["step"] for f in flagged] == []                       # below 3 x the 2 ms median; a rare shape
+    seconds[5] = 0.0070
+    flagged = slow_steps(seconds, shapes)
+    assert [(f["step"], f["requests"], f["graphed"]) for f in flagged] == [(5, 8, True)]
+    assert flagged[0]["median_ms"] == 2.0
 
 
 def test_theory_and_spec_figures():
