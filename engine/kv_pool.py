@@ -21,10 +21,23 @@ request's blocks at once (finish, cancel, preempt).
 The first ``num_scratch_blocks`` block ids (default 1: block 0) are never handed out. The CPU
 adapter points writes that must be skipped at the scratch block, since a ``-1`` slot cannot be
 expressed in its ScatterND; padding entries of a block table may point there too.
+
+**Sharing** (the prefix cache, ``engine/prefix_cache.py``). A full committed block can be marked
+*cached* (``mark_cached``): its contents are then a function of the tokens before it, and a new
+request may start its table with cached blocks (``attach``) instead of computing them. Each block
+counts the tables holding it; a cached block no table holds is *evictable*: it counts as free
+space and is reclaimed, least recently released first, when the free queue runs dry (``on_evict``
+tells the cache to forget it). A request only ever writes at positions >= its committed length,
+so a shared block (always a full block before that) is never written::
+
+    free queue      | 7 9 12 ..          never cached, in no table
+    in tables       | 3 (refs 2) 4 (refs 1) ...    refs = the tables holding it
+    evictable (LRU) | 5 11 ..            cached, in no table: reclaimed oldest first
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +59,10 @@ class KVPool:
         self._free: deque[int] = deque(range(num_scratch_blocks, num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}
+        self._refs: dict[int, int] = {}                     # block -> tables holding it (> 0)
+        self._cached: set[int] = set()                      # blocks whose contents the prefix cache keeps
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # cached, in no table; oldest first
+        self.on_evict: Callable[[int], None] | None = None   # told when an evictable block is reclaimed
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -55,15 +72,22 @@ class KVPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take: the free queue and the evictable cached blocks."""
+        return len(self._free) + len(self._evictable)
 
     @property
-    def num_committed_blocks(self) -> int:
-        return sum(cdiv(n, self.block_size) for n in self._committed.values())
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(len(t) for t in self._tables.values()) - self.num_committed_blocks
+        """Table entries past each request's committed blocks (never shared)."""
+        return sum(len(t) - cdiv(self._committed[r], self.block_size) for r, t in self._tables.items())
+
+    @property
+    def num_committed_blocks(self) -> int:
+        """Distinct blocks holding committed tokens (a shared block counts once)."""
+        return len(self._refs) - self.num_reserved_blocks
 
     @property
     def request_ids(self) -> list[str]:
@@ -79,7 +103,7 @@ class KVPool:
         return max(0, cdiv(num_tokens_total, self.block_size) - have)
 
     def can_reserve(self, request_id: str, num_tokens_total: int) -> bool:
-        return self.num_blocks_needed(request_id, num_tokens_total) <= len(self._free)
+        return self.num_blocks_needed(request_id, num_tokens_total) <= self.num_free_blocks
 
     def reserve(self, request_id: str, num_tokens_total: int) -> bool:
         """Make the request's table cover token slots ``[0, num_tokens_total)``.
@@ -92,12 +116,68 @@ class KVPool:
         if num_tokens_total < 0:
             raise ValueError(f"num_tokens_total must be >= 0, got {num_tokens_total}")
         need = self.num_blocks_needed(request_id, num_tokens_total)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         table = self._tables.setdefault(request_id, [])
         self._committed.setdefault(request_id, 0)
-        table.extend(self._free.popleft() for _ in range(need))
+        for _ in range(need):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
         return True
+
+    def _take(self) -> int:
+        """A block for a reservation: from the free queue, else the oldest evictable one."""
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)
+        self._cached.discard(block)
+        if self.on_evict is not None:
+            self.on_evict(block)
+        return block
+
+    def _release(self, block: int) -> None:
+        """One table let go of ``block``."""
+        refs = self._refs[block] - 1
+        if refs:
+            self._refs[block] = refs
+            return
+        del self._refs[block]
+        if block in self._cached:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
+
+    # ---- sharing ------------------------------------------------------------------------
+    def attach(self, request_id: str, blocks: Sequence[int]) -> None:
+        """Start a new request's table with cached blocks, all committed (a prefix-cache hit)."""
+        if request_id in self._tables:
+            raise AssertionError(f"attach({request_id!r}): the request already holds blocks")
+        for b in blocks:
+            if b not in self._cached:
+                raise AssertionError(f"attach({request_id!r}): block {b} is not cached")
+        for b in blocks:
+            self._evictable.pop(b, None)
+            self._refs[b] = self._refs.get(b, 0) + 1
+        self._tables[request_id] = list(blocks)
+        self._committed[request_id] = len(blocks) * self.block_size
+
+    def mark_cached(self, block: int) -> None:
+        """The prefix cache keeps this (full, committed) block's contents."""
+        if block not in self._refs:
+            raise AssertionError(f"mark_cached({block}): the block is in no table")
+        self._cached.add(block)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    def uncache(self, block: int) -> None:
+        """The prefix cache forgets the block: free once no table holds it."""
+        if block not in self._cached:
+            return
+        self._cached.discard(block)
+        if self._evictable.pop(block, 0) is None:
+            self._free.append(block)
 
     def commit(self, request_id: str, committed_len: int) -> None:
         """Set the request's committed token count (monotone, within its reserved slots)."""
@@ -115,7 +195,8 @@ class KVPool:
         keep = cdiv(self._committed[request_id], self.block_size)
         extra = table[keep:]
         del table[keep:]
-        self._free.extend(extra)
+        for b in extra:
+            self._release(b)
         return len(extra)
 
     def free(self, request_id: str) -> int:
@@ -124,7 +205,8 @@ class KVPool:
         if table is None:
             return 0
         del self._committed[request_id]
-        self._free.extend(table)
+        for b in table:
+            self._release(b)
         return len(table)
 
     # ---- lookups ------------------------------------------------------------------------
@@ -166,22 +248,39 @@ class KVPool:
 
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + reserved + committed == usable and no block is
-        owned twice, every id is a usable id, and each committed length fits its table."""
+        """Raise AssertionError unless every usable block is exactly one of free, evictable or in
+        tables (with its reference count equal to the tables holding it), a block held by two
+        tables is a cached committed block, every id is a usable id, and each committed length
+        fits its table."""
         owners: dict[int, str] = {b: "<free>" for b in self._free}
         if len(owners) != len(self._free):
             raise AssertionError("free queue holds a block twice")
+        for b in self._evictable:
+            if b in owners or b not in self._cached or b in self._refs:
+                raise AssertionError(f"evictable block {b} is also free, uncached or in a table")
+            owners[b] = "<evictable>"
+        counts: dict[int, int] = {}
         for rid, table in self._tables.items():
-            for b in table:
-                if b in owners:
+            if len(set(table)) != len(table):
+                raise AssertionError(f"{rid!r} holds a block twice")
+            committed_blocks = cdiv(self._committed.get(rid, 0), self.block_size)
+            for i, b in enumerate(table):
+                if b in owners and owners[b] in ("<free>", "<evictable>"):
                     raise AssertionError(f"block {b} owned by {rid!r} and {owners[b]!r}")
+                if b in owners and (b not in self._cached or i >= committed_blocks):
+                    raise AssertionError(f"block {b} owned by {rid!r} and {owners[b]!r} but not a cached committed block")
                 owners[b] = rid
+                counts[b] = counts.get(b, 0) + 1
             n = self._committed.get(rid)
             if n is None or not 0 <= n <= len(table) * self.block_size:
                 raise AssertionError(f"{rid!r}: committed_len {n} does not fit its "
                                      f"{len(table)} blocks of {self.block_size}")
         if set(self._committed) != set(self._tables):
             raise AssertionError("committed lengths and block tables name different requests")
+        if counts != self._refs:
+            raise AssertionError("block reference counts differ from the tables holding them")
+        if not self._cached <= set(self._refs) | set(self._evictable):
+            raise AssertionError("a cached block is free")
         if set(owners) != set(range(self.num_scratch_blocks, self.num_blocks)):
             raise AssertionError(f"{len(owners)} blocks accounted for (free "
                                  f"{self.num_free_blocks} + reserved {self.num_reserved_blocks} + "

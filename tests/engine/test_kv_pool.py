@@ -52,6 +52,7 @@ def test_slot_follows_the_docstring_diagram():
     pool = KVPool(num_blocks=10, block_size=4)
     pool.reserve("x", 1)
     pool._tables["x"] = [7, 2, 9]                            # the diagram's table
+    pool._refs = {7: 1, 2: 1, 9: 1}
     pool._free = type(pool._free)(b for b in range(1, 10) if b not in (7, 2, 9))
     pool.check_integrity()
     assert pool.slot("x", 5) == 9 and pool.slot("x", 10) == 38 and pool.slot("x", 0) == 28
@@ -92,13 +93,40 @@ class KVTraffic(RuleBasedStateMachine):
     def make(self, num_blocks, block_size, num_scratch):
         self.pool = KVPool(num_blocks, block_size, num_scratch)
         self.committed = {}                                   # the model: request -> length
+        self.evicted: list[int] = []
+        self.pool.on_evict = self.evicted.append
+
+    @precondition(lambda self: self.committed)
+    @rule(data=st.data())
+    def cache_full_blocks(self, data):
+        """The prefix cache keeps a request's full committed blocks."""
+        rid = data.draw(st.sampled_from(sorted(self.committed)))
+        for b in self.pool.block_table(rid)[:self.committed[rid] // self.pool.block_size]:
+            self.pool.mark_cached(b)
+
+    @precondition(lambda self: self.pool.num_cached_blocks)
+    @rule(rid=st.integers(6, 9), data=st.data())
+    def attach_cached(self, rid, data):
+        """A new request starts from cached blocks (held by other tables, or evictable)."""
+        if rid in self.committed:
+            return
+        cached = sorted(self.pool._cached)
+        blocks = data.draw(st.lists(st.sampled_from(cached), unique=True, max_size=4))
+        before_free = self.pool.num_free_blocks
+        newly_held = sum(1 for b in blocks if b in self.pool._evictable)
+        self.pool.attach(rid, blocks)
+        self.committed[rid] = len(blocks) * self.pool.block_size
+        assert self.pool.num_free_blocks == before_free - newly_held
 
     @rule(rid=st.integers(0, 5), num_fed=st.integers(0, 40))
     def reserve(self, rid, num_fed):
         before_free = self.pool.num_free_blocks
         need = self.pool.num_blocks_needed(rid, self.committed.get(rid, 0) + num_fed)
+        evicted_before = len(self.evicted)
         ok = self.pool.reserve(rid, self.committed.get(rid, 0) + num_fed)
         assert ok == (need <= before_free)
+        for b in self.evicted[evicted_before:]:        # reclaimed cached blocks: forgotten, now rid's own
+            assert not self.pool.is_cached(b) and b in self.pool.block_table(rid)
         if ok:
             self.committed.setdefault(rid, 0)
             assert self.pool.num_free_blocks == before_free - need
