@@ -34,8 +34,16 @@ class CacheConfig:
                                            "context, within kv_pool_gib)")
     max_resident_requests: int = setting(64, "fixed-state bank rows: requests resident at once")
     kv_pool_gib: float = setting(2.0, "the most GiB the main model's KV pool may take when num_blocks is unset")
+    prefix_cache: bool = setting(False, "reuse cached prefixes: shared KV blocks and recurrent-state snapshots "
+                                        "(exact, with MTP too)")
+    prefix_snapshot_gib: float = setting(1.0, "prefix cache: the most GiB its recurrent-state snapshots take")
+    snapshot_interval: int = setting(256, "prefix cache: a prompt's state is snapshotted every this many tokens "
+                                          "(a multiple of the block size) and at its last full block")
 
     def validate(self) -> None:
+        if self.prefix_snapshot_gib < 0 or self.snapshot_interval < 1:
+            raise ValueError(f"prefix_snapshot_gib must be >= 0 and snapshot_interval >= 1, got "
+                             f"{self.prefix_snapshot_gib} / {self.snapshot_interval}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is scratch), got {self.num_blocks}")
         if self.kv_pool_gib <= 0:

@@ -110,7 +110,16 @@ class Engine:
             from mtpserve.engine.cuda_kernels import FusedRecurrentReplay
             s = spec.layer_shape
             fused = FusedRecurrentReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim)
-        self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused)
+        num_snapshots = 0
+        if config.cache.prefix_cache:
+            num_snapshots = min(4096, int(config.cache.prefix_snapshot_gib * 2**30) // spec.bytes_per_row(num_banks=1))
+        self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused,
+                                    num_snapshots=num_snapshots)
+        self.prefix_cache = None
+        if config.cache.prefix_cache:
+            from mtpserve.engine.prefix_cache import PrefixCache
+            self.prefix_cache = PrefixCache(m.block_size, self.kv_pool, self.head_pool, self.state_bank,
+                                            config.cache.snapshot_interval, self.xp)
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))
@@ -123,7 +132,7 @@ class Engine:
                 c.batch_sizes, (1, 1 + self.max_drafts if config.spec.adaptive else 1 + config.spec.num_draft_tokens),
                 c.table_widths, c.block_size, banks=(0,)), self.xp)
         self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
-                                   self.draft_policy, m.capture_capacity, m.context_length)
+                                   self.draft_policy, m.capture_capacity, m.context_length, self.prefix_cache)
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
@@ -215,6 +224,10 @@ class Engine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
+        if self.proposer is not None:
+            for rid, hit in plan.prefix_hits.items():     # the head catches up on the hit's last block
+                assert hit.hidden is not None, "a prefix-cache snapshot without the head's hidden rows"
+                self.proposer.keep_hidden(rid, hit.hidden, 0, len(hit.hidden))
         drafting = [s for s in plan.scheduled if s.num_drafts]
         drafts = self.proposer.propose(drafting) if drafting else {}
         replays = self.graphs.num_replays if self.graphs is not None else 0
@@ -222,10 +235,13 @@ class Engine:
         sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, out.logits, self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
-        events = []
-        for u, start in zip(updates, plan.layout.row_start):
-            if self.proposer is not None:
+        if self.proposer is not None:
+            for u, start in zip(updates, plan.layout.row_start):
                 self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
+        self.scheduler.cache_prefixes(plan, None if self.proposer is None else (
+            lambda r, start, count: self.proposer.pending_rows(r.request_id, start - r.num_head, count)))
+        events = []
+        for u in updates:
             if u.new_token_ids:
                 event = self.outputs.process(u.request, u.new_token_ids, u.finish_reason)
                 if event.finish_reason is not None:

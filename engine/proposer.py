@@ -52,6 +52,18 @@ class MTPProposer:
         ``hidden[start:start + count]`` (kept by reference, not copied)."""
         self._pending.setdefault(request_id, []).append((hidden, start, count))
 
+    def pending_rows(self, request_id: str, offset: int, count: int) -> Array:
+        """A copy of pending hidden rows ``offset .. offset + count`` (0 = position num_head)."""
+        parts, at = [], 0
+        for arr, start, n in self._pending.get(request_id, []):
+            lo, hi = max(offset, at), min(offset + count, at + n)
+            if lo < hi:
+                parts.append(arr[start + lo - at:start + hi - at])
+            at += n
+        if sum(len(p) for p in parts) != count:
+            raise AssertionError(f"{request_id}: pending hidden rows cover {at}, asked {offset}..{offset + count}")
+        return self.xp.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
     def forget(self, request_id: str) -> None:
         """The request ended or was preempted: its pending rows are of no use any more."""
         self._pending.pop(request_id, None)

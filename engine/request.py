@@ -66,6 +66,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()   # ids that end it: params.stop_token_ids, and EOS unless ignored
     detokenizer: IncrementalDetokenizer | None = None
     num_emitted_text: int = 0              # characters of output text already streamed out
+    num_cached_tokens: int = 0             # prompt tokens taken from the prefix cache at admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -98,4 +99,5 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed = 0
         self.num_head = 0
+        self.num_cached_tokens = 0
         self.num_preemptions += 1

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from mtpserve.engine.config import MAX_DRAFT_TOKENS, SchedulerConfig
 from mtpserve.engine.draft_policy import DraftPolicy
 from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.prefix_cache import PrefixCache, PrefixHit
 from mtpserve.engine.request import FinishReason, Request, RequestStatus
 from mtpserve.engine.speculative import SpecDecodeStats
 from mtpserve.engine.state_bank import StateBank, StepCaptures, StepStates
@@ -86,6 +87,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     layout: StepLayout | None = None
     request_ids: list[str] = field(default_factory=list)    # of `scheduled`, in order; set once by schedule()
+    prefix_hits: dict[str, PrefixHit] = field(default_factory=dict)   # admitted requests that start from the cache
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +120,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_pool: KVPool, head_pool: KVPool | None,
                  state_bank: StateBank, draft_policy: DraftPolicy, capture_capacity: int,
-                 context_length: int):
+                 context_length: int, prefix_cache: PrefixCache | None = None):
         if config.max_tokens_per_step is None:
             raise AssertionError("a scheduler needs a token budget: SchedulerConfig.for_device fills the default")
         self.config = config
@@ -128,6 +130,7 @@ class Scheduler:
         self.draft_policy = draft_policy
         self.max_drafts = min(MAX_DRAFT_TOKENS, capture_capacity) if head_pool is not None else 0
         self.context_length = context_length
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -148,6 +151,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.release(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_request(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -189,7 +194,7 @@ class Scheduler:
                 num_tokens = 1
                 num_drafts = 0 if has_prefill else self._num_drafts(req, budget - 1)
             else:
-                num_tokens, num_drafts = min(req.num_to_feed, budget), 0
+                num_tokens, num_drafts = self._chunk(req, budget), 0
             num_drafts = self._reserve_or_preempt(req, num_tokens, num_drafts, queue, plan)
             if num_drafts is None:
                 continue
@@ -200,19 +205,66 @@ class Scheduler:
         for req in waiting:
             if budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
                 break
-            num_tokens = min(req.num_to_feed, budget)
-            if not self._reserve(req, num_tokens, 0):
+            hit = self._start_from_cache(req)
+            num_tokens = self._chunk(req, budget)
+            if not self._reserve(req, num_tokens, 0) or not self._reserve_head_prefix(req, hit):
                 self._trim(exclude=plan)
-                if not self._reserve(req, num_tokens, 0):
-                    self.kv_pool.free(req.request_id)
+                if not self._reserve(req, num_tokens, 0) or not self._reserve_head_prefix(req, hit):
+                    self._undo_start(req)
                     break
             self.state_bank.admit(req.request_id)
+            if self.prefix_cache is not None:
+                if hit is not None:
+                    self.state_bank.load_snapshot(req.request_id, hit.snapshot)
+                    plan.prefix_hits[req.request_id] = hit
+                self.prefix_cache.admitted(req.request_id, len(req.token_ids), hit)
             req.status = RequestStatus.RUNNING
             plan.admitted.append(req)
             plan.scheduled.append(ScheduledRequest(req, num_tokens, 0))
             budget -= num_tokens
             slots -= 1
         return plan
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of a prompt chunk: within the budget, ending on the request's next snapshot
+        boundary when the prefix cache wants one there."""
+        n = min(req.num_to_feed, budget)
+        if self.prefix_cache is not None:
+            boundary = self.prefix_cache.next_boundary(req.num_prompt_tokens, req.num_computed)
+            if boundary is not None:
+                n = min(n, boundary - req.num_computed)
+        return n
+
+    def _start_from_cache(self, req: Request) -> PrefixHit | None:
+        """A waiting request's longest cached prefix: its main blocks attached, num_computed set."""
+        if self.prefix_cache is None:
+            return None
+        hit = self.prefix_cache.lookup(req.request_id, req.token_ids)
+        if hit is not None:
+            self.kv_pool.attach(req.request_id, hit.blocks)
+            req.num_computed = req.num_cached_tokens = hit.num_tokens
+        return hit
+
+    def _reserve_head_prefix(self, req: Request, hit: PrefixHit | None) -> bool:
+        """After a hit: the head's shared blocks, fresh ones up to one block before the hit, so
+        the head catches up on the hit's last block from the entry's hidden rows."""
+        if hit is None or self.head_pool is None:
+            return True
+        rid, num_head = req.request_id, hit.num_tokens - self.kv_pool.block_size
+        if rid not in self.head_pool:
+            self.head_pool.attach(rid, hit.head_blocks)
+        if not self.head_pool.reserve(rid, num_head):
+            return False
+        self.head_pool.commit(rid, num_head)
+        req.num_head = num_head
+        return True
+
+    def _undo_start(self, req: Request) -> None:
+        """Admission failed after a lookup: nothing is held, the request starts over later."""
+        self.kv_pool.free(req.request_id)
+        if self.head_pool is not None:
+            self.head_pool.free(req.request_id)
+        req.num_computed = req.num_head = req.num_cached_tokens = 0
 
     def _num_drafts(self, req: Request, budget_left: int) -> int:
         wanted = self.draft_policy.num_drafts(req) if self.max_drafts else 0
@@ -258,6 +310,8 @@ class Scheduler:
         """Free all of a running request's pool space; it will be recomputed from its tokens."""
         self.release(req)
         req.reset_for_recompute()
+        if self.prefix_cache is not None:
+            self.prefix_cache.preempted(req.request_id)
         plan.preempted.append(req)
 
     def release(self, req: Request) -> None:
@@ -303,6 +357,17 @@ class Scheduler:
                 u.new_token_ids, u.finish_reason = self._append_until_stop(r, u.new_token_ids)
         return updates
 
+    def cache_prefixes(self, plan: StepPlan, hidden_rows=None) -> None:
+        """After a step's commit: the prefix cache enters the scheduled requests' newly full
+        blocks and takes the snapshots due. ``hidden_rows(request, start, count)``: the main
+        model's hidden rows of those positions (MTP on), for a snapshot's head catch-up."""
+        if self.prefix_cache is None:
+            return
+        for s in plan.scheduled:
+            r = s.request
+            rows = None if hidden_rows is None else (lambda start, count, r=r: hidden_rows(r, start, count))
+            self.prefix_cache.committed(r.request_id, r.token_ids, r.num_prompt_tokens, r.num_computed, r.num_head, rows)
+
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append tokens up to and including the first stop id, or up to max_tokens / the context."""
         last = min(req.max_output_left, self.context_length - len(req.token_ids))
@@ -337,6 +402,9 @@ class Scheduler:
             assert set(self.head_pool.request_ids) <= resident, "head KV blocks held by non-resident requests"
         queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
         assert queued == set(self.requests), "a live request is in no queue, or a finished one still is"
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            self.prefix_cache.check_requests(set(self.requests))
 
     def is_idle_and_empty(self) -> bool:
         """No requests, and every pool back to empty."""

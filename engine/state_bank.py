@@ -261,10 +261,11 @@ class StateBank:
     """
 
     def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np, replay_chunk_bytes: int = 512 << 20,
-                 fused_replay=None):
+                 fused_replay=None, num_snapshots: int = 0):
         """fused_replay: optional callable ``(state_flat, capsule, step_rows, dst, src, kept)``
         that replays the recurrent rows in place in one kernel (cuda_kernels.FusedRecurrentReplay)
-        instead of the chunked array code; all index arguments are device int64 arrays."""
+        instead of the chunked array code; all index arguments are device int64 arrays.
+        num_snapshots: slots for copies of committed rows (the prefix cache's state snapshots)."""
         if max_rows <= 0 or spec.capacity < 0:
             raise ValueError(f"bad bank shape: max_rows={max_rows} capacity={spec.capacity}")
         self.spec, self.max_rows, self.xp = spec, max_rows, xp
@@ -281,6 +282,11 @@ class StateBank:
         self._in_place: StepStates | None = None                  # present of the open in-place step
         self._active = np.zeros(max_rows, np.int8)
         self._committed = np.zeros(max_rows, np.int64)
+        # snapshots: one committed row (conv + recurrent of every layer) per slot
+        self.snapshot_conv = xp.zeros((num_snapshots, L, *s.conv_shape), dtype=s.conv_dtype)
+        self.snapshot_recurrent = xp.zeros((num_snapshots, L, *s.recurrent_shape), xp.float32)
+        self._free_snapshots: list[int] = list(range(num_snapshots))[::-1]
+        self._snapshot_len: dict[int, int] = {}                    # slot -> tokens folded into it
 
     # ---- residency ----------------------------------------------------------------------
     @property
@@ -349,6 +355,39 @@ class StateBank:
     def committed_len(self, request_id: str) -> int:
         """Tokens folded into the request's state."""
         return int(self._committed[self.row(request_id)])
+
+    # ---- snapshots ----------------------------------------------------------------------
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def save_snapshot(self, request_id: str) -> int | None:
+        """Copy the request's committed state into a free snapshot slot; the slot, or None."""
+        if not self._free_snapshots:
+            return None
+        row, slot = self.row(request_id), self._free_snapshots.pop()
+        bank = int(self._active[row])
+        self.snapshot_conv[slot] = self.conv[:, bank, row]
+        self.snapshot_recurrent[slot] = self.recurrent[:, bank, row]
+        self._snapshot_len[slot] = int(self._committed[row])
+        return slot
+
+    def load_snapshot(self, request_id: str, slot: int) -> int:
+        """Start a freshly admitted request from a snapshot: its active row := the slot's state,
+        its committed length := the slot's; returns that length."""
+        row = self.row(request_id)
+        if self._committed[row]:
+            raise AssertionError(f"load_snapshot({request_id!r}): the request has committed state")
+        bank = int(self._active[row])
+        self.conv[:, bank, row] = self.snapshot_conv[slot]
+        self.recurrent[:, bank, row] = self.snapshot_recurrent[slot]
+        self._committed[row] = self._snapshot_len[slot]
+        return self._snapshot_len[slot]
+
+    def free_snapshot(self, slot: int) -> None:
+        if self._snapshot_len.pop(slot, None) is None:
+            raise AssertionError(f"snapshot slot {slot} is not in use")
+        self._free_snapshots.append(slot)
 
     # ---- a step -------------------------------------------------------------------------
     def gather_step_inputs(self, request_ids: Sequence[str]) -> StepStates:
@@ -491,6 +530,8 @@ class StateBank:
             raise AssertionError(f"active-bank flags not in {{0, 1}}: {self._active}")
         if (self._committed < 0).any():
             raise AssertionError(f"negative committed length: {self._committed}")
+        if sorted(self._free_snapshots + list(self._snapshot_len)) != list(range(len(self.snapshot_conv))):
+            raise AssertionError("snapshot slots: free + used != all, or a slot is both")
 
     def _require(self, request_id: str) -> None:
         if request_id not in self._rows:

@@ -1,0 +1,284 @@
+"""Prefix cache for hybrid models: shared full KV blocks plus fixed-state snapshots, exact with MTP.
+
+A request's tokens are cut into full blocks; block k's digest chains the digest of block k-1
+with block k's token ids, so a digest names the whole prefix up to the block's end. An entry
+per digest keeps what a later request with the same prefix can reuse instead of computing it:
+
+    entry k (prefix of (k+1)*bs tokens)
+      block        the main model's KV block of positions [k*bs, (k+1)*bs)
+      head_block   the MTP head's KV block of positions [(k-1)*bs, k*bs): a head row at position
+                   p pairs hidden[p] with token p+1, so the head's block k-1 is fixed only once
+                   block k's first token is known (entry k's prefix contains it)
+      snapshot     (some entries) a state-bank slot: every conv and recurrent row after the prefix
+      hidden       (with a snapshot, MTP on) the main model's hidden rows of block k's positions
+
+Recurrent state cannot be rebuilt from KV: a request may only start from an entry that has a
+snapshot. A hit of b blocks (the deepest snapshot entry on the request's chain, leaving at least
+one prompt token to feed) therefore gives it main blocks 0..b-1, its state from the snapshot,
+and head blocks 0..b-2; the head catches up on block b-1 from the entry's hidden rows, exactly as
+it would have after computing the prefix itself::
+
+    positions      | block 0 | block 1 | ... | block b-1 | b*bs .. prompt end
+    main KV        | shared  | shared  | ... | shared    | computed
+    state          '-------------- snapshot of entry b-1 --'-> computed
+    head KV        | shared  | shared  | ... | caught up from entry b-1's hidden rows
+
+Snapshots are taken where the scheduler ends a prompt chunk on purpose (``boundaries``): every
+``snapshot_interval`` tokens and at the prompt's last full block before its final token.
+Entries whose blocks no request holds are evicted least recently used by the KV pools
+(``on_evict``); snapshots have their own slots in the state bank, reclaimed least recently used.
+Head blocks that a hit could not share (the creator never drafted over them) are given fresh
+blocks and marked stale on the request: drafts may then be worse, the output is unchanged.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.state_bank import StateBank
+
+Array = Any
+
+
+@dataclass
+class CacheEntry:
+    digest: bytes
+    num_tokens: int                  # the prefix this entry ends: (k + 1) * block_size
+    block: int
+    head_block: int | None = None
+    snapshot: int | None = None
+    hidden: Array | None = None
+    last_used: int = 0
+
+
+@dataclass
+class PrefixHit:
+    """What a new request starts from (see the module docstring)."""
+    num_tokens: int
+    blocks: list[int]
+    head_blocks: list[int]           # leading shareable head blocks (at most num_tokens / bs - 1)
+    snapshot: int
+    hidden: Array | None
+
+
+@dataclass
+class PrefixCacheStats:
+    """vLLM-named counters: prefix_cache_queries / prefix_cache_hits are in tokens."""
+    queries: int = 0
+    hits: int = 0
+    num_requests_hit: int = 0
+    num_snapshots_taken: int = 0
+    num_evicted_entries: int = 0
+
+
+def chain_digests(tokens, block_size: int, digests: list[bytes]) -> list[bytes]:
+    """Extend ``digests`` (of the first len(digests) blocks) over every full block of ``tokens``."""
+    for k in range(len(digests), len(tokens) // block_size):
+        h = hashlib.blake2b(digests[-1] if digests else b"", digest_size=16)
+        h.update(np.asarray(tokens[k * block_size:(k + 1) * block_size], np.int64).tobytes())
+        digests.append(h.digest())
+    return digests
+
+
+@dataclass
+class _RequestChain:
+    """The cache's host bookkeeping of one live request."""
+    digests: list[bytes] = field(default_factory=list)
+    num_registered: int = 0          # main blocks 0.. of this request already looked at
+    num_head_registered: int = 0     # head blocks 0.. of this request considered for registration
+    stale_head: range = range(0)     # head block indices holding stale contents (never registered)
+
+
+class PrefixCache:
+    """The digest index and its policy; the pools hold the blocks, the bank the snapshots."""
+
+    def __init__(self, block_size: int, kv_pool: KVPool, head_pool: KVPool | None, bank: StateBank,
+                 snapshot_interval: int, xp=np):
+        if snapshot_interval <= 0 or snapshot_interval % block_size:
+            raise ValueError(f"snapshot_interval must be a positive multiple of the block size {block_size}, "
+                             f"got {snapshot_interval}")
+        self.block_size, self.kv_pool, self.head_pool, self.bank = block_size, kv_pool, head_pool, bank
+        self.snapshot_interval, self.xp = snapshot_interval, xp
+        self.entries: dict[bytes, CacheEntry] = {}
+        self._by_block: dict[int, bytes] = {}
+        self._by_head_block: dict[int, bytes] = {}
+        self._chains: dict[str, _RequestChain] = {}
+        self._clock = 0
+        self.stats = PrefixCacheStats()
+        kv_pool.on_evict = self._block_evicted
+        if head_pool is not None:
+            head_pool.on_evict = self._head_block_evicted
+
+    # ------------------------------------------------------------------ lookups
+    def prompt_boundary(self, num_prompt_tokens: int) -> int:
+        """The last full-block boundary that leaves a prompt token to feed (0: none)."""
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def next_boundary(self, num_prompt_tokens: int, num_computed: int) -> int | None:
+        """Where a prompt chunk starting at ``num_computed`` must end so a snapshot can be taken."""
+        last = self.prompt_boundary(num_prompt_tokens)
+        if num_computed >= last:
+            return None
+        step = self.snapshot_interval
+        return min(last, (num_computed // step + 1) * step)
+
+    def lookup(self, request_id: str, tokens) -> PrefixHit | None:
+        """The longest usable prefix of a new request's tokens (counted in the stats)."""
+        chain = self._chains.setdefault(request_id, _RequestChain())
+        chain_digests(tokens, self.block_size, chain.digests)
+        limit = self.prompt_boundary(len(tokens)) // self.block_size
+        best = None
+        for k, digest in enumerate(chain.digests[:limit]):
+            entry = self.entries.get(digest)
+            if entry is None:
+                break
+            if entry.snapshot is not None:
+                best = k
+        if best is None:
+            return None
+        self._clock += 1
+        path = [self.entries[d] for d in chain.digests[:best + 1]]
+        for e in path:
+            e.last_used = self._clock
+        head_blocks = []
+        for e in path[1:]:
+            if e.head_block is None:
+                break
+            head_blocks.append(e.head_block)
+        return PrefixHit(path[-1].num_tokens, [e.block for e in path], head_blocks, path[-1].snapshot,
+                         path[-1].hidden)
+
+    def admitted(self, request_id: str, num_tokens: int, hit: PrefixHit | None) -> None:
+        """The request was admitted, from ``hit`` or from scratch (``num_tokens`` looked up):
+        counted; after a hit its head blocks past the shared ones are stale."""
+        self.stats.queries += num_tokens
+        if hit is None:
+            return
+        self.stats.hits += hit.num_tokens
+        self.stats.num_requests_hit += 1
+        chain = self._chains[request_id]
+        num_head_blocks = hit.num_tokens // self.block_size - 1
+        chain.stale_head = range(len(hit.head_blocks), num_head_blocks)
+        chain.num_head_registered = chain.num_registered = 0
+
+    # ------------------------------------------------------------------ registration
+    def committed(self, request_id: str, tokens, num_prompt_tokens: int, num_computed: int, num_head: int,
+                  hidden_rows: Callable[[int, int], Array] | None) -> None:
+        """After a step: enter the request's newly full blocks (main and head), and take a
+        snapshot when ``num_computed`` sits on one of its prompt's boundaries (``tokens``: the
+        prompt and the output so far).
+        ``hidden_rows(start, count)``: the main model's hidden rows of those positions (MTP)."""
+        chain = self._chains.setdefault(request_id, _RequestChain())
+        chain_digests(tokens[:num_computed], self.block_size, chain.digests)
+        table = self.kv_pool.block_table(request_id)
+        for k in range(chain.num_registered, num_computed // self.block_size):
+            digest = chain.digests[k]
+            if digest not in self.entries:
+                self._add_entry(digest, (k + 1) * self.block_size, table[k])
+        chain.num_registered = max(chain.num_registered, num_computed // self.block_size)
+        if self.head_pool is not None:
+            self._register_head(request_id, chain, num_head)
+        boundary = self.prompt_boundary(num_prompt_tokens)
+        if num_computed and num_computed <= boundary and (num_computed % self.snapshot_interval == 0
+                                                          or num_computed == boundary):
+            entry = self.entries[chain.digests[num_computed // self.block_size - 1]]
+            if entry.snapshot is None:
+                self._snapshot(request_id, entry, hidden_rows)
+
+    def _add_entry(self, digest: bytes, num_tokens: int, block: int) -> None:
+        if self.kv_pool.is_cached(block):         # a block of another prefix (cannot happen) stays put
+            raise AssertionError(f"block {block} is cached under another prefix")
+        self._clock += 1
+        self.entries[digest] = CacheEntry(digest, num_tokens, block, last_used=self._clock)
+        self._by_block[block] = digest
+        self.kv_pool.mark_cached(block)
+
+    def _register_head(self, request_id: str, chain: _RequestChain, num_head: int) -> None:
+        """Head block j is fixed once num_head >= (j+1)*bs; it is kept under entry j+1."""
+        table = self.head_pool.block_table(request_id) if request_id in self.head_pool else []
+        j = chain.num_head_registered
+        while (j + 1) * self.block_size <= num_head and j + 1 < len(chain.digests) and j < len(table):
+            entry = self.entries.get(chain.digests[j + 1])
+            block = table[j]
+            if (entry is not None and entry.head_block is None and j not in chain.stale_head
+                    and not self.head_pool.is_cached(block)):
+                entry.head_block = block
+                self._by_head_block[block] = entry.digest
+                self.head_pool.mark_cached(block)
+            j += 1
+        chain.num_head_registered = j
+
+    def _snapshot(self, request_id: str, entry: CacheEntry, hidden_rows) -> None:
+        slot = self.bank.save_snapshot(request_id)
+        if slot is None:
+            victim = min((e for e in self.entries.values() if e.snapshot is not None and e is not entry),
+                         key=lambda e: e.last_used, default=None)
+            if victim is None:
+                return
+            self._drop_snapshot(victim)
+            slot = self.bank.save_snapshot(request_id)
+        entry.snapshot = slot
+        if hidden_rows is not None:
+            entry.hidden = hidden_rows(entry.num_tokens - self.block_size, self.block_size)
+        self.stats.num_snapshots_taken += 1
+
+    def _drop_snapshot(self, entry: CacheEntry) -> None:
+        self.bank.free_snapshot(entry.snapshot)
+        entry.snapshot, entry.hidden = None, None
+
+    # ------------------------------------------------------------------ forgetting
+    def forget_request(self, request_id: str) -> None:
+        """The request finished: its bookkeeping goes (its blocks stay cached in the pools)."""
+        self._chains.pop(request_id, None)
+
+    def preempted(self, request_id: str) -> None:
+        """Its head blocks are gone: nothing of them is stale any more, nothing registered."""
+        chain = self._chains.get(request_id)
+        if chain is not None:
+            chain.stale_head, chain.num_head_registered, chain.num_registered = range(0), 0, 0
+
+    def _block_evicted(self, block: int) -> None:
+        digest = self._by_block.pop(block, None)
+        entry = self.entries.pop(digest, None) if digest is not None else None
+        if entry is None:
+            return
+        if entry.snapshot is not None:
+            self._drop_snapshot(entry)
+        if entry.head_block is not None:
+            self._by_head_block.pop(entry.head_block, None)
+            self.head_pool.uncache(entry.head_block)
+        self.stats.num_evicted_entries += 1
+
+    def _head_block_evicted(self, block: int) -> None:
+        digest = self._by_head_block.pop(block, None)
+        if digest is not None and digest in self.entries:
+            self.entries[digest].head_block = None
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Every entry's block is cached under it alone, head blocks likewise, snapshot slots used
+        by one entry each, and no bookkeeping of finished requests."""
+        snapshots = [e.snapshot for e in self.entries.values() if e.snapshot is not None]
+        if len(set(snapshots)) != len(snapshots):
+            raise AssertionError("a snapshot slot is held by two entries")
+        if len(snapshots) + self.bank.num_free_snapshots != len(self.bank.snapshot_conv):
+            raise AssertionError("snapshot slots held by no entry")
+        for digest, e in self.entries.items():
+            if self._by_block.get(e.block) != digest or not self.kv_pool.is_cached(e.block):
+                raise AssertionError(f"entry of {e.num_tokens} tokens: block {e.block} not cached under it")
+            if e.head_block is not None and (self._by_head_block.get(e.head_block) != digest
+                                             or not self.head_pool.is_cached(e.head_block)):
+                raise AssertionError(f"entry of {e.num_tokens} tokens: head block {e.head_block} not cached under it")
+        if self.kv_pool.num_cached_blocks != len(self.entries):
+            raise AssertionError("cached main blocks that no entry names")
+        if self.head_pool is not None and self.head_pool.num_cached_blocks != len(self._by_head_block):
+            raise AssertionError("cached head blocks that no entry names")
+
+    def check_requests(self, live: set[str]) -> None:
+        if not set(self._chains) <= live:
+            raise AssertionError("prefix-cache bookkeeping of finished requests")

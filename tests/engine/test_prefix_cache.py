@@ -1,0 +1,142 @@
+"""The prefix cache on the real bundled model: a request that starts from a cached prefix (shared KV
+blocks, a recurrent-state snapshot, the MTP head caught up) produces exactly the tokens it
+produces with the cache off, at K=0 and with MTP, in every way a prefix can be reused or lost."""
+from __future__ import annotations
+
+import pytest
+
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.sampler import SamplingParams
+
+from test_engine import PROMPTS
+
+SYSTEM = ("# Project utilities: configuration loading, path handling and logging set-up.\n"
+          "import os\nimport sys\nimport json\nimport logging\n\nlogger = logging.getLogger(__name__)\n\n")
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16):
+    return Engine(EngineConfig(str(model_dir), num_threads=2,
+                               cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=rows,
+                                                 prefix_cache=cache, snapshot_interval=interval),
+                               scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=rows),
+                               spec=SpecConfig(draft_tokens=k)))
+
+
+def serve(engine, rounds, params=GREEDY, after_step=None):
+    """Each round's prompts submitted together and run to the end, rounds one after another;
+    integrity checked after every step. Returns (outputs by round, cached tokens by round)."""
+    outputs, cached = [], []
+    for n, prompts in enumerate(rounds):
+        reqs = [engine.add_request(f"t{n}-{i}", p, params) for i, p in enumerate(prompts)]
+        got = {r.request_id: [] for r in reqs}
+        while engine.has_work:
+            for ev in engine.step():
+                got[ev.request_id].extend(ev.token_ids)
+            engine.check_integrity()
+            if after_step is not None:
+                after_step(engine)
+        outputs.append([got[r.request_id] for r in reqs])
+        cached.append([r.num_cached_tokens for r in reqs])
+    assert engine.is_idle_and_empty()
+    return outputs, cached
+
+
+def reference(model_dir, rounds, k=0, **kw):
+    return serve(engine_with(model_dir, False, k, **kw), rounds)[0]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_exact_repeat_hits_and_gives_the_same_tokens(model_dir, k):
+    rounds = [[SYSTEM + PROMPTS[2]], [SYSTEM + PROMPTS[2]], [SYSTEM + PROMPTS[2]]]
+    engine = engine_with(model_dir, True, k)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k)
+    n = len(engine.tokenizer.encode(SYSTEM + PROMPTS[2]))
+    assert cached[0] == [0] and cached[1][0] == cached[2][0] == (n - 1) // 16 * 16 > 0
+    assert engine.prefix_cache.stats.num_requests_hit == 2
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_a_shared_system_prompt_with_different_suffixes(model_dir, k):
+    """The first request's snapshots every block let the others start at the last shared one."""
+    rounds = [[SYSTEM + PROMPTS[0]], [SYSTEM + p for p in PROMPTS[1:8]]]
+    engine = engine_with(model_dir, True, k)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k)
+    shared = len(engine.tokenizer.encode(SYSTEM)) // 16 * 16
+    assert all(c >= shared - 16 for c in cached[1]), cached
+    if k:
+        assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_second_turn_extends_the_first_including_its_generated_tokens(model_dir, k):
+    engine = engine_with(model_dir, True, k)
+    first, _ = serve(engine, [[SYSTEM + PROMPTS[3]]])
+    ids = engine.tokenizer.encode(SYSTEM + PROMPTS[3]) + first[0][0] + engine.tokenizer.encode("\n# next\n")
+    out, cached = serve(engine, [[ids]])
+    ref_engine = engine_with(model_dir, False, k)
+    assert serve(ref_engine, [[SYSTEM + PROMPTS[3]]])[0] == first
+    assert out == serve(ref_engine, [[ids]])[0]
+    assert cached[0][0] >= len(engine.tokenizer.encode(SYSTEM + PROMPTS[3])) - 16
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_concurrent_requests_share_a_prefix_still_being_prefilled(model_dir, k):
+    """Admitted while the first is mid-prompt (a 24-token budget), the others find what it has
+    committed so far, or nothing: never a block that is not written yet."""
+    rounds = [[SYSTEM + p for p in PROMPTS[:6]]]
+    out, cached = serve(engine_with(model_dir, True, k, budget=24), rounds)
+    assert out == reference(model_dir, rounds, k, budget=24)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_eviction_under_memory_pressure_and_preemption(model_dir, k):
+    """A pool too small for the working set: cached blocks are evicted (entries and snapshots
+    with them) and requests preempted; outputs stay exact and the pools consistent."""
+    rounds = [[SYSTEM + p for p in PROMPTS[:4]], [p + SYSTEM for p in PROMPTS[4:10]], [SYSTEM + p for p in PROMPTS[:4]]]
+    engine = engine_with(model_dir, True, k, num_blocks=40, rows=6)
+    out, _ = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k, num_blocks=40, rows=6)
+    assert engine.prefix_cache.stats.num_evicted_entries > 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_abort_of_the_request_that_created_an_entry(model_dir, k):
+    engine = engine_with(model_dir, True, k, budget=32)
+    first = engine.add_request("creator", SYSTEM + PROMPTS[5], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert 0 < first.num_computed < len(first.token_ids)
+    engine.abort("creator")
+    engine.check_integrity()
+    rounds = [[SYSTEM + PROMPTS[5]], [SYSTEM + PROMPTS[6]]]
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k, budget=32)
+    assert cached[0][0] > 0, "what the aborted request committed is reused"
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_poisoning_a_then_b_then_a(model_dir, k):
+    """vLLM's failure: A, then B sharing A's prefix with a different continuation, then A again.
+    The third request must give A's tokens, not B's state."""
+    a, b = SYSTEM + PROMPTS[7], SYSTEM + PROMPTS[8]
+    rounds = [[a], [b], [a]]
+    engine = engine_with(model_dir, True, k)
+    out, cached = serve(engine, rounds)
+    ref = reference(model_dir, rounds, k)
+    assert out == ref and out[0] == out[2]
+    assert cached[1][0] > 0, "B starts from A's shared prefix"
+    assert cached[2][0] == (len(engine.tokenizer.encode(a)) - 1) // 16 * 16, "A again: all of A's own prompt"
+
+
+def test_sampled_requests_from_a_hit_are_seeded_like_cold_ones(model_dir):
+    """A sampled request with a seed draws the same tokens whether it starts from the cache or not
+    (the hit only skips computing the prefix; the target distribution per token is unchanged)."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True)
+    rounds = [[SYSTEM + PROMPTS[9]], [SYSTEM + PROMPTS[9]]]
+    out, cached = serve(engine_with(model_dir, True, 2), rounds, params)
+    cold, _ = serve(engine_with(model_dir, False, 2), rounds, params)
+    assert cached[1][0] > 0 and out == cold
