@@ -63,6 +63,10 @@ class LoopSnapshot:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_steps: int = 0
     step_time_ema_s: float = 0.0
+    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0         # of which served from it
+    prefix_cache_blocks: int = 0       # KV blocks the cache holds
+    prefix_cache_snapshots: int = 0    # state snapshots it holds
     failed: str | None = None
     taken_at: float = 0.0
 
@@ -352,6 +356,10 @@ class EngineLoop:
         active = set(self._request_session.values())
         self._sessions = {s: t for s, t in self._sessions.items() if now - t < self.session_ttl_s or s in active}
         e, ledger = self.engine, self.ledger
+        cache = e.prefix_cache
+        prefix = {} if cache is None else dict(
+            prefix_cache_queries=cache.stats.queries, prefix_cache_hits=cache.stats.hits,
+            prefix_cache_blocks=e.kv_pool.num_cached_blocks, prefix_cache_snapshots=cache.num_snapshots)
         self.snapshot = LoopSnapshot(
             num_usable_blocks=self.num_usable_blocks, num_free_blocks=e.kv_pool.num_free_blocks,
             num_rows=self.num_rows, num_free_rows=e.state_bank.num_free_rows,
@@ -363,7 +371,7 @@ class EngineLoop:
             acceptance=self.policy.acceptance() if self.policy is not None else {},
             draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
             spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,
-            step_time_ema_s=self._step_time_ema,
+            step_time_ema_s=self._step_time_ema, **prefix,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())
         self._published_at = now
 

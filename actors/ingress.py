@@ -141,21 +141,24 @@ class OpenAIRoutes:
             weakref.finalize(events, _cancel_all, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
+        cached = [0] * len(streams)
         try:
             async for i, event in self.run(streams, started):
                 texts[i] += event.text
                 if event.finish_reason is not None:
                     finish[i], num_out[i] = event.finish_reason.value, event.num_output_tokens
+                    cached[i] = event.num_cached_tokens
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
         except EngineFailed as e:
             raise APIError(503, str(e), "server_error", None, "unavailable") from None
         return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
-                                            usage(num_prompt_tokens, sum(num_out)), chat), headers=headers)
+                                            usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)),
+                                            chat), headers=headers)
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float):
         created, model, with_usage = int(time.time()), self.model_name, body.include_usage
-        num_out = [0] * len(streams)
+        num_out, cached = [0] * len(streams), [0] * len(streams)
         try:
             if chat:
                 for i in range(len(streams)):
@@ -164,12 +167,13 @@ class OpenAIRoutes:
             async for i, event in self.run(streams, started):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
-                    num_out[i] = event.num_output_tokens
+                    num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens
                 if event.text or reason is not None:
                     choice = chunk_choice(i, event.text or (None if chat else ""), reason, chat)
                     yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
             if with_usage:
-                yield sse_chunk(request_id, model, created, chat, [], True, usage(num_prompt_tokens, sum(num_out)))
+                yield sse_chunk(request_id, model, created, chat, [], True,
+                                usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)))
         except (EngineFailed, ValueError) as e:
             err = APIError(400, str(e), param="prompt") if isinstance(e, ValueError) else \
                 APIError(503, str(e), "server_error", None, "unavailable")
@@ -178,6 +182,12 @@ class OpenAIRoutes:
         finally:
             _cancel_all(streams)
         yield SSE_DONE
+
+
+def _prompt_cached(cached: list[int], n: int) -> int:
+    """Cached prompt tokens of a response: each prompt counted once (its first choice's), as
+    prompt_tokens counts each prompt once for n choices."""
+    return sum(cached[::n])
 
 
 def _cancel_all(streams) -> None:

@@ -141,6 +141,13 @@ class _Collector:
             "per_pos": CounterMetricFamily("mtpserve:spec_decode_num_accepted_tokens_per_pos",
                                            "Accepted drafts by position.", labels=labels + ["position"]),
             "forwards": CounterMetricFamily("mtpserve:num_target_forwards", "Target-model forwards that emitted tokens.", labels=labels),
+            "pc_queries": CounterMetricFamily("mtpserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                              labels=labels),
+            "pc_hits": CounterMetricFamily("mtpserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                           labels=labels),
+            "pc_blocks": GaugeMetricFamily("mtpserve:prefix_cache_blocks", "KV blocks the prefix cache holds.", labels=labels),
+            "pc_snapshots": GaugeMetricFamily("mtpserve:prefix_cache_snapshots",
+                                              "Recurrent-state snapshots the prefix cache holds.", labels=labels),
         }
         for replica, (m, loop) in sorted(self.replicas.items()):
             lv = [self.model_name, replica]
@@ -165,4 +172,8 @@ class _Collector:
             for pos, n in enumerate(s.accepted_per_position):
                 fam["per_pos"].add_metric(lv + [str(pos)], n)
             fam["forwards"].add_metric(lv, s.num_target_forwards)
+            fam["pc_queries"].add_metric(lv, loop.prefix_cache_queries)
+            fam["pc_hits"].add_metric(lv, loop.prefix_cache_hits)
+            fam["pc_blocks"].add_metric(lv, loop.prefix_cache_blocks)
+            fam["pc_snapshots"].add_metric(lv, loop.prefix_cache_snapshots)
         yield from fam.values()

@@ -141,9 +141,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---------------------------------------------------------------------------- response bodies
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from
+    the prefix cache."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def completion_body(request_id: str, model: str, texts: list[str], finish: list[str], usage_: dict,

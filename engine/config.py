@@ -34,7 +34,7 @@ class CacheConfig:
                                            "context, within kv_pool_gib)")
     max_resident_requests: int = setting(64, "fixed-state bank rows: requests resident at once")
     kv_pool_gib: float = setting(2.0, "the most GiB the main model's KV pool may take when num_blocks is unset")
-    prefix_cache: bool = setting(False, "reuse cached prefixes: shared KV blocks and recurrent-state snapshots "
+    prefix_cache: bool = setting(True, "reuse cached prefixes: shared KV blocks and recurrent-state snapshots "
                                         "(exact, with MTP too)")
     prefix_snapshot_gib: float = setting(1.0, "prefix cache: the most GiB its recurrent-state snapshots take")
     snapshot_interval: int = setting(256, "prefix cache: a prompt's state is snapshotted every this many tokens "

@@ -40,4 +40,5 @@ class OutputProcessor:
                 text_end = max(req.num_emitted_text, text_end - max(map(len, stop)) + 1)
         text = detok.text[req.num_emitted_text:text_end]
         req.num_emitted_text = max(req.num_emitted_text, text_end)
-        return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens)
+        return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens,
+                          req.num_cached_tokens)

@@ -114,6 +114,10 @@ class PrefixCache:
         if head_pool is not None:
             head_pool.on_evict = self._head_block_evicted
 
+    @property
+    def num_snapshots(self) -> int:
+        return sum(e.snapshot is not None for e in self.entries.values())
+
     # ------------------------------------------------------------------ lookups
     def prompt_boundary(self, num_prompt_tokens: int) -> int:
         """The last full-block boundary that leaves a prompt token to feed (0: none)."""

@@ -47,6 +47,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
 
 
 @dataclass

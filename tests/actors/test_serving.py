@@ -179,6 +179,23 @@ def test_planner_draft_counts_follow_measured_acceptance(app):
         shutdown_planner(name)
 
 
+def test_a_repeated_prompt_reports_cached_tokens_and_the_cache_hits_on_metrics(app):
+    """The prefix cache is on by default: the second identical request (same session, so the same
+    replica) gets its prompt's full blocks from the cache, says so in usage, and /metrics counts it."""
+    prompt = "".join(f"value_{i} = compute(value_{i - 1}, scale={i})\n" for i in range(1, 9))
+    first, home = _complete(app, prompt, session="prefix-repeat", temperature=0, max_tokens=12, ignore_eos=True)
+    again, there = _complete(app, prompt, session="prefix-repeat", temperature=0, max_tokens=12, ignore_eos=True)
+    assert home == there and again["choices"][0]["text"] == first["choices"][0]["text"]
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
+    def hits():
+        text = requests.get(f"{app['base']}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("mtpserve:prefix_cache_hits_total") and f'replica="{home}"' in line)
+    _wait_for(lambda: hits() >= (n - 1) // 16 * 16, "the replica's hits reach /metrics")
+
+
 def test_metrics_cover_every_replica(app):
     text = requests.get(f"{app['base']}/metrics", timeout=30).text
     for rid in _live_placement().replicas:

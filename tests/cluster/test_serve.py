@@ -84,7 +84,12 @@ def test_chat_completions_async_streamed_and_not(server):
     assert whole.usage.completion_tokens == 12
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
-    assert chunks[-1].usage == whole.usage
+    streamed = chunks[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (whole.usage.prompt_tokens, 12)
+    # the same conversation again: its prompt's full blocks come from the prefix cache
+    n = whole.usage.prompt_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens in (0, (n - 1) // 16 * 16)
+    assert streamed.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
 
 
 def test_stop_strings_are_honoured(server):
