@@ -23,8 +23,10 @@ it would have after computing the prefix itself::
     state          '-------------- snapshot of entry b-1 --'-> computed
     head KV        | shared  | shared  | ... | caught up from entry b-1's hidden rows
 
-Snapshots are taken where the scheduler ends a prompt chunk on purpose (``boundaries``): every
-``snapshot_interval`` tokens and at the prompt's last full block before its final token.
+Snapshots are taken where the scheduler ends a prompt chunk on purpose (``next_boundary``): every
+``snapshot_interval`` tokens, at the prompt's last full block before its final token, and where
+the request's lookup stopped matching (the end of the prefix it shares with an earlier prompt: a
+system prompt seen twice gets a snapshot at its end, so the third request starts there).
 Entries whose blocks no request holds are evicted least recently used by the KV pools
 (``on_evict``); snapshots have their own slots in the state bank, reclaimed least recently used.
 Head blocks that a hit could not share (the creator never drafted over them) are given fresh
@@ -90,6 +92,7 @@ class _RequestChain:
     """The cache's host bookkeeping of one live request."""
     digests: list[bytes] = field(default_factory=list)
     num_registered: int = 0          # main blocks 0.. of this request already looked at
+    matched: int = 0                 # tokens its lookup matched (a snapshot is due there: the end of a shared prefix)
     num_head_registered: int = 0     # head blocks 0.. of this request considered for registration
     stale_head: range = range(0)     # head block indices holding stale contents (never registered)
 
@@ -123,24 +126,31 @@ class PrefixCache:
         """The last full-block boundary that leaves a prompt token to feed (0: none)."""
         return (num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def next_boundary(self, num_prompt_tokens: int, num_computed: int) -> int | None:
-        """Where a prompt chunk starting at ``num_computed`` must end so a snapshot can be taken."""
+    def next_boundary(self, request_id: str, num_prompt_tokens: int, num_computed: int) -> int | None:
+        """Where a prompt chunk starting at ``num_computed`` must end so a snapshot can be taken:
+        the next multiple of the interval, the prompt's last full block, or the end of the prefix
+        the request's lookup matched beyond its hit (where the prompts that share it diverge)."""
         last = self.prompt_boundary(num_prompt_tokens)
         if num_computed >= last:
             return None
         step = self.snapshot_interval
-        return min(last, (num_computed // step + 1) * step)
+        ahead = [last, (num_computed // step + 1) * step]
+        chain = self._chains.get(request_id)
+        if chain is not None and chain.matched > num_computed:
+            ahead.append(chain.matched)
+        return min(ahead)
 
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
         """The longest usable prefix of a new request's tokens (counted in the stats)."""
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
-        best = None
+        best, chain.matched = None, 0
         for k, digest in enumerate(chain.digests[:limit]):
             entry = self.entries.get(digest)
             if entry is None:
                 break
+            chain.matched = (k + 1) * self.block_size
             if entry.snapshot is not None:
                 best = k
         if best is None:
@@ -189,7 +199,7 @@ class PrefixCache:
             self._register_head(request_id, chain, num_head)
         boundary = self.prompt_boundary(num_prompt_tokens)
         if num_computed and num_computed <= boundary and (num_computed % self.snapshot_interval == 0
-                                                          or num_computed == boundary):
+                                                          or num_computed in (boundary, chain.matched)):
             entry = self.entries[chain.digests[num_computed // self.block_size - 1]]
             if entry.snapshot is None:
                 self._snapshot(request_id, entry, hidden_rows)

@@ -230,7 +230,7 @@ class Scheduler:
         boundary when the prefix cache wants one there."""
         n = min(req.num_to_feed, budget)
         if self.prefix_cache is not None:
-            boundary = self.prefix_cache.next_boundary(req.num_prompt_tokens, req.num_computed)
+            boundary = self.prefix_cache.next_boundary(req.request_id, req.num_prompt_tokens, req.num_computed)
             if boundary is not None:
                 n = min(n, boundary - req.num_computed)
         return n

@@ -73,6 +73,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="bundled code-like prompts of mixed lengths, or random token ids of --input-len")
     g.add_argument("--prompts-file", help="one prompt per line (\\n for newlines); replaces --prompts")
     g.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens")
+    g.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="prepend the same N random tokens to every prompt (a shared system prompt)")
     g.add_argument("--vocab-size", type=int, help="random token ids range, for --url without a local --model")
     g.add_argument("--num-prompts", type=int, help="requests per load (default: max(16, 2 x top concurrency))")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
@@ -96,6 +98,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="longest prompt + output the engine serves (default: the model's context)")
     g.add_argument("--max-tokens-per-step", type=int,
                    help="the step's token budget (default: max(512 on the CPU or 2048 on CUDA, rows x (K+1)))")
+    g.add_argument("--prefix-cache", default="on", metavar="on|off|on,off",
+                   help="the engine's prefix cache; on,off runs both and compares them (default on)")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
@@ -221,6 +225,11 @@ def _bench(args) -> int:
     vocab = args.vocab_size or (manifest.vocab_size if manifest else None)
     exclude = tuple(manifest.eos_token_ids) if manifest else ()
     workload = _workload(args, tokenizer, vocab, exclude, num_requests)
+    if args.shared_prefix_len:
+        if vocab is None:
+            raise ValueError("--shared-prefix-len needs a vocabulary size: give --model DIR or --vocab-size N")
+        prefix = random_workload(1, args.shared_prefix_len, vocab, args.seed + 1, exclude).prompt_ids[0]
+        workload = Workload([prefix + p for p in workload.prompt_ids], None, workload.arrivals_s)
     if synthetic:
         _log(f"SYNTHETIC acceptance: each draft is accepted with probability {a:g}; the outputs are not the model's")
 
@@ -248,11 +257,12 @@ def _bench(args) -> int:
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
-        sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
-                            args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
-                            args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
-                            args.warmup_requests, args.timeout_s, args.cuda_graphs)
-        runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
+        for cached in parse_list(args.prefix_cache, on_off, "--prefix-cache"):
+            sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
+                                args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
+                                args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
+                                args.warmup_requests, args.timeout_s, args.cuda_graphs, cached)
+            runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 
 

@@ -40,6 +40,10 @@ class EngineSweep:
     num_warmup_requests: int = 4
     timeout_s: float = 600.0
     cuda_graphs: bool = True
+    prefix_cache: bool = True
+
+
+NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
@@ -54,7 +58,8 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
     default = SchedulerConfig().for_device(sweep.device).max_tokens_per_step
     budget = sweep.max_tokens_per_step or max(default, resident * (most_drafts + 1))
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
-                        cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident),
+                        cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident,
+                                          prefix_cache=sweep.prefix_cache),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
                         spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs)
@@ -100,6 +105,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
+    cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
+    hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
     step_times: list[float] = []
     step_shapes: list[tuple] = []
     t0 = time.perf_counter()
@@ -156,7 +163,14 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
-    return LoadRun("mtpserve", k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
+    if engine.prefix_cache is not None:
+        extra["prefix_cache"] = {"hit_tokens": engine.prefix_cache.stats.hits - hits0,
+                                 "query_tokens": engine.prefix_cache.stats.queries - queries0,
+                                 "snapshots": engine.prefix_cache.num_snapshots,
+                                 "snapshot_bytes": engine.prefix_cache.num_snapshots
+                                 * engine.state_bank.spec.bytes_per_row(num_banks=1)}
+    system = "mtpserve" if engine.prefix_cache is not None else NO_PREFIX_CACHE
+    return LoadRun(system, k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
                    end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
 
 

@@ -241,6 +241,9 @@ def comparisons(summaries: list[dict]) -> list[dict]:
         anchor = by_key.get(("ortgenai", k, load))
         if system == "mtpserve" and anchor is not None:
             out.append(_ratio("mtpserve_vs_ortgenai", s, anchor))
+        uncached = by_key.get(("mtpserve no-prefix-cache", k, load))
+        if system == "mtpserve" and uncached is not None:
+            out.append(_ratio("prefix_cache_on_vs_off", s, uncached))
     return out
 
 

@@ -140,3 +140,16 @@ def test_sampled_requests_from_a_hit_are_seeded_like_cold_ones(model_dir):
     out, cached = serve(engine_with(model_dir, True, 2), rounds, params)
     cold, _ = serve(engine_with(model_dir, False, 2), rounds, params)
     assert cached[1][0] > 0 and out == cold
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_prefix_shared_twice_gets_a_snapshot_where_the_prompts_diverge(model_dir, k):
+    """Snapshots every 256 tokens only: the second request matches the system prompt's blocks
+    but finds no snapshot there, so it takes one at the end of the match; the third starts there."""
+    rounds = [[SYSTEM + PROMPTS[2]], [SYSTEM + PROMPTS[13]], [SYSTEM + PROMPTS[15]]]
+    engine = engine_with(model_dir, True, k, interval=256)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k)
+    shared = len(engine.tokenizer.encode(SYSTEM)) // 16 * 16
+    assert cached[0] == cached[1] == [0]
+    assert cached[2][0] >= shared - 16 > 0
