@@ -366,7 +366,10 @@ class Scheduler:
         for s in plan.scheduled:
             r = s.request
             rows = None if hidden_rows is None else (lambda start, count, r=r: hidden_rows(r, start, count))
-            self.prefix_cache.committed(r.request_id, r.token_ids, r.num_prompt_tokens, r.num_computed, r.num_head, rows)
+            # a stop id inside an accepted draft run leaves num_computed one past the kept tokens
+            num_computed = min(r.num_computed, len(r.token_ids))
+            self.prefix_cache.committed(r.request_id, r.token_ids, r.num_prompt_tokens, num_computed,
+                                        min(r.num_head, num_computed), rows)
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append tokens up to and including the first stop id, or up to max_tokens / the context."""

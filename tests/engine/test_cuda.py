@@ -27,9 +27,10 @@ def _cuda_available() -> bool:
 needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU with onnxruntime-gpu and cupy")
 
 
-def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True):
+def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True):
     return Engine(EngineConfig(str(model_dir), device=device,
-                               cache=CacheConfig(num_blocks=512, max_resident_requests=32),
+                               cache=CacheConfig(num_blocks=512, max_resident_requests=32, prefix_cache=prefix_cache,
+                                                 snapshot_interval=16),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
                                spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs))
 
@@ -73,7 +74,7 @@ def cpu_reference_logits(model_dir, prompts):
     if saved:
         return np.load(saved)["logits"]
     try:
-        return _prefill_logits(engine_on(model_dir, "cpu"), prompts)
+        return _prefill_logits(engine_on(model_dir, "cpu", prefix_cache=False), prompts)
     except Exception as e:        # noqa: BLE001 - only the missing-kernel error falls back
         if not _cpu_kernels_missing(e):
             raise
@@ -90,7 +91,7 @@ def test_saved_cpu_reference_matches_this_model_on_the_cpu(model_dir):
     digest = hashlib.sha256((Path(model_dir) / "model.onnx.data").read_bytes()).hexdigest()
     assert str(ref["model_sha256"]) == digest, "the bundled model changed: remake the saved reference"
     try:
-        cpu = _prefill_logits(engine_on(model_dir, "cpu"), PROMPTS[:4])
+        cpu = _prefill_logits(engine_on(model_dir, "cpu", prefix_cache=False), PROMPTS[:4])
     except Exception as e:        # noqa: BLE001 - only the missing-kernel error may skip
         if not _cpu_kernels_missing(e):
             raise
@@ -102,7 +103,7 @@ def test_saved_cpu_reference_matches_this_model_on_the_cpu(model_dir):
 def test_cuda_logits_agree_with_the_cpu_adapted_model(model_dir):
     prompts = PROMPTS[:4]
     cpu = cpu_reference_logits(model_dir, prompts)
-    gpu = _prefill_logits(engine_on(model_dir, "cuda"), prompts)
+    gpu = _prefill_logits(engine_on(model_dir, "cuda", prefix_cache=False), prompts)
     scale = np.abs(cpu).max()
     err = np.abs(cpu - gpu).max()
     agree = (cpu.argmax(1) == gpu.argmax(1)).mean()
@@ -148,6 +149,24 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert [r for r in eager if eager[r] != graphed[r]] == []
     assert g.num_replays > 0.5 * engine.num_steps
     assert engine.is_idle_and_empty()
+
+
+@needs_cuda
+@pytest.mark.parametrize("k", [0, 2])
+def test_cuda_prefix_cache_hits_are_token_identical_to_the_cache_off(model_dir, k):
+    """A shared system prompt, then requests that start from its snapshot (shared KV blocks,
+    restored state, the head caught up), with graphs: the cache-off engine's tokens."""
+    system = "import os\nimport sys\nimport json\nimport logging\n\nlogger = logging.getLogger(__name__)\n\n" * 2
+    prompts = [system + p for p in PROMPTS[:8]]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(prompts)
+    cold, _ = run_all(engine_on(model_dir, "cuda", k=k, budget=48, prefix_cache=False), prompts, params)
+    engine = engine_on(model_dir, "cuda", k=k, budget=48)
+    run_all(engine, prompts[:1], params[:1])
+    warm, _ = run_all(engine, prompts, params)
+    stats = engine.prefix_cache.stats
+    print(f"K={k}: {stats.num_requests_hit} requests hit, {stats.hits} of {stats.queries} prompt tokens cached")
+    assert [r for r in cold if cold[r] != warm[r]] == []
+    assert stats.num_requests_hit >= len(prompts) and engine.is_idle_and_empty()
 
 
 @needs_cuda

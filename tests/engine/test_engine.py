@@ -36,9 +36,10 @@ PROMPTS = [
 ]
 
 
-def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16, policy=None):
+def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16, policy=None, prefix_cache=True):
     config = EngineConfig(str(model_dir), num_threads=2,
-                          cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
+                          cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows,
+                                            prefix_cache=prefix_cache),
                           scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
                           spec=SpecConfig(draft_tokens=k))
     return Engine(config, policy)

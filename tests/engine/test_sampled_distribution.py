@@ -112,7 +112,9 @@ class SampledRun:
 def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offset: int = 0) -> SampledRun:
     """Run NUM_REQUESTS seeded requests on PROMPTS[:4] at once, recording at which output position
     each verified draft's q stood, then recompute p at every output position."""
-    engine = make_engine(model_dir, k=K, max_rows=NUM_REQUESTS, batch=NUM_REQUESTS, budget=512)
+    # one prompt chunk per request (the forward counts below assume it): no prefix-cache boundary
+    # cuts, whose extra chunk defers the others' drafts for a step
+    engine = make_engine(model_dir, k=K, max_rows=NUM_REQUESTS, batch=NUM_REQUESTS, budget=512, prefix_cache=False)
     params = SamplingParams(**SETTINGS[setting], max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], dataclasses.replace(params, seed=seed_offset + i))
                 for i in range(NUM_REQUESTS)]
