@@ -31,14 +31,22 @@ Entries whose blocks no request holds are evicted least recently used by the KV 
 (``on_evict``); snapshots have their own slots in the state bank, reclaimed least recently used.
 Head blocks that a hit could not share (the creator never drafted over them) are given fresh
 blocks and marked stale on the request: drafts may then be worse, the output is unchanged.
+
+**Host tier** (``HostTier``): what the device lets go of is not lost. An entry whose main block is
+reclaimed, or whose snapshot loses its slot, goes to host memory first, serialised with msgpack
+(each array as raw bytes with its dtype and shape: ``pack_array``); a later lookup whose chain
+runs into host records restores them (blocks, head block, snapshot, hidden rows) before the hit.
+The same records are what moves a cached prefix between processes.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from mtpserve.engine.kv_pool import KVPool
@@ -76,6 +84,67 @@ class PrefixCacheStats:
     num_requests_hit: int = 0
     num_snapshots_taken: int = 0
     num_evicted_entries: int = 0
+    num_offloaded: int = 0           # records written to the host tier
+    num_restored: int = 0            # records brought back from it
+
+
+def pack_array(arr) -> bytes:
+    """One array as msgpack: {dtype, shape, data (raw bytes, C order)}; device arrays are copied out."""
+    host = arr.get() if hasattr(arr, "get") else np.asarray(arr)
+    host = np.ascontiguousarray(host)
+    return msgpack.packb({"dtype": host.dtype.str, "shape": list(host.shape), "data": host.tobytes()})
+
+
+def unpack_array(blob: bytes, xp=np):
+    d = msgpack.unpackb(blob)
+    return xp.asarray(np.frombuffer(d["data"], np.dtype(d["dtype"])).reshape(d["shape"]))
+
+
+class HostTier:
+    """Evicted entries' parts in host memory, by digest, least recently stored dropped first.
+
+    A record is a dict of msgpack-packed parts: ``kv`` (the main block's K/V of every layer),
+    ``head`` (the head block's), ``snapshot`` (conv, recurrent, length) and ``hidden``."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._records: OrderedDict[bytes, dict[str, bytes]] = OrderedDict()
+        self.nbytes = 0
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, digest: bytes) -> dict[str, bytes] | None:
+        return self._records.get(digest)
+
+    def put(self, digest: bytes, parts: dict[str, bytes]) -> None:
+        """Store (or add to) a record; the oldest records go when the budget is exceeded."""
+        record = self._records.pop(digest, {})
+        self.nbytes -= sum(map(len, record.values()))
+        record.update(parts)
+        size = sum(map(len, record.values()))
+        if size > self.budget_bytes:
+            return
+        self._records[digest] = record
+        self.nbytes += size
+        while self.nbytes > self.budget_bytes:
+            _, old = self._records.popitem(last=False)
+            self.nbytes -= sum(map(len, old.values()))
+
+    def drop(self, digest: bytes, part: str | None = None) -> None:
+        record = self._records.get(digest)
+        if record is None:
+            return
+        if part is None:
+            del self._records[digest]
+            self.nbytes -= sum(map(len, record.values()))
+        elif part in record:
+            self.nbytes -= len(record.pop(part))
+            if not record:
+                del self._records[digest]
 
 
 def chain_digests(tokens, block_size: int, digests: list[bytes]) -> list[bytes]:
@@ -85,6 +154,9 @@ def chain_digests(tokens, block_size: int, digests: list[bytes]) -> list[bytes]:
         h.update(np.asarray(tokens[k * block_size:(k + 1) * block_size], np.int64).tobytes())
         digests.append(h.digest())
     return digests
+
+
+_PIN = "<prefix-cache restore>"       # the pool table that holds a lookup's path while it restores
 
 
 @dataclass
@@ -101,7 +173,10 @@ class PrefixCache:
     """The digest index and its policy; the pools hold the blocks, the bank the snapshots."""
 
     def __init__(self, block_size: int, kv_pool: KVPool, head_pool: KVPool | None, bank: StateBank,
-                 snapshot_interval: int, xp=np):
+                 snapshot_interval: int, xp=np, kv_arrays: Sequence = (), head_arrays: Sequence = (),
+                 host_tier_bytes: int = 0):
+        """kv_arrays / head_arrays: the pools' ``[num_blocks, block_size, ...]`` arrays, whose
+        blocks the host tier copies out and back; host_tier_bytes: its budget (0 = no tier)."""
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"snapshot_interval must be a positive multiple of the block size {block_size}, "
                              f"got {snapshot_interval}")
@@ -113,6 +188,8 @@ class PrefixCache:
         self._chains: dict[str, _RequestChain] = {}
         self._clock = 0
         self.stats = PrefixCacheStats()
+        self.kv_arrays, self.head_arrays = list(kv_arrays), list(head_arrays)
+        self.host = HostTier(host_tier_bytes) if host_tier_bytes and self.kv_arrays else None
         kv_pool.on_evict = self._block_evicted
         if head_pool is not None:
             head_pool.on_evict = self._head_block_evicted
@@ -146,13 +223,26 @@ class PrefixCache:
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
         best, chain.matched = None, 0
-        for k, digest in enumerate(chain.digests[:limit]):
-            entry = self.entries.get(digest)
-            if entry is None:
-                break
-            chain.matched = (k + 1) * self.block_size
-            if entry.snapshot is not None:
-                best = k
+        pinned = False
+        try:
+            for k, digest in enumerate(chain.digests[:limit]):
+                entry = self.entries.get(digest)
+                record = self.host.get(digest) if self.host is not None else None
+                if record is not None and (entry is None or (entry.snapshot is None and "snapshot" in record)):
+                    if not pinned:           # earlier entries of the path must survive the restore's reservations
+                        self._pin([self.entries[d].block for d in chain.digests[:k]])
+                        pinned = True
+                    entry = self._restore(digest, (k + 1) * self.block_size, entry)
+                if entry is None:
+                    break
+                if pinned and _PIN not in self._pinned_blocks(entry.block):
+                    self._pin_more(entry.block)
+                chain.matched = (k + 1) * self.block_size
+                if entry.snapshot is not None:
+                    best = k
+        finally:
+            if pinned:
+                self._unpin()
         if best is None:
             return None
         self._clock += 1
@@ -166,6 +256,86 @@ class PrefixCache:
             head_blocks.append(e.head_block)
         return PrefixHit(path[-1].num_tokens, [e.block for e in path], head_blocks, path[-1].snapshot,
                          path[-1].hidden)
+
+    # ------------------------------------------------------------------ the host tier
+    def _pin(self, blocks: list[int]) -> None:
+        self.kv_pool.attach(_PIN, blocks)
+        if self.head_pool is not None:
+            self.head_pool.attach(_PIN, [])
+
+    def _pinned_blocks(self, block: int) -> set:
+        return {_PIN} if block in self.kv_pool.block_table(_PIN) else set()
+
+    def _pin_more(self, block: int) -> None:
+        """Hold one more cached block in the pin table (an entry met on the device after a restore)."""
+        table = self.kv_pool.block_table(_PIN)
+        self.kv_pool.free(_PIN)
+        self.kv_pool.attach(_PIN, table + [block])
+
+    def _unpin(self) -> None:
+        self.kv_pool.free(_PIN)
+        if self.head_pool is not None:
+            self.head_pool.free(_PIN)
+
+    def _restore(self, digest: bytes, num_tokens: int, entry: CacheEntry | None) -> CacheEntry | None:
+        """Bring a host record back onto the device (into ``entry`` when its blocks are still
+        there); None if there is no room. The record leaves the host tier."""
+        record, xp = self.host.get(digest), self.xp
+        if entry is None:
+            if "kv" not in record or not self.kv_pool.reserve(_PIN, (len(self.kv_pool.block_table(_PIN)) + 1)
+                                                              * self.block_size):
+                return None
+            block = self.kv_pool.block_table(_PIN)[-1]
+            for arr, blob in zip(self.kv_arrays, msgpack.unpackb(record["kv"])):
+                arr[block] = unpack_array(blob, xp)
+            self._add_entry(digest, num_tokens, block)
+            entry = self.entries[digest]
+            if "head" in record and self.head_pool is not None and self.head_pool.reserve(
+                    _PIN, (len(self.head_pool.block_table(_PIN)) + 1) * self.block_size):
+                head_block = self.head_pool.block_table(_PIN)[-1]
+                for arr, blob in zip(self.head_arrays, msgpack.unpackb(record["head"])):
+                    arr[head_block] = unpack_array(blob, xp)
+                entry.head_block = head_block
+                self._by_head_block[head_block] = digest
+                self.head_pool.mark_cached(head_block)
+        if "snapshot" in record and entry.snapshot is None:
+            conv, recurrent, length = msgpack.unpackb(record["snapshot"])
+            slot = self.bank.put_snapshot(unpack_array(conv, xp), unpack_array(recurrent, xp), length)
+            if slot is None and self._free_a_snapshot_slot(keep=entry):
+                slot = self.bank.put_snapshot(unpack_array(conv, xp), unpack_array(recurrent, xp), length)
+            if slot is not None:
+                entry.snapshot = slot
+                entry.hidden = unpack_array(record["hidden"], xp) if "hidden" in record else None
+        self.host.drop(digest)
+        self.stats.num_restored += 1
+        return entry
+
+    def _offload(self, entry: CacheEntry, with_blocks: bool) -> None:
+        """Copy an entry's parts to the host tier before the device lets go of them."""
+        if self.host is None:
+            return
+        parts = {}
+        if with_blocks:
+            parts["kv"] = msgpack.packb([pack_array(a[entry.block]) for a in self.kv_arrays])
+            if entry.head_block is not None and self.head_arrays:
+                parts["head"] = msgpack.packb([pack_array(a[entry.head_block]) for a in self.head_arrays])
+        if entry.snapshot is not None:
+            conv, recurrent, length = self.bank.snapshot_arrays(entry.snapshot)
+            parts["snapshot"] = msgpack.packb([pack_array(conv), pack_array(recurrent), length])
+            if entry.hidden is not None:
+                parts["hidden"] = pack_array(entry.hidden)
+        if parts:
+            self.host.put(entry.digest, parts)
+            self.stats.num_offloaded += 1
+
+    def _free_a_snapshot_slot(self, keep: CacheEntry) -> bool:
+        victim = min((e for e in self.entries.values() if e.snapshot is not None and e is not keep),
+                     key=lambda e: e.last_used, default=None)
+        if victim is None:
+            return False
+        self._offload(victim, with_blocks=False)
+        self._drop_snapshot(victim)
+        return True
 
     def admitted(self, request_id: str, num_tokens: int, hit: PrefixHit | None) -> None:
         """The request was admitted, from ``hit`` or from scratch (``num_tokens`` looked up):
@@ -230,11 +400,8 @@ class PrefixCache:
     def _snapshot(self, request_id: str, entry: CacheEntry, hidden_rows) -> None:
         slot = self.bank.save_snapshot(request_id)
         if slot is None:
-            victim = min((e for e in self.entries.values() if e.snapshot is not None and e is not entry),
-                         key=lambda e: e.last_used, default=None)
-            if victim is None:
+            if not self._free_a_snapshot_slot(keep=entry):
                 return
-            self._drop_snapshot(victim)
             slot = self.bank.save_snapshot(request_id)
         entry.snapshot = slot
         if hidden_rows is not None:
@@ -261,6 +428,7 @@ class PrefixCache:
         entry = self.entries.pop(digest, None) if digest is not None else None
         if entry is None:
             return
+        self._offload(entry, with_blocks=True)
         if entry.snapshot is not None:
             self._drop_snapshot(entry)
         if entry.head_block is not None:
@@ -292,6 +460,10 @@ class PrefixCache:
             raise AssertionError("cached main blocks that no entry names")
         if self.head_pool is not None and self.head_pool.num_cached_blocks != len(self._by_head_block):
             raise AssertionError("cached head blocks that no entry names")
+        if self.host is not None and self.host.nbytes > self.host.budget_bytes:
+            raise AssertionError(f"host tier holds {self.host.nbytes} bytes, budget {self.host.budget_bytes}")
+        if _PIN in self.kv_pool:
+            raise AssertionError("a restore's pin table was left behind")
 
     def check_requests(self, live: set[str]) -> None:
         if not set(self._chains) <= live:

@@ -384,6 +384,20 @@ class StateBank:
         self._committed[row] = self._snapshot_len[slot]
         return self._snapshot_len[slot]
 
+    def snapshot_arrays(self, slot: int) -> tuple[Array, Array, int]:
+        """(conv [L, ...], recurrent [L, ...], tokens folded in) of a used slot (views)."""
+        return self.snapshot_conv[slot], self.snapshot_recurrent[slot], self._snapshot_len[slot]
+
+    def put_snapshot(self, conv: Array, recurrent: Array, length: int) -> int | None:
+        """A snapshot from elsewhere (the prefix cache's host tier) into a free slot; None if none."""
+        if not self._free_snapshots:
+            return None
+        slot = self._free_snapshots.pop()
+        self.snapshot_conv[slot] = conv
+        self.snapshot_recurrent[slot] = recurrent
+        self._snapshot_len[slot] = int(length)
+        return slot
+
     def free_snapshot(self, slot: int) -> None:
         if self._snapshot_len.pop(slot, None) is None:
             raise AssertionError(f"snapshot slot {slot} is not in use")

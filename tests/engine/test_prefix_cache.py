@@ -16,10 +16,12 @@ SYSTEM = ("# Project utilities: configuration loading, path handling and logging
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16):
+def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16, host_gib=4.0,
+                snapshot_gib=1.0):
     return Engine(EngineConfig(str(model_dir), num_threads=2,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=rows,
-                                                 prefix_cache=cache, snapshot_interval=interval),
+                                                 prefix_cache=cache, snapshot_interval=interval,
+                                                 prefix_host_gib=host_gib, prefix_snapshot_gib=snapshot_gib),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=rows),
                                spec=SpecConfig(draft_tokens=k)))
 
@@ -153,3 +155,43 @@ def test_a_prefix_shared_twice_gets_a_snapshot_where_the_prompts_diverge(model_d
     shared = len(engine.tokenizer.encode(SYSTEM)) // 16 * 16
     assert cached[0] == cached[1] == [0]
     assert cached[2][0] >= shared - 16 > 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_entries_the_device_evicts_come_back_from_the_host_tier(model_dir, k):
+    """A pool too small to keep the first round's prefixes: they go to host memory (msgpack) and
+    the third round starts from them again, restored onto the device, with the cache-off tokens;
+    with the host tier off the same third round finds much less."""
+    rounds = [[SYSTEM + p for p in PROMPTS[:3]], [p + SYSTEM * 2 for p in PROMPTS[10:14]], [SYSTEM + p for p in PROMPTS[:3]]]
+    engine = engine_with(model_dir, True, k, num_blocks=32, rows=6)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k, num_blocks=32, rows=6)
+    stats = engine.prefix_cache.stats
+    assert stats.num_offloaded > 0 and stats.num_restored > 0
+    no_tier = engine_with(model_dir, True, k, num_blocks=32, rows=6, host_gib=0)
+    out_no_tier, cached_no_tier = serve(no_tier, rounds)
+    assert out_no_tier == out
+    assert sum(cached[2]) > sum(cached_no_tier[2])
+
+
+def test_snapshots_that_lose_their_slot_come_back_from_the_host_tier(model_dir):
+    """Room for two snapshots only: older ones are offloaded and restored when a lookup needs them."""
+    rounds = [[SYSTEM + PROMPTS[i]] for i in range(5)] + [[SYSTEM + PROMPTS[0]]]
+    engine = engine_with(model_dir, True, 2, snapshot_gib=0)
+    engine_small = engine_with(model_dir, True, 2, snapshot_gib=2 * engine.state_bank.spec.bytes_per_row(1) / 2**30)
+    assert len(engine_small.state_bank.snapshot_conv) == 2
+    out, cached = serve(engine_small, rounds)
+    assert out == reference(model_dir, rounds, 2)
+    assert engine_small.prefix_cache.stats.num_restored > 0
+    n = len(engine_small.tokenizer.encode(SYSTEM + PROMPTS[0]))
+    assert cached[-1][0] == (n - 1) // 16 * 16
+
+
+def test_a_packed_array_round_trips_exactly():
+    import numpy as np
+
+    from mtpserve.engine.prefix_cache import pack_array, unpack_array
+    for arr in (np.arange(24, dtype=np.float16).reshape(2, 3, 4), np.random.default_rng(0).standard_normal((5, 7)),
+                np.zeros((0, 3), np.int32)):
+        back = unpack_array(pack_array(arr))
+        assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
