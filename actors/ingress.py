@@ -15,6 +15,7 @@ which closes the request's streams, which aborts the engine requests (freeing bl
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -99,7 +100,7 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ helpers
     def _authorize(self, request: Request) -> None:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+        if self.api_key and not api_key_matches(request.headers.get("authorization"), self.api_key):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                            "authentication_error", None, "invalid_api_key")
 
@@ -182,6 +183,13 @@ class OpenAIRoutes:
         finally:
             _cancel_all(streams)
         yield SSE_DONE
+
+
+def api_key_matches(authorization: str | None, api_key: str) -> bool:
+    """``Authorization: Bearer <key>``, the scheme in any case (RFC 7235), the key compared in
+    constant time (no timing signal of how much of a guess was right)."""
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
 def _prompt_cached(cached: list[int], n: int) -> int:

@@ -145,6 +145,16 @@ def test_errors_use_the_openai_envelope(server):
     assert r.json()["error"]["param"] == "temperature"
 
 
+def test_the_api_key_scheme_is_case_insensitive_and_near_misses_are_refused(server):
+    def status(authorization):
+        headers = {} if authorization is None else {"Authorization": authorization}
+        return requests.post(f"{server['base']}/completions", headers=headers, timeout=60,
+                             json={"model": server["model"], "prompt": "x = ", "max_tokens": 1}).status_code
+    assert status(f"bearer {KEY}") == status(f"BEARER  {KEY}") == status(f"Bearer {KEY}") == 200
+    for wrong in (None, f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Basic {KEY}", KEY, "Bearer"):
+        assert status(wrong) == 401, wrong
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in _client(server).models.list().data] == [server["model"]]
     root = server["base"].rsplit("/v1", 1)[0]
