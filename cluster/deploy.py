@@ -29,7 +29,7 @@ DEFAULT_PORT = 8000
 # ---------------------------------------------------------------------------- Ray
 def connect(address: str | None = None, *, quiet: bool = False, num_cpus: int | None = None,
             proxy_middleware: bool = True) -> bool:
-    """Join the Ray cluster at ``address``, or start a local Ray (``num_cpus``: Ray's default is the
+    """Join the Ray cluster at ``address``, or start a new local Ray (``num_cpus``: Ray's default is the
     machine's cores) whose proxies use the replica-loss middleware unless ``proxy_middleware`` is
     False. ``quiet``: Ray logs errors only and workers' output stays off the driver. Returns True
     when it started Ray (``teardown`` then shuts Serve and Ray down)."""
@@ -43,7 +43,9 @@ def connect(address: str | None = None, *, quiet: bool = False, num_cpus: int | 
         from mtpserve.actors.proxy_middleware import install
         install()
     extra = {} if num_cpus is None else {"num_cpus": num_cpus}
-    ray.init(include_dashboard=False, **extra, **logging)
+    # "local": a new Ray of our own, even with RAY_ADDRESS set or another Ray on this machine
+    # (plain ray.init() would join those, and teardown would then shut down someone else's Serve)
+    ray.init(address="local", include_dashboard=False, **extra, **logging)
     return True
 
 

@@ -177,3 +177,17 @@ def test_ctrl_c_shuts_down_cleanly(server):
     assert "mtpserve: stopped\n" in rest
     assert APP not in serve.status().applications
     assert get_planner(APP) is None
+
+
+def test_without_address_serve_starts_its_own_ray_even_when_RAY_ADDRESS_names_a_cluster(ray_cluster):
+    """`mtpserve serve` without --address must never join (and on exit shut down Serve on) a
+    cluster it did not start: RAY_ADDRESS and the machine's latest cluster are ignored."""
+    import os
+    code = ("import ray; from mtpserve.cluster import deploy; "
+            "started = deploy.connect(quiet=True, num_cpus=1, proxy_middleware=False); "
+            "print(started, ray.get_runtime_context().gcs_address); ray.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAY_ADDRESS": ray_cluster["address"]},
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    started, gcs = out.stdout.split()[-2:]
+    assert started == "True" and gcs != ray_cluster["address"]
