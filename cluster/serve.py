@@ -64,10 +64,12 @@ def cmd_serve(args) -> int:
     import ray
 
     from mtpserve.cluster import deploy
+    from mtpserve.engine.manifest import load_manifest
     try:
         options = options_from_args(args, None)
         options.validate()
-    except ValueError as e:
+        load_manifest(options.worker.engine.model_dir)     # a bad model fails here, in one line, before Ray
+    except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2
     started_ray = deploy.connect(args.address)

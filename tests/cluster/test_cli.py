@@ -97,3 +97,18 @@ def test_on_off_settings_take_a_value_a_bare_flag_or_a_no_flag():
     assert parsed("--cuda-graphs", "--warm-up", "no").warm_up is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--cuda-graphs", "maybe"])
+
+
+def test_serve_refuses_a_truncated_model_in_one_line_before_starting_ray(tmp_path):
+    import shutil
+
+    from mtpserve.engine.bundled import MODEL_DIR
+    model = tmp_path / "truncated"
+    shutil.copytree(MODEL_DIR, model)
+    data = model / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    proc = mtpserve("serve", "--model", str(model), "--port", "0", check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mtpserve: error:") and "model.onnx.data" in lines[0], proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr
