@@ -37,6 +37,9 @@ class Overloaded(RuntimeError):
     """Too many requests are already waiting on this replica (HTTP 429)."""
 
 
+MAX_REPORTED_SESSIONS = 10_000      # sessions a replica remembers (and reports) at most, besides active ones
+
+
 class EngineFailed(RuntimeError):
     """The engine raised during a step; this replica must be restarted (HTTP 503)."""
 
@@ -355,6 +358,9 @@ class EngineLoop:
         now = time.monotonic()
         active = set(self._request_session.values())
         self._sessions = {s: t for s, t in self._sessions.items() if now - t < self.session_ttl_s or s in active}
+        if len(self._sessions) > MAX_REPORTED_SESSIONS:         # the newest ones, and every active one
+            newest = sorted(self._sessions, key=self._sessions.get)[-MAX_REPORTED_SESSIONS:]
+            self._sessions = {s: self._sessions[s] for s in set(newest) | (active & set(self._sessions))}
         e, ledger = self.engine, self.ledger
         cache = e.prefix_cache
         prefix = {} if cache is None else dict(

@@ -39,6 +39,7 @@ from mtpserve.actors.protocol import (
 
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_LENGTH = 256          # longer ids are refused: session tables hold every id seen
 
 api = FastAPI(title="mtpserve", description="OpenAI-compatible serving of hybrid GDN/attention models "
                                              "with MTP speculative decoding")
@@ -126,8 +127,12 @@ class OpenAIRoutes:
             if max_tokens is None:
                 max_tokens = self.max_new_tokens(len(ids))
             params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
+        session_id = request.headers.get(SESSION_HEADER)
+        if session_id is not None and len(session_id) > MAX_SESSION_ID_LENGTH:
+            raise APIError(400, f"{SESSION_HEADER} is longer than {MAX_SESSION_ID_LENGTH} characters",
+                           param=SESSION_HEADER)
         try:
-            streams = self.open(request_id, prompts, params, request.headers.get(SESSION_HEADER))
+            streams = self.open(request_id, prompts, params, session_id)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt" if not chat else "messages") from None
         except Overloaded as e:

@@ -78,10 +78,14 @@ class PlannerState:
     """The planner's logic without Ray (the actor below wraps it)."""
 
     def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 15.0,
-                 session_ttl_s: float = 600.0, prior_acceptance: float = PRIOR_ACCEPTANCE):
+                 session_ttl_s: float = 600.0, prior_acceptance: float = PRIOR_ACCEPTANCE,
+                 max_sessions: int = 100_000):
+        """max_sessions: the session table's bound (least recently seen dropped first): a client
+        inventing session ids cannot grow the planner without limit."""
         self.cost = cost
         self.replica_ttl_s = replica_ttl_s
         self.session_ttl_s = session_ttl_s
+        self.max_sessions = max_sessions
         self.prior_acceptance = prior_acceptance
         self.reports: dict[str, tuple[WorkerReport, float]] = {}   # replica -> (report, received)
         self.sessions: dict[str, tuple[str, float]] = {}           # session -> (replica, last seen)
@@ -126,6 +130,8 @@ class PlannerState:
             self.sessions[session_id] = (owner[0], now)
             return owner[0]
         self.sessions[session_id] = (replica_id, now)
+        if len(self.sessions) > self.max_sessions * 1.1:      # amortised: trim in batches
+            self._bound_sessions()
         return replica_id
 
     def drain(self, replica_id: str, drained: bool = True) -> None:
@@ -139,6 +145,12 @@ class PlannerState:
         for sid, (rid, seen) in list(self.sessions.items()):
             if now - seen > self.session_ttl_s or rid not in self.reports:
                 del self.sessions[sid]
+        self._bound_sessions()
+
+    def _bound_sessions(self) -> None:
+        if len(self.sessions) > self.max_sessions:
+            keep = sorted(self.sessions.items(), key=lambda item: item[1][1])[-self.max_sessions:]
+            self.sessions = dict(keep)
 
     def silent_replicas(self, now: float, after_s: float) -> list[WorkerReport]:
         """The latest reports of replicas that have not reported for ``after_s``."""

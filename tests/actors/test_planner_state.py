@@ -109,3 +109,15 @@ def test_a_silent_replica_is_listed_for_a_liveness_check_and_forgetting_it_repla
     view = planner.placement(now=2.1)
     assert set(view.replicas) == {"b"} and "s1" not in view.sessions
     assert planner.bind_session("s1", "b", now=2.2) == "b"
+
+
+def test_the_session_table_is_bounded_by_last_use():
+    """4,000 invented session ids cannot grow the planner past its bound; the recent ones stay."""
+    planner = PlannerState(max_sessions=1000)
+    planner.report(report(), now=0.0)
+    for i in range(4000):
+        planner.bind_session(f"s{i}", "r1", now=1.0 + i * 1e-3)
+    planner.expire(now=5.0)
+    assert len(planner.sessions) == 1000
+    assert "s3999" in planner.sessions and "s0" not in planner.sessions
+    assert len(planner.placement(now=5.0).sessions) == 1000

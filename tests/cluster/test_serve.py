@@ -143,6 +143,9 @@ def test_errors_use_the_openai_envelope(server):
                       json={"model": model, "prompt": "x", "temperature": "hot"}, timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["param"] == "temperature"
+    r = requests.post(f"{server['base']}/completions", json={"model": model, "prompt": "x", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {KEY}", "x-session-id": "s" * 8192}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id"
 
 
 def test_the_api_key_scheme_is_case_insensitive_and_near_misses_are_refused(server):
