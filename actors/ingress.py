@@ -15,6 +15,7 @@ which closes the request's streams, which aborts the engine requests (freeing bl
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -43,6 +44,39 @@ MAX_SESSION_ID_LENGTH = 256          # longer ids are refused: session tables ho
 
 api = FastAPI(title="mtpserve", description="OpenAI-compatible serving of hybrid GDN/attention models "
                                              "with MTP speculative decoding")
+
+
+_replica: list = []          # the replica serving this process's routes (set by the Worker)
+
+
+def guard(worker) -> None:
+    """Make ``worker`` the replica whose API key and body limit ``_refuse_early`` enforces."""
+    _replica[:] = [worker]
+
+
+@api.middleware("http")
+async def _refuse_early(request: Request, call_next):
+    """Before FastAPI reads and parses a body: the API key (401) and the body's declared size
+    (413; a body without Content-Length is refused too), so an unauthenticated or oversized
+    request costs a header check, not a parse."""
+    worker = _replica[0] if _replica else None
+    if worker is not None and request.method == "POST":
+        err = None
+        if worker.api_key and not api_key_matches(request.headers.get("authorization"), worker.api_key):
+            err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                           "authentication_error", None, "invalid_api_key")
+        else:
+            limit = worker.config.max_request_bytes
+            length = request.headers.get("content-length")
+            if length is None or not length.isdigit():
+                err = APIError(411, "a request body needs a Content-Length", code="length_required")
+            elif int(length) > limit:
+                err = APIError(413, f"the request body is {int(length)} bytes, more than this server's "
+                                    f"limit of {limit}", code="request_too_large")
+        if err is not None:
+            worker.recorder.error(err.status)
+            return JSONResponse(err.body(), status_code=err.status)
+    return await call_next(request)
 
 
 @api.exception_handler(RequestValidationError)
@@ -82,7 +116,7 @@ class OpenAIRoutes:
     async def completions(self, body: CompletionRequest, request: Request):
         try:
             self._check(body, request)
-            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+            prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
             return await self._respond(body, prompts, request, chat=False)
         except APIError as e:
             return self._error(e)
@@ -95,11 +129,22 @@ class OpenAIRoutes:
                 text = self.tokenizer.apply_chat_template(body.messages_as_dicts())
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
-            return await self._respond(body, [self.tokenizer.encode(text)], request, chat=True)
+            return await self._respond(body, [await self._encode(text, "messages")], request, chat=True)
         except APIError as e:
             return self._error(e)
 
     # ------------------------------------------------------------------ helpers
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a text: refused at once when it cannot fit the context whatever its tokens;
+        a long one is tokenized on a thread, so /health and other streams keep being served."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.context_length * self.tokenizer.max_bytes_per_token:
+            raise APIError(400, f"the {param} is {size} bytes: more than the model's context of "
+                                f"{self.context_length} tokens can hold", param=param)
+        if size < 1 << 16:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
     def _authorize(self, request: Request) -> None:
         if self.api_key and not api_key_matches(request.headers.get("authorization"), self.api_key):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
-from mtpserve.actors.ingress import OpenAIRoutes, api
+from mtpserve.actors.ingress import OpenAIRoutes, api, guard
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
 from mtpserve.actors.worker_config import WorkerConfig
@@ -68,6 +68,7 @@ class Worker:
         self.context_length = m.context_length
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
         self.recorder = MetricsRecorder()
+        guard(self)                                  # API key and body limit before any parse
         self.loop = EngineLoop(self.engine, cfg.max_pending).start()
         self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
         self._stopping = threading.Event()

@@ -35,6 +35,8 @@ class WorkerConfig:
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1 (else $MTPSERVE_API_KEY "
                                         "on the replica, else none)")
     report_interval_s: float = setting(0.2, "seconds between a replica's reports to the planner actor")
+    max_request_bytes: int = setting(8 << 20, "the largest request body a replica reads (HTTP 413 above it; "
+                                              "checked, with the API key, before the body is parsed)")
 
     @property
     def served_model_name(self) -> str:

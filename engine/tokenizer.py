@@ -57,6 +57,10 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
         self._chat_template = env.from_string(template)
         self.vocab_size = self._tok.get_vocab_size()
+        # an upper bound on the UTF-8 bytes one token stands for (4 per character of its longest
+        # entry): a text longer than context x this cannot fit, whatever its tokens (a cheap check
+        # before tokenizing a huge prompt)
+        self.max_bytes_per_token = 4 * max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
