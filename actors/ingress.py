@@ -25,6 +25,7 @@ import weakref
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpserve.actors.engine_loop import EngineFailed, Overloaded
 from mtpserve.actors.protocol import (
@@ -54,43 +55,69 @@ def guard(worker) -> None:
     _replica[:] = [worker]
 
 
-@api.middleware("http")
-async def _refuse_early(request: Request, call_next):
-    """Before FastAPI reads and parses a body: the API key (401) and the body's declared size
-    (413; a body without Content-Length is refused too), so an unauthenticated or oversized
-    request costs a header check, not a parse."""
-    worker = _replica[0] if _replica else None
-    if worker is not None and request.method == "POST":
-        err = None
-        if worker.api_key and not api_key_matches(request.headers.get("authorization"), worker.api_key):
-            err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           "authentication_error", None, "invalid_api_key")
-        else:
-            limit = worker.config.max_request_bytes
-            length = request.headers.get("content-length")
-            if length is None or not length.isdigit():
-                err = APIError(411, "a request body needs a Content-Length", code="length_required")
-            elif int(length) > limit:
-                err = APIError(413, f"the request body is {int(length)} bytes, more than this server's "
-                                    f"limit of {limit}", code="request_too_large")
-        if err is not None:
-            worker.recorder.error(err.status)
-            return JSONResponse(err.body(), status_code=err.status)
-    return await call_next(request)
+class _RefuseEarly:
+    """Pure ASGI middleware (streams and client disconnects pass through untouched): before
+    FastAPI reads and parses a POST body, the API key (401) and the body's declared size (413;
+    411 without a Content-Length), so an unauthenticated or oversized request costs a header
+    check, not a parse."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        worker = _replica[0] if _replica else None
+        if worker is not None and scope["type"] == "http" and scope["method"] == "POST":
+            err = _early_error(worker, {k.decode("latin-1").lower(): v.decode("latin-1")
+                                        for k, v in scope.get("headers", ())})
+            if err is not None:
+                await _answer(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _early_error(worker, headers: dict[str, str]) -> APIError | None:
+    if worker.api_key and not api_key_matches(headers.get("authorization"), worker.api_key):
+        return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                        "authentication_error", None, "invalid_api_key")
+    limit, length = worker.config.max_request_bytes, headers.get("content-length")
+    if length is None or not length.isdigit():
+        return APIError(411, "a request body needs a Content-Length", code="length_required")
+    if int(length) > limit:
+        return APIError(413, f"the request body is {int(length)} bytes, more than this server's "
+                             f"limit of {limit}", code="request_too_large")
+    return None
+
+
+api.add_middleware(_RefuseEarly)
+
+
+def _answer(err: APIError) -> JSONResponse:
+    """An error response in the envelope, counted on /metrics by status."""
+    if _replica:
+        _replica[0].recorder.error(err.status)
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-    err = APIError(400, f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc),
-                   "invalid_request_error", param)
-    return JSONResponse(err.body(), status_code=400)
+    return _answer(APIError(400, f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc),
+                            "invalid_request_error", param))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown paths (404), wrong methods (405) and the like: the envelope, not FastAPI's body."""
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _answer(APIError(exc.status_code, message, "invalid_request_error", None, code))
 
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return _answer(exc)
 
 
 class OpenAIRoutes:

@@ -175,9 +175,16 @@ def test_hostile_bodies_are_refused_before_they_are_parsed(server):
     r = requests.post(url, json={"model": model, "prompt": huge, "max_tokens": 1},
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    assert requests.get(f"{server['base'].rsplit('/v1', 1)[0]}/health", timeout=30).json()["status"] == "ok"
+    root = server["base"].rsplit("/v1", 1)[0]
+    for method, path, status in (("GET", "/v1/nowhere", 404), ("DELETE", "/v1/completions", 405)):
+        r = requests.request(method, root + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert requests.get(f"{root}/health", timeout=30).json()["status"] == "ok"
     ok = _client(server).completions.create(model=model, prompt="x = ", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+    metrics = requests.get(f"{root}/metrics", timeout=30).text
+    for status in ("401", "404", "405", "413", "400"):
+        assert f'status="{status}"' in metrics, status
 
 
 def test_models_health_and_metrics(server):
