@@ -164,7 +164,8 @@ class OpenAIRoutes:
     async def _encode(self, text: str, param: str) -> list[int]:
         """Token ids of a text: refused at once when it cannot fit the context whatever its tokens;
         a long one is tokenized on a thread, so /health and other streams keep being served."""
-        size = len(text.encode("utf-8", "surrogatepass"))
+        _require_unicode(text, param)
+        size = len(text.encode("utf-8"))
         if size > self.context_length * self.tokenizer.max_bytes_per_token:
             raise APIError(400, f"the {param} is {size} bytes: more than the model's context of "
                                 f"{self.context_length} tokens can hold", param=param)
@@ -179,6 +180,7 @@ class OpenAIRoutes:
 
     def _check(self, body, request: Request) -> None:
         self._authorize(request)
+        _require_unicode(body.model, "model")
         if body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                                 f"`{self.model_name}`", "invalid_request_error", "model", "model_not_found")
@@ -260,6 +262,15 @@ class OpenAIRoutes:
         finally:
             _cancel_all(streams)
         yield SSE_DONE
+
+
+def _require_unicode(text: str, param: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"), which are no text: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode (a lone surrogate at character {e.start})",
+                       param=param) from None
 
 
 def api_key_matches(authorization: str | None, api_key: str) -> bool:

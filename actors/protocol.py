@@ -39,7 +39,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: true is not an integer and "7" not a token id (a number where one is due, as JSON has it)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(description="The served model's name (see /v1/models).")
     temperature: float | None = Field(None, description="0 = greedy; default 1.")
@@ -112,7 +113,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import signal
 import subprocess
@@ -132,7 +133,8 @@ def test_errors_use_the_openai_envelope(server):
     context = client.models.list().data[0].model_extra["max_model_len"]
     bad = [dict(temperature=-1), dict(top_p=2.0), dict(n=0), dict(max_tokens=0),
            dict(extra_body={"top_k": -5}), dict(logprobs=2), dict(prompt=[7] * context),
-           dict(prompt=[10**7]), dict(prompt="x", stop=["a", "b", "c", "d", "e"])]
+           dict(prompt=[10**7]), dict(prompt="x", stop=["a", "b", "c", "d", "e"]),
+           dict(prompt=[5, True]), dict(n=True), dict(max_tokens="4"), dict(extra_body={"seed": "1"})]
     for params in bad:
         kwargs = {"model": model, "prompt": "x", **params}
         with pytest.raises(openai.BadRequestError):
@@ -143,6 +145,12 @@ def test_errors_use_the_openai_envelope(server):
                       json={"model": model, "prompt": "x", "temperature": "hot"}, timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["param"] == "temperature"
+    for field in ("prompt", "model"):            # lone surrogates: JSON allows them, text does not
+        raw = json.dumps({"model": model, "prompt": "x", "max_tokens": 1}).replace(
+            f'"{field}": "', f'"{field}": "\\ud800', 1)
+        r = requests.post(f"{server['base']}/completions", data=raw, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     r = requests.post(f"{server['base']}/completions", json={"model": model, "prompt": "x", "max_tokens": 1},
                       headers={"Authorization": f"Bearer {KEY}", "x-session-id": "s" * 8192}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id"
