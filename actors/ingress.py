@@ -102,8 +102,10 @@ def _answer(err: APIError) -> JSONResponse:
 async def _validation_error(request: Request, exc: RequestValidationError):
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-    return _answer(APIError(400, f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc),
-                            "invalid_request_error", param))
+    msg = first.get("msg", "invalid request")
+    # the message names the field, never the server's code (str(exc) would carry its source path)
+    message = f"{param}: {msg}" if param else f"the request body must be a JSON object with the API's fields ({msg})"
+    return _answer(APIError(400, message, "invalid_request_error", param))
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -193,6 +195,9 @@ class OpenAIRoutes:
     async def _respond(self, body, prompts: list[list[int]], request: Request, chat: bool):
         started = time.perf_counter()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if len(prompts) * body.n > self.config.max_pending:      # could never all be admitted: not a retryable 429
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than the {self.config.max_pending} "
+                                f"requests a replica queues", param="prompt" if not chat else "n")
         params = []
         for ids in prompts:
             max_tokens = body.max_tokens

@@ -134,7 +134,8 @@ def test_errors_use_the_openai_envelope(server):
     bad = [dict(temperature=-1), dict(top_p=2.0), dict(n=0), dict(max_tokens=0),
            dict(extra_body={"top_k": -5}), dict(logprobs=2), dict(prompt=[7] * context),
            dict(prompt=[10**7]), dict(prompt="x", stop=["a", "b", "c", "d", "e"]),
-           dict(prompt=[5, True]), dict(n=True), dict(max_tokens="4"), dict(extra_body={"seed": "1"})]
+           dict(prompt=[5, True]), dict(n=True), dict(max_tokens="4"), dict(extra_body={"seed": "1"}),
+           dict(prompt=["x"] * 1025)]
     for params in bad:
         kwargs = {"model": model, "prompt": "x", **params}
         with pytest.raises(openai.BadRequestError):
@@ -145,6 +146,11 @@ def test_errors_use_the_openai_envelope(server):
                       json={"model": model, "prompt": "x", "temperature": "hot"}, timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["param"] == "temperature"
+    for raw in (b"", b"[1, 2]", b'{"model": 1', b"null"):      # no body, not an object, broken, null
+        r = requests.post(f"{server['base']}/completions", data=raw, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        assert ".py" not in r.text and "Traceback" not in r.text, r.text
     for field in ("prompt", "model"):            # lone surrogates: JSON allows them, text does not
         raw = json.dumps({"model": model, "prompt": "x", "max_tokens": 1}).replace(
             f'"{field}": "', f'"{field}": "\\ud800', 1)
