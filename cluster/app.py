@@ -30,6 +30,8 @@ class ServeOptions:
                                    "device cuda, else 1)")
     num_cpus_per_replica: float = setting(1.0, "Ray CPUs reserved per replica")
     num_gpus_per_replica: float | None = setting(None, "Ray GPUs per replica (default: 1 with device cuda, else 0)")
+    shutdown_grace_s: float = setting(5.0, "seconds a stopping replica lets its in-flight requests run before "
+                                           "it is stopped (their streams then end)")
 
     @staticmethod
     def from_flat(**values) -> ServeOptions:
@@ -42,6 +44,8 @@ class ServeOptions:
         engine.validate()
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not (Path(engine.model_dir) / "genai_config.json").is_file():
             raise ValueError(f"{engine.model_dir} is not a model export (no genai_config.json)")
 
@@ -64,6 +68,7 @@ def build_app(options: ServeOptions):
     deployment = LLMServer.options(
         num_replicas=options.num_replicas,
         max_ongoing_requests=engine.cache.max_resident_requests + worker.max_pending,
+        graceful_shutdown_timeout_s=options.shutdown_grace_s, graceful_shutdown_wait_loop_s=0.5,
         ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus})
     return deployment.bind(worker.to_dict())
 

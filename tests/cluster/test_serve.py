@@ -26,7 +26,7 @@ def server(ray_cluster, model_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
          "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
-         "--num-threads", "1"],
+         "--num-threads", "1", "--shutdown-grace-s", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
@@ -214,8 +214,34 @@ def test_ctrl_c_shuts_down_cleanly(server):
 
     from mtpserve.actors.planner import get_planner
     proc = server["proc"]
+    # a long stream in flight: the drain is bounded by the replicas' grace (1 s here), not by the
+    # stream's length nor Serve's own 20 s: it ends long before its 1900 tokens
+    ended, chunks = threading.Event(), []
+
+    def stream():
+        with requests.post(f"{server['base']}/completions", stream=True, timeout=120,
+                           headers={"Authorization": f"Bearer {KEY}"},
+                           json={"model": server["model"], "prompt": "for i in", "max_tokens": 1900,
+                                 "ignore_eos": True, "stream": True}) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        chunks.append(line)
+                        started.set()
+            except requests.RequestException:
+                pass
+        ended.set()
+    started = threading.Event()
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    assert started.wait(60)
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0
+    assert ended.wait(30), "the in-flight stream never ended"
+    finished = [c for c in chunks if any(ch.get("finish_reason") for ch in json.loads(c[6:]).get("choices", []))]
+    assert time.monotonic() - t0 < 1 + 12 and not finished, (
+        f"shutdown took {time.monotonic() - t0:.1f} s and let the stream run to its end ({len(chunks)} chunks)")
     server["reader"].join(10)
     rest = []
     while not server["lines"].empty():
