@@ -148,7 +148,14 @@ class _Stop:
     pass
 
 
-Command = _Add | _Call | _Abort | _SetGrant | _Stop     # what the inbox carries
+@dataclass
+class _AddAll:
+    """Requests that arrive together (one HTTP request's prompts x choices): one command, so the
+    owner thread sees all or none of them before a step and they are scheduled alike."""
+    adds: list[_Add]
+
+
+Command = _Add | _AddAll | _Call | _Abort | _SetGrant | _Stop     # what the inbox carries
 
 
 class EngineLoop:
@@ -198,18 +205,25 @@ class EngineLoop:
                session_id: str | None = None) -> RequestStream:
         """Queue a request; call from a running event loop. Raises ValueError (bad request),
         Overloaded (queue full) or EngineFailed before anything is queued."""
+        return self.submit_all([(request_id, token_ids, params)], session_id)[0]
+
+    def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]],
+                   session_id: str | None = None) -> list[RequestStream]:
+        """Queue several requests as one arrival, all or none (``submit``'s errors): the owner
+        thread admits them from the same step on, so identical seeded requests are batched alike."""
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
-        footprint = check_request(token_ids, params.max_tokens, self.limits)
-        if not self.ledger.fits_grant(footprint):
+        footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
+        if not all(self.ledger.fits_grant(f) for f in footprints):
             raise Overloaded("this replica is draining or its grant is too small for the request")
         with self._queued_lock:
-            if self._num_queued >= self.max_pending:
+            if self._num_queued + len(requests) > self.max_pending:
                 raise Overloaded(f"{self._num_queued} requests are already waiting on this replica")
-            self._num_queued += 1
-        stream = RequestStream(request_id, self)
-        self._inbox.put(_Add(request_id, list(token_ids), params, footprint, stream, session_id))
-        return stream
+            self._num_queued += len(requests)
+        adds = [_Add(rid, list(ids), params, footprint, RequestStream(rid, self), session_id)
+                for (rid, ids, params), footprint in zip(requests, footprints)]
+        self._inbox.put(_AddAll(adds))
+        return [a.stream for a in adds]
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -255,7 +269,10 @@ class EngineLoop:
                 return commands
 
     def _apply(self, command: Command) -> None:
-        if isinstance(command, _Add):
+        if isinstance(command, _AddAll):
+            for add in command.adds:
+                self._apply(add)
+        elif isinstance(command, _Add):
             if self._failed is not None:
                 self._dequeued()
                 _deliver([(command.stream, EngineFailed(f"the engine failed: {self._failed!r}"))],

@@ -83,16 +83,9 @@ class Worker:
     def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
              session_id: str | None = None) -> list[RequestStream]:
         """Submit every (prompt, choice) as one engine request, all or none (errors propagate)."""
-        streams: list[RequestStream] = []
-        try:
-            for p, (ids, choice_params) in enumerate(zip(prompts, params)):
-                for c, sp in enumerate(choice_params):
-                    streams.append(self.loop.submit(f"{request_id}-{p}-{c}", ids, sp, session_id))
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        return streams
+        return self.loop.submit_all([(f"{request_id}-{p}-{c}", ids, sp)
+                                     for p, (ids, choice_params) in enumerate(zip(prompts, params))
+                                     for c, sp in enumerate(choice_params)], session_id)
 
     async def run(self, streams: list[RequestStream], started: float) -> AsyncIterator[tuple[int, TokenEvent]]:
         """Merge the streams, recording TTFT, inter-token latency and finished requests."""
