@@ -358,14 +358,16 @@ class PrefixCache:
         prompt and the output so far).
         ``hidden_rows(start, count)``: the main model's hidden rows of those positions (MTP)."""
         chain = self._chains.setdefault(request_id, _RequestChain())
-        chain_digests(tokens[:num_computed], self.block_size, chain.digests)
-        table = self.kv_pool.block_table(request_id)
-        for k in range(chain.num_registered, num_computed // self.block_size):
-            digest = chain.digests[k]
-            if digest not in self.entries:
-                self._add_entry(digest, (k + 1) * self.block_size, table[k])
-        chain.num_registered = max(chain.num_registered, num_computed // self.block_size)
-        if self.head_pool is not None:
+        full = num_computed // self.block_size
+        if full > chain.num_registered:           # (most decode steps fill no block: nothing to do)
+            chain_digests(tokens[:num_computed], self.block_size, chain.digests)
+            table = self.kv_pool.block_table(request_id)
+            for k in range(chain.num_registered, full):
+                digest = chain.digests[k]
+                if digest not in self.entries:
+                    self._add_entry(digest, (k + 1) * self.block_size, table[k])
+            chain.num_registered = full
+        if self.head_pool is not None and (chain.num_head_registered + 1) * self.block_size <= num_head:
             self._register_head(request_id, chain, num_head)
         boundary = self.prompt_boundary(num_prompt_tokens)
         if num_computed and num_computed <= boundary and (num_computed % self.snapshot_interval == 0
