@@ -75,10 +75,18 @@ class _RefuseEarly:
         await self.app(scope, receive, send)
 
 
-def _early_error(worker, headers: dict[str, str]) -> APIError | None:
-    if worker.api_key and not api_key_matches(headers.get("authorization"), worker.api_key):
+def _auth_error(api_key: str | None, authorization: str | None) -> APIError | None:
+    """The 401 for a request without the server's key (none when the server has no key)."""
+    if api_key and not api_key_matches(authorization, api_key):
         return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                         "authentication_error", None, "invalid_api_key")
+    return None
+
+
+def _early_error(worker, headers: dict[str, str]) -> APIError | None:
+    err = _auth_error(worker.api_key, headers.get("authorization"))
+    if err is not None:
+        return err
     limit, length = worker.config.max_request_bytes, headers.get("content-length")
     if length is None or not length.isdigit():
         return APIError(411, "a request body needs a Content-Length", code="length_required")
@@ -91,11 +99,11 @@ def _early_error(worker, headers: dict[str, str]) -> APIError | None:
 api.add_middleware(_RefuseEarly)
 
 
-def _answer(err: APIError) -> JSONResponse:
+def _answer(err: APIError, headers: dict | None = None) -> JSONResponse:
     """An error response in the envelope, counted on /metrics by status."""
     if _replica:
         _replica[0].recorder.error(err.status)
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -144,7 +152,7 @@ class OpenAIRoutes:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         try:
-            self._check(body, request)
+            self._check(body)
             prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
             return await self._respond(body, prompts, request, chat=False)
         except APIError as e:
@@ -153,7 +161,7 @@ class OpenAIRoutes:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
-            self._check(body, request)
+            self._check(body)
             try:
                 text = self.tokenizer.apply_chat_template(body.messages_as_dicts())
             except ValueError as e:
@@ -176,12 +184,12 @@ class OpenAIRoutes:
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key and not api_key_matches(request.headers.get("authorization"), self.api_key):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           "authentication_error", None, "invalid_api_key")
+        """For GET routes: a POST's key was checked before its body was read (``_RefuseEarly``)."""
+        err = _auth_error(self.api_key, request.headers.get("authorization"))
+        if err is not None:
+            raise err
 
-    def _check(self, body, request: Request) -> None:
-        self._authorize(request)
+    def _check(self, body) -> None:
         _require_unicode(body.model, "model")
         if body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
@@ -189,8 +197,7 @@ class OpenAIRoutes:
         body.refuse_unsupported()
 
     def _error(self, e: APIError) -> JSONResponse:
-        self.recorder.error(e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers={REPLICA_HEADER: self.replica_id})
+        return _answer(e, {REPLICA_HEADER: self.replica_id})
 
     async def _respond(self, body, prompts: list[list[int]], request: Request, chat: bool):
         started = time.perf_counter()

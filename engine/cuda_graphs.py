@@ -151,15 +151,49 @@ class _StaticInputs:
 
 @dataclass
 class _Graph:
-    shape: GraphShape
-    graph_id: int
     binding: _Binding
     inputs: _StaticInputs
-    run_options: ort.RunOptions
+    run_options: ort.RunOptions  # carries the graph's gpu_graph_id
     host_arrays: list            # host inputs read at capture: kept alive with the graph
 
 
-class StepGraphs:
+class _GraphSet:
+    """The captured graphs of one session, by shape, and what capturing and replaying them cost."""
+    what = "graph"
+
+    def __init__(self, session: ort.InferenceSession, catalog: GraphCatalog):
+        self.session, self.catalog = session, catalog
+        self._graphs: dict[GraphShape, _Graph] = {}
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0          # device memory the captures took (graphs + ORT's arena growth)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+        """Capture every shape of the catalog (``_capture`` binds one, ``_add`` captures it)."""
+        seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress)
+        self.capture_seconds += seconds
+        self.memory_bytes += nbytes
+
+    def _capture(self, shape: GraphShape) -> None:
+        raise NotImplementedError
+
+    def _add(self, shape: GraphShape, binding: _Binding, inputs: _StaticInputs, host_arrays: list) -> None:
+        """Capture ``binding`` as the graph of ``shape``: ORT's warm-up runs, then the capture."""
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))   # 0 is ORT's default id
+        self.session.run_with_iobinding(binding.io, options)
+        self._graphs[shape] = _Graph(binding, inputs, options, host_arrays)
+
+    def _replay(self, graph: _Graph) -> None:
+        self.session.run_with_iobinding(graph.binding.io, graph.run_options)
+        self.num_replays += 1
+
+
+class StepGraphs(_GraphSet):
     """Every captured main-model step of one engine, and the buffers they share.
 
     ``run(request_ids, rows, num_tokens)`` replays the step's graph and returns its outputs, or
@@ -167,10 +201,13 @@ class StepGraphs:
     ``num_eager`` count the decode-shaped steps of each kind.
     """
 
+    what = "main model"
+
     def __init__(self, runner: Runner, bank: StateBank, catalog: GraphCatalog, xp):
         if not runner.cuda_graphs:
             raise AssertionError("the runner's main session was made without enable_cuda_graph")
-        self.runner, self.bank, self.catalog, self.xp = runner, bank, catalog, xp
+        super().__init__(runner.session, catalog)
+        self.runner, self.bank, self.xp = runner, bank, xp
         m = runner.manifest
         max_batch = max(catalog.batch_sizes)
         if max_batch > bank.max_rows:
@@ -182,24 +219,14 @@ class StepGraphs:
         ids = bank.spec.layer_ids
         self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
                                      xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
-        self._graphs: dict[GraphShape, _Graph] = {}
-        self.num_replays = 0
         self.num_eager = 0
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0          # device memory the captures took (graphs + ORT's arena growth)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
         """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
         if self.bank.num_resident_rows:
             raise AssertionError("graphs are captured before any request holds a state row")
-        seconds, nbytes = _capture_shapes("main model", self.catalog, self._graphs, self._capture, progress)
-        self.capture_seconds += seconds
-        self.memory_bytes += nbytes
+        super().capture_all(progress)
 
     def _capture(self, shape: GraphShape) -> None:
         r, m, xp = self.runner, self.runner.manifest, self.xp
@@ -224,11 +251,7 @@ class StepGraphs:
             b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
         b.bind_at(m.logits_output, self.logits[:T], output=True)
         b.bind_at(m.hidden_output, self.hidden[:T], output=True)
-        options = ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))   # 0 is ORT's default id
-        graph = _Graph(shape, len(self._graphs) + 1, b, inputs, options, host_arrays)
-        r.session.run_with_iobinding(b.io, options)        # ORT's warm-up runs, then the capture
-        self._graphs[shape] = graph
+        self._add(shape, b, inputs, host_arrays)
 
     # ------------------------------------------------------------------ a step
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
@@ -251,8 +274,7 @@ class StepGraphs:
         host = graph.inputs.writable()
         _fill_step(host, rows, n, width)
         graph.inputs.upload()
-        self.runner.session.run_with_iobinding(graph.binding.io, graph.run_options)
-        self.num_replays += 1
+        self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
         captures = None
@@ -338,7 +360,7 @@ def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     _fill_rows(host, rows, n, width)
 
 
-class HeadGraphs:
+class HeadGraphs(_GraphSet):
     """Captured MTP-head forwards, and greedy drafting chained on the device.
 
     A drafting step of B greedy requests with up to K drafts each, when it fits a captured shape:
@@ -363,12 +385,15 @@ class HeadGraphs:
     catch-ups longer than R and shapes not captured draft eagerly (``draft`` returns None).
     """
 
+    what = "MTP head"
+
     def __init__(self, runner: Runner, catalog: GraphCatalog, xp):
         if not runner.cuda_graphs or runner.head_session is None:
             raise AssertionError("the runner's head session was made without enable_cuda_graph")
         if catalog.banks != (0,) or 1 not in catalog.token_counts or len(catalog.token_counts) > 2:
             raise AssertionError(f"head graphs are (1 row, catch-up rows) per request, one bank: {catalog}")
-        self.runner, self.catalog, self.xp = runner, catalog, xp
+        super().__init__(runner.head_session, catalog)
+        self.runner, self.xp = runner, xp
         self.catch_up_rows = max(catalog.token_counts)
         m = runner.manifest
         max_rows = max(catalog.batch_sizes) * self.catch_up_rows
@@ -376,19 +401,6 @@ class HeadGraphs:
         self.hidden_in = xp.zeros((max_rows, m.hidden_size), runner.hidden_dtype)
         self.logits = xp.empty((max_rows, m.vocab_size), m.compute_dtype)
         self.hidden_out = xp.empty((max_rows, m.hidden_size), runner.hidden_dtype)
-        self._graphs: dict[GraphShape, _Graph] = {}
-        self.num_replays = 0
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
-
-    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
-        seconds, nbytes = _capture_shapes("MTP head", self.catalog, self._graphs, self._capture, progress)
-        self.capture_seconds += seconds
-        self.memory_bytes += nbytes
 
     def _capture(self, shape: GraphShape) -> None:
         r, head = self.runner, self.runner.manifest.mtp
@@ -399,10 +411,7 @@ class HeadGraphs:
         b.bind_at(head.hidden_input, self.hidden_in[:T])
         b.bind_at(head.logits_output, self.logits[:T], output=True)
         b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
-        options = ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))
-        r.head_session.run_with_iobinding(b.io, options)
-        self._graphs[shape] = _Graph(shape, len(self._graphs) + 1, b, inputs, options, host_arrays)
+        self._add(shape, b, inputs, host_arrays)
 
     def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int) -> np.ndarray | None:
         """Greedy drafts ``[B, num_drafts]`` (host int64), or None when no captured shape fits.
@@ -432,7 +441,7 @@ class HeadGraphs:
         host["last_rows"][:B] += np.asarray(fed) - 1
         catch_up.inputs.upload()
         self._gather_hidden(hidden, R)
-        self._replay(self.runner.head_session, catch_up)
+        self._replay(catch_up)
         last = catch_up.inputs.device["last_rows"]
         drafts = [self.logits[last].argmax(axis=1)]
         state = self.hidden_out[last]
@@ -448,7 +457,7 @@ class HeadGraphs:
                     dev["position_ids"] += 1
                 dev["input_ids"][...] = drafts[-1]
                 self.hidden_in[:batch] = state
-                self._replay(self.runner.head_session, chained)
+                self._replay(chained)
                 drafts.append(self.logits[:batch].argmax(axis=1))
                 state = self.hidden_out[:batch]
         return xp.stack(drafts, axis=1)[:B].get()
@@ -466,10 +475,6 @@ class HeadGraphs:
         for arr, dst, src in by_source.values():
             index = self.xp.asarray(np.array(dst + src, np.int64))
             self.hidden_in[index[:len(dst)]] = arr[index[len(dst):]]
-
-    def _replay(self, session, graph: _Graph) -> None:
-        session.run_with_iobinding(graph.binding.io, graph.run_options)
-        self.num_replays += 1
 
 
 def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:

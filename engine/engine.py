@@ -113,6 +113,10 @@ class Engine:
         num_snapshots = 0
         if config.cache.prefix_cache:
             num_snapshots = min(4096, int(config.cache.prefix_snapshot_gib * 2**30) // spec.bytes_per_row(num_banks=1))
+            if num_snapshots == 0:      # no snapshot, no hit: the cache would only cost prompt chunks
+                raise ValueError(f"prefix_snapshot_gib {config.cache.prefix_snapshot_gib} holds no state snapshot "
+                                 f"(one takes {spec.bytes_per_row(num_banks=1)} bytes); raise it or turn "
+                                 f"prefix_cache off")
         self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused,
                                     num_snapshots=num_snapshots)
         self.prefix_cache = None
@@ -240,8 +244,7 @@ class Engine:
         if self.proposer is not None:
             for u, start in zip(updates, plan.layout.row_start):
                 self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
-        self.scheduler.cache_prefixes(plan, None if self.proposer is None else (
-            lambda r, start, count: self.proposer.pending_rows(r.request_id, start - r.num_head, count)))
+        self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
         events = []
         for u in updates:
             if u.new_token_ids:

@@ -218,30 +218,31 @@ class PrefixCache:
         return min(ahead)
 
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
-        """The longest usable prefix of a new request's tokens (counted in the stats)."""
+        """The longest usable prefix of a new request's tokens (``admitted`` counts it), with
+        what it needs restored from the host tier."""
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
         best, chain.matched = None, 0
-        pinned = False
+        pinned = None         # once a restore starts: the path's blocks, held so its reservations spare them
         try:
             for k, digest in enumerate(chain.digests[:limit]):
                 entry = self.entries.get(digest)
                 record = self.host.get(digest) if self.host is not None else None
                 if record is not None and (entry is None or (entry.snapshot is None and "snapshot" in record)):
-                    if not pinned:           # earlier entries of the path must survive the restore's reservations
-                        self._pin([self.entries[d].block for d in chain.digests[:k]])
-                        pinned = True
+                    if pinned is None:
+                        pinned = self._pin([self.entries[d].block for d in chain.digests[:k]])
                     entry = self._restore(digest, (k + 1) * self.block_size, entry)
                 if entry is None:
                     break
-                if pinned and _PIN not in self._pinned_blocks(entry.block):
-                    self._pin_more(entry.block)
+                if pinned is not None and entry.block not in pinned:
+                    pinned.append(entry.block)
+                    self._pin(pinned)
                 chain.matched = (k + 1) * self.block_size
                 if entry.snapshot is not None:
                     best = k
         finally:
-            if pinned:
+            if pinned is not None:
                 self._unpin()
         if best is None:
             return None
@@ -258,19 +259,14 @@ class PrefixCache:
                          path[-1].hidden)
 
     # ------------------------------------------------------------------ the host tier
-    def _pin(self, blocks: list[int]) -> None:
+    def _pin(self, blocks: list[int]) -> list[int]:
+        """(Re)make the pin table: exactly ``blocks`` (cached) held in it; returns that list."""
+        if _PIN in self.kv_pool:
+            self.kv_pool.free(_PIN)
         self.kv_pool.attach(_PIN, blocks)
-        if self.head_pool is not None:
+        if self.head_pool is not None and _PIN not in self.head_pool:
             self.head_pool.attach(_PIN, [])
-
-    def _pinned_blocks(self, block: int) -> set:
-        return {_PIN} if block in self.kv_pool.block_table(_PIN) else set()
-
-    def _pin_more(self, block: int) -> None:
-        """Hold one more cached block in the pin table (an entry met on the device after a restore)."""
-        table = self.kv_pool.block_table(_PIN)
-        self.kv_pool.free(_PIN)
-        self.kv_pool.attach(_PIN, table + [block])
+        return blocks
 
     def _unpin(self) -> None:
         self.kv_pool.free(_PIN)
@@ -285,7 +281,7 @@ class PrefixCache:
             if "kv" not in record or not self.kv_pool.reserve(_PIN, (len(self.kv_pool.block_table(_PIN)) + 1)
                                                               * self.block_size):
                 return None
-            block = self.kv_pool.block_table(_PIN)[-1]
+            block = self.kv_pool.block_table(_PIN)[-1]       # the lookup appends it to its pinned path
             for arr, blob in zip(self.kv_arrays, msgpack.unpackb(record["kv"])):
                 arr[block] = unpack_array(blob, xp)
             self._add_entry(digest, num_tokens, block)
@@ -352,11 +348,11 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ registration
     def committed(self, request_id: str, tokens, num_prompt_tokens: int, num_computed: int, num_head: int,
-                  hidden_rows: Callable[[int, int], Array] | None) -> None:
+                  pending_rows: Callable[[str, int, int], Array] | None) -> None:
         """After a step: enter the request's newly full blocks (main and head), and take a
         snapshot when ``num_computed`` sits on one of its prompt's boundaries (``tokens``: the
-        prompt and the output so far).
-        ``hidden_rows(start, count)``: the main model's hidden rows of those positions (MTP)."""
+        prompt and the output so far). ``pending_rows(request_id, offset, count)``: the main
+        model's hidden rows from position ``num_head + offset`` (MTP on; the proposer's)."""
         chain = self._chains.setdefault(request_id, _RequestChain())
         full = num_computed // self.block_size
         if full > chain.num_registered:           # (most decode steps fill no block: nothing to do)
@@ -374,7 +370,9 @@ class PrefixCache:
                                                           or num_computed in (boundary, chain.matched)):
             entry = self.entries[chain.digests[num_computed // self.block_size - 1]]
             if entry.snapshot is None:
-                self._snapshot(request_id, entry, hidden_rows)
+                hidden = None if pending_rows is None else (
+                    lambda: pending_rows(request_id, entry.num_tokens - self.block_size - num_head, self.block_size))
+                self._snapshot(request_id, entry, hidden)
 
     def _add_entry(self, digest: bytes, num_tokens: int, block: int) -> None:
         if self.kv_pool.is_cached(block):         # a block of another prefix (cannot happen) stays put
@@ -407,7 +405,7 @@ class PrefixCache:
             slot = self.bank.save_snapshot(request_id)
         entry.snapshot = slot
         if hidden_rows is not None:
-            entry.hidden = hidden_rows(entry.num_tokens - self.block_size, self.block_size)
+            entry.hidden = hidden_rows()
         self.stats.num_snapshots_taken += 1
 
     def _drop_snapshot(self, entry: CacheEntry) -> None:

@@ -357,19 +357,18 @@ class Scheduler:
                 u.new_token_ids, u.finish_reason = self._append_until_stop(r, u.new_token_ids)
         return updates
 
-    def cache_prefixes(self, plan: StepPlan, hidden_rows=None) -> None:
+    def cache_prefixes(self, plan: StepPlan, pending_rows=None) -> None:
         """After a step's commit: the prefix cache enters the scheduled requests' newly full
-        blocks and takes the snapshots due. ``hidden_rows(request, start, count)``: the main
-        model's hidden rows of those positions (MTP on), for a snapshot's head catch-up."""
+        blocks and takes the snapshots due. ``pending_rows``: ``MTPProposer.pending_rows`` (MTP
+        on), the main model's hidden rows a snapshot keeps for the head's catch-up."""
         if self.prefix_cache is None:
             return
         for s in plan.scheduled:
             r = s.request
-            rows = None if hidden_rows is None else (lambda start, count, r=r: hidden_rows(r, start, count))
             # a stop id inside an accepted draft run leaves num_computed one past the kept tokens
             num_computed = min(r.num_computed, len(r.token_ids))
             self.prefix_cache.committed(r.request_id, r.token_ids, r.num_prompt_tokens, num_computed,
-                                        min(r.num_head, num_computed), rows)
+                                        min(r.num_head, num_computed), pending_rows)
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append tokens up to and including the first stop id, or up to max_tokens / the context."""

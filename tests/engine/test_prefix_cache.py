@@ -177,8 +177,8 @@ def test_entries_the_device_evicts_come_back_from_the_host_tier(model_dir, k):
 def test_snapshots_that_lose_their_slot_come_back_from_the_host_tier(model_dir):
     """Room for two snapshots only: older ones are offloaded and restored when a lookup needs them."""
     rounds = [[SYSTEM + PROMPTS[i]] for i in range(5)] + [[SYSTEM + PROMPTS[0]]]
-    engine = engine_with(model_dir, True, 2, snapshot_gib=0)
-    engine_small = engine_with(model_dir, True, 2, snapshot_gib=2 * engine.state_bank.spec.bytes_per_row(1) / 2**30)
+    row_bytes = engine_with(model_dir, False, 2).state_bank.spec.bytes_per_row(1)
+    engine_small = engine_with(model_dir, True, 2, snapshot_gib=2 * row_bytes / 2**30)
     assert len(engine_small.state_bank.snapshot_conv) == 2
     out, cached = serve(engine_small, rounds)
     assert out == reference(model_dir, rounds, 2)
@@ -195,3 +195,8 @@ def test_a_packed_array_round_trips_exactly():
                 np.zeros((0, 3), np.int32)):
         back = unpack_array(pack_array(arr))
         assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
+
+
+def test_a_snapshot_budget_too_small_for_one_snapshot_is_refused(model_dir):
+    with pytest.raises(ValueError, match="holds no state snapshot"):
+        engine_with(model_dir, True, snapshot_gib=0)
