@@ -38,11 +38,13 @@ class CacheConfig:
                                         "(exact, with MTP too)")
     prefix_snapshot_gib: float = setting(1.0, "prefix cache: the most GiB its recurrent-state snapshots take")
     prefix_host_gib: float = setting(4.0, "prefix cache: host memory for entries the device evicts (0 = none)")
-    snapshot_interval: int = setting(256, "prefix cache: a prompt's state is snapshotted every this many tokens "
-                                          "(a multiple of the block size) and at its last full block")
+    snapshot_interval: int | None = setting(None, "prefix cache: a prompt's state is snapshotted every this many "
+                                                  "tokens (a multiple of the block size) and at its last full "
+                                                  "block (default: the step's token budget, so a long prompt's "
+                                                  "chunks end there anyway)")
 
     def validate(self) -> None:
-        if self.prefix_snapshot_gib < 0 or self.prefix_host_gib < 0 or self.snapshot_interval < 1:
+        if self.prefix_snapshot_gib < 0 or self.prefix_host_gib < 0 or (self.snapshot_interval or 1) < 1:
             raise ValueError(f"prefix_snapshot_gib must be >= 0 and snapshot_interval >= 1, got "
                              f"{self.prefix_snapshot_gib} / {self.snapshot_interval}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -123,8 +123,10 @@ class Engine:
         if config.cache.prefix_cache:
             from mtpserve.engine.prefix_cache import PrefixCache
             head_arrays = self.runner.head_kv.arrays.values() if self.head_pool is not None else ()
+            budget = config.scheduler.max_tokens_per_step
+            interval = config.cache.snapshot_interval or max(m.block_size, budget // m.block_size * m.block_size)
             self.prefix_cache = PrefixCache(m.block_size, self.kv_pool, self.head_pool, self.state_bank,
-                                            config.cache.snapshot_interval, self.xp, self.runner.kv.arrays.values(),
+                                            interval, self.xp, self.runner.kv.arrays.values(),
                                             head_arrays, int(config.cache.prefix_host_gib * 2**30))
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:

@@ -219,35 +219,44 @@ class PrefixCache:
 
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
         """The longest usable prefix of a new request's tokens (``admitted`` counts it), with
-        what it needs restored from the host tier."""
+        what it needs restored from the host tier: the path's blocks that are there, and one
+        snapshot, the deepest (snapshots shallower on the path stay where they are)."""
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
-        best, chain.matched = None, 0
-        pinned = None         # once a restore starts: the path's blocks, held so its reservations spare them
+        # 1. how far the chain is cached (device or host), and its deepest snapshot: no side effects
+        deepest, chain.matched = None, 0
+        for k, digest in enumerate(chain.digests[:limit]):
+            entry = self.entries.get(digest)
+            record = self.host.get(digest) if self.host is not None else None
+            if entry is None and (record is None or "kv" not in record):
+                break
+            chain.matched = (k + 1) * self.block_size
+            if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
+                deepest = k
+        if deepest is None:
+            return None
+        # 2. the path to it on the device, then the deepest snapshot on that path
+        wanted = chain.digests[:deepest + 1]
+        on_device = [self.entries[d].block for d in wanted if d in self.entries]
+        pinned = len(on_device) < len(wanted)   # restores ahead: hold the path's blocks so their
+        if pinned:                              # reservations spare them (restored ones join the pin)
+            self._pin(on_device)
+        path: list[CacheEntry] = []
         try:
-            for k, digest in enumerate(chain.digests[:limit]):
-                entry = self.entries.get(digest)
-                record = self.host.get(digest) if self.host is not None else None
-                if record is not None and (entry is None or (entry.snapshot is None and "snapshot" in record)):
-                    if pinned is None:
-                        pinned = self._pin([self.entries[d].block for d in chain.digests[:k]])
-                    entry = self._restore(digest, (k + 1) * self.block_size, entry)
+            for k, digest in enumerate(wanted):
+                entry = self.entries.get(digest) or self._restore_blocks(digest, (k + 1) * self.block_size)
                 if entry is None:
                     break
-                if pinned is not None and entry.block not in pinned:
-                    pinned.append(entry.block)
-                    self._pin(pinned)
-                chain.matched = (k + 1) * self.block_size
-                if entry.snapshot is not None:
-                    best = k
+                path.append(entry)
+            while path and path[-1].snapshot is None and not self._restore_snapshot(path[-1]):
+                path.pop()
         finally:
-            if pinned is not None:
+            if pinned:
                 self._unpin()
-        if best is None:
+        if not path:
             return None
         self._clock += 1
-        path = [self.entries[d] for d in chain.digests[:best + 1]]
         for e in path:
             e.last_used = self._clock
         head_blocks = []
@@ -259,52 +268,63 @@ class PrefixCache:
                          path[-1].hidden)
 
     # ------------------------------------------------------------------ the host tier
-    def _pin(self, blocks: list[int]) -> list[int]:
-        """(Re)make the pin table: exactly ``blocks`` (cached) held in it; returns that list."""
-        if _PIN in self.kv_pool:
-            self.kv_pool.free(_PIN)
+    def _pin(self, blocks: list[int]) -> None:
+        """The pin table: ``blocks`` (cached) held in it, so no reservation evicts them; a
+        restore's reservations add their blocks to it."""
         self.kv_pool.attach(_PIN, blocks)
-        if self.head_pool is not None and _PIN not in self.head_pool:
+        if self.head_pool is not None:
             self.head_pool.attach(_PIN, [])
-        return blocks
 
     def _unpin(self) -> None:
         self.kv_pool.free(_PIN)
         if self.head_pool is not None:
             self.head_pool.free(_PIN)
 
-    def _restore(self, digest: bytes, num_tokens: int, entry: CacheEntry | None) -> CacheEntry | None:
-        """Bring a host record back onto the device (into ``entry`` when its blocks are still
-        there); None if there is no room. The record leaves the host tier."""
+    def _restore_blocks(self, digest: bytes, num_tokens: int) -> CacheEntry | None:
+        """A host record's main (and head) block back onto the device as a new entry, reserved
+        in the pin table; None if it has no block part or the pool has no room. The block
+        parts leave the host tier; a snapshot part stays there until a lookup wants it."""
         record, xp = self.host.get(digest), self.xp
-        if entry is None:
-            if "kv" not in record or not self.kv_pool.reserve(_PIN, (len(self.kv_pool.block_table(_PIN)) + 1)
-                                                              * self.block_size):
-                return None
-            block = self.kv_pool.block_table(_PIN)[-1]       # the lookup appends it to its pinned path
-            for arr, blob in zip(self.kv_arrays, msgpack.unpackb(record["kv"])):
-                arr[block] = unpack_array(blob, xp)
-            self._add_entry(digest, num_tokens, block)
-            entry = self.entries[digest]
-            if "head" in record and self.head_pool is not None and self.head_pool.reserve(
-                    _PIN, (len(self.head_pool.block_table(_PIN)) + 1) * self.block_size):
-                head_block = self.head_pool.block_table(_PIN)[-1]
-                for arr, blob in zip(self.head_arrays, msgpack.unpackb(record["head"])):
-                    arr[head_block] = unpack_array(blob, xp)
-                entry.head_block = head_block
-                self._by_head_block[head_block] = digest
-                self.head_pool.mark_cached(head_block)
-        if "snapshot" in record and entry.snapshot is None:
-            conv, recurrent, length = msgpack.unpackb(record["snapshot"])
-            slot = self.bank.put_snapshot(unpack_array(conv, xp), unpack_array(recurrent, xp), length)
-            if slot is None and self._free_a_snapshot_slot(keep=entry):
-                slot = self.bank.put_snapshot(unpack_array(conv, xp), unpack_array(recurrent, xp), length)
-            if slot is not None:
-                entry.snapshot = slot
-                entry.hidden = unpack_array(record["hidden"], xp) if "hidden" in record else None
-        self.host.drop(digest)
+        if record is None or "kv" not in record or not self.kv_pool.reserve(
+                _PIN, (len(self.kv_pool.block_table(_PIN)) + 1) * self.block_size):
+            return None
+        block = self.kv_pool.block_table(_PIN)[-1]
+        for arr, blob in zip(self.kv_arrays, msgpack.unpackb(record["kv"])):
+            arr[block] = unpack_array(blob, xp)
+        self._add_entry(digest, num_tokens, block)
+        entry = self.entries[digest]
+        if "head" in record and self.head_pool is not None and self.head_pool.reserve(
+                _PIN, (len(self.head_pool.block_table(_PIN)) + 1) * self.block_size):
+            head_block = self.head_pool.block_table(_PIN)[-1]
+            for arr, blob in zip(self.head_arrays, msgpack.unpackb(record["head"])):
+                arr[head_block] = unpack_array(blob, xp)
+            entry.head_block = head_block
+            self._by_head_block[head_block] = digest
+            self.head_pool.mark_cached(head_block)
+        for part in ("kv", "head"):
+            self.host.drop(digest, part)
         self.stats.num_restored += 1
         return entry
+
+    def _restore_snapshot(self, entry: CacheEntry) -> bool:
+        """The entry's snapshot (and hidden rows) back from the host tier into a bank slot,
+        reclaiming the least recently used other slot if none is free; False if it cannot."""
+        record = self.host.get(entry.digest) if self.host is not None else None
+        if record is None or "snapshot" not in record:
+            return False
+        conv, recurrent, length = msgpack.unpackb(record["snapshot"])
+        conv, recurrent = unpack_array(conv, self.xp), unpack_array(recurrent, self.xp)
+        slot = self.bank.put_snapshot(conv, recurrent, length)
+        if slot is None and self._free_a_snapshot_slot(keep=entry):
+            slot = self.bank.put_snapshot(conv, recurrent, length)
+        if slot is None:
+            return False
+        entry.snapshot = slot
+        entry.hidden = unpack_array(record["hidden"], self.xp) if "hidden" in record else None
+        for part in ("snapshot", "hidden"):
+            self.host.drop(entry.digest, part)
+        self.stats.num_restored += 1
+        return True
 
     def _offload(self, entry: CacheEntry, with_blocks: bool) -> None:
         """Copy an entry's parts to the host tier before the device lets go of them."""

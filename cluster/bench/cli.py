@@ -7,6 +7,7 @@
     mtpserve bench --request-rate 2,8 --prompts random --input-len 256
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32   the Serve app, 1 then 2 replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256  1 replica, then one per GPU
+    mtpserve bench --replicas 0,1 --concurrency 1,16 --draft-tokens 0       what HTTP serving adds to TTFT / ITL
     mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
     mtpserve bench --serving-overhead --requests 24 --max-tokens 64          HTTP vs in-process latency
 
@@ -57,7 +58,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--api-key", help="bearer token for the HTTP server")
     g.add_argument("--compare", choices=["ortgenai"], help="also run onnxruntime-genai's og.Engine (CUDA only)")
     g.add_argument("--replicas", help="deploy the Serve app with each of these replica counts in turn and drive it "
-                                      "over HTTP, e.g. 1,2 or 1,all (all: one per GPU with --device cuda)")
+                                      "over HTTP, e.g. 1,2 or 1,all (all: one per GPU with --device cuda); 0 = the "
+                                      "replica's engine in this process, the baseline for what serving adds")
     g.add_argument("--kill-replica-after", type=float, metavar="S",
                    help="with --replicas N: kill the busiest replica's process S seconds into the top "
                         "concurrency's load and record errors, recovery and the pools afterwards")
@@ -306,10 +308,10 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "serving_overhead")}
     if args.url:
         settings["draft_tokens"] = "the server's"
-    scaling = None
+    scaling = overhead = None
     if mode == "replicas":
         from mtpserve.cluster.bench import replicas
-        scaling = replicas.scaling(summaries)
+        scaling, overhead = replicas.scaling(summaries), replicas.http_overhead(summaries)
     payload = {
         "name": name, "created": now.isoformat(timespec="seconds"), "mode": mode,
         "command": sys.argv, "git_commit": _git_commit(),
@@ -326,6 +328,8 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     }
     if scaling is not None:
         payload["scaling"] = scaling
+    if overhead:
+        payload["http_overhead"] = overhead
     if fault is not None:
         payload["fault"] = fault
     if manifest is not None:
@@ -354,6 +358,9 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
               f"{100 * bound['fraction_of_bound']:.1f}% of the bound")
     if scaling:
         print("\n" + replicas.format_scaling(scaling))
+    if overhead:
+        print("\nwhat serving adds (1 replica over HTTP vs the same engine in process):\n"
+              + replicas.format_http_overhead(overhead))
     if fault is not None:
         from mtpserve.cluster.bench.fault import format_fault
         print("\n" + format_fault(fault))

@@ -3,7 +3,11 @@
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32     CPU replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256     one replica per GPU
 
-For each replica count, in one run: deploy the app (``cluster.deploy``, as `mtpserve serve`
+Replica count 0 is the baseline: the same engine config a replica builds, driven in this process
+(no Ray Serve, no HTTP), so `--replicas 0,1` shows in one run what serving adds to TTFT and the
+inter-token latency (the ``http_overhead`` rows: added ms at p50 and p99).
+
+For each replica count >= 1, in one run: deploy the app (``cluster.deploy``, as `mtpserve serve`
 does) on a local Ray (or ``--address``), wait until every replica reports to the planner,
 drive its HTTP endpoint with the `bench --url` driver at every load, delete the app. Figures per
 (replicas, load) are the usual ones; on top, the scaling ratio N-vs-1 replicas at each load
@@ -27,19 +31,25 @@ APP_NAME = "mtpserve-bench"
 DEFAULT_PORT = 8000
 
 
+IN_PROCESS = "in-process"      # the label of replica count 0: the replica's engine, no Serve or HTTP
+
+
 def replica_label(num_replicas: int) -> str:
+    if num_replicas == 0:
+        return IN_PROCESS
     return f"{num_replicas} replica" + ("s" if num_replicas > 1 else "")
 
 
 def parse_replicas(value: str, device: str, num_devices: int) -> tuple[int, ...]:
-    """'1,2' -> (1, 2); 'all' is one replica per GPU (cuda) or per core (cpu)."""
+    """'1,2' -> (1, 2); 'all' is one replica per GPU (cuda) or per core (cpu); 0 is the
+    in-process baseline."""
     items = []
     for v in str(value).split(","):
         v = v.strip()
         if v:
             items.append(num_devices if v == "all" else int(v))
-    if not items or min(items) < 1:
-        raise ValueError(f"--replicas must list counts >= 1 (or 'all'), got {value!r}")
+    if not items or min(items) < 0 or max(items) < 1:
+        raise ValueError(f"--replicas must list counts >= 1 (or 'all'; 0 = the in-process baseline), got {value!r}")
     if device == "cuda" and max(items) > num_devices:
         raise ValueError(f"--replicas {max(items)} needs {max(items)} GPUs; the cluster has {num_devices}")
     return tuple(dict.fromkeys(items))
@@ -86,7 +96,10 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
         replica_counts = parse_replicas(args.replicas, args.device, num_devices(ray, args.device))
         log(f"replica counts {replica_counts} on {args.device}; loads {[l.label for l, _ in loads_with_workloads]}")
         for n in replica_counts:
-            options = serve_options(args, n, cpus)
+            options = serve_options(args, max(n, 1), cpus)
+            if n == 0:
+                runs += run_in_process(args, options.worker.engine, loads_with_workloads, log)
+                continue
             with deployed(options, args.port, log) as url:
                 target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
                                     args.ignore_eos, args.timeout_s, args.warmup_requests)
@@ -96,6 +109,75 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
                     run.extra["replica_share"] = replica_share(run.records)
                     runs.append(run)
     return runs
+
+
+def run_in_process(args, config, loads_with_workloads, log) -> list:
+    """The baseline: an Engine with the replica's own config, driven at every load in this process."""
+    import gc
+
+    from mtpserve.cluster.bench.engine_driver import EngineSweep, run_load
+    from mtpserve.cluster.bench.workload import Load, Workload
+    from mtpserve.engine.engine import Engine
+    k = config.spec.draft_tokens
+    sweep = EngineSweep(config.model_dir, config.device, config.num_threads, (k,), None,
+                        tuple(load for load, _ in loads_with_workloads), args.max_tokens, args.temperature,
+                        args.ignore_eos, args.seed, num_warmup_requests=args.warmup_requests,
+                        timeout_s=args.timeout_s)
+    started = time.perf_counter()
+    engine = Engine(config)
+    log(f"[{IN_PROCESS}] engine ready in {time.perf_counter() - started:.1f} s")
+    runs = []
+    if args.warmup_requests and loads_with_workloads:
+        wl = loads_with_workloads[0][1]
+        n = min(args.warmup_requests, wl.num_requests)
+        run_load(engine, sweep, Workload(wl.prompt_ids[:n], None), Load(concurrency=n), k, tag="warmup",
+                 max_tokens=min(16, args.max_tokens))
+    for i, (load, wl) in enumerate(loads_with_workloads):
+        run = run_load(engine, sweep, wl, load, k, tag=f"l{i}")
+        log(f"[{IN_PROCESS}] {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
+            f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
+        run.system = IN_PROCESS
+        run.extra["num_replicas"] = 0
+        runs.append(run)
+    del engine
+    gc.collect()
+    return runs
+
+
+def http_overhead(summaries: list[dict]) -> list[dict]:
+    """What serving adds: 1 replica over HTTP against the in-process engine at each load, in ms
+    added to TTFT and the inter-token latency (p50 and p99), and the throughput ratio."""
+    by_key = {(s["extra"]["num_replicas"], s["load"]): s for s in summaries if s["num_completed"]}
+    out = []
+    for (n, load), s in sorted(by_key.items(), key=lambda kv: kv[1]["concurrency"] or 0):
+        base = by_key.get((0, load))
+        if n != 1 or base is None:
+            continue
+        row = {"load": load, "concurrency": s["concurrency"],
+               "throughput_ratio": round(s["output_token_throughput"] / base["output_token_throughput"], 3)}
+        for key in ("ttft_ms", "itl_ms"):
+            for p in ("p50", "p99"):
+                a, b = (s.get(key) or {}).get(p), (base.get(key) or {}).get(p)
+                row[f"{key[:-3]}_{p}_ms"] = a
+                row[f"{key[:-3]}_{p}_in_process_ms"] = b
+                row[f"{key[:-3]}_{p}_added_ms"] = round(a - b, 3) if a is not None and b is not None else None
+        out.append(row)
+    return out
+
+
+def format_http_overhead(rows: list[dict]) -> str:
+    lines = [f"{'load':>8} {'TTFT p50 http/engine (+ms)':>28} {'TTFT p99 (+ms)':>16} "
+             f"{'ITL p50 http/engine (+ms)':>27} {'ITL p99 (+ms)':>14} {'tok/s ratio':>11}"]
+    for r in rows:
+        lines.append(f"{r['load']:>8} {r['ttft_p50_ms']:>9.2f}/{r['ttft_p50_in_process_ms']:<8.2f}"
+                     f"({_signed(r['ttft_p50_added_ms'])}) {_signed(r['ttft_p99_added_ms']):>16} "
+                     f"{r['itl_p50_ms']:>8.2f}/{r['itl_p50_in_process_ms']:<8.2f}({_signed(r['itl_p50_added_ms'])}) "
+                     f"{_signed(r['itl_p99_added_ms']):>14} {r['throughput_ratio']:>10.2f}x")
+    return "\n".join(lines)
+
+
+def _signed(v) -> str:
+    return "-" if v is None else f"{v:+.2f}"
 
 
 def replica_share(records) -> dict:
@@ -115,7 +197,7 @@ def scaling(summaries: list[dict]) -> list[dict]:
     out = []
     for (n, load), s in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1]["concurrency"] or 0)):
         base = by_key.get((1, load))
-        if n == 1 or base is None:
+        if n <= 1 or base is None:
             continue
         tps, rps = s["output_token_throughput"], s["request_throughput"]
         out.append({"num_replicas": n, "load": load, "concurrency": s["concurrency"],

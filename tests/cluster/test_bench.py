@@ -387,3 +387,23 @@ def test_anchor_child_reports_an_og_without_cuda(tiny_paged_export):
     sweep = bench_anchor.AnchorSweep(str(tiny_paged_export), (0,), (Load(concurrency=1),), 2, num_warmup_requests=0)
     runs, note = bench_anchor.run_anchor(sweep, Workload([[1, 2, 3]], None), "cuda", log=lambda m: None)
     assert runs == [] and "no CUDA support" in note
+
+
+def test_replica_count_zero_is_the_in_process_baseline_of_what_serving_adds():
+    from mtpserve.cluster.bench import replicas
+    assert replicas.parse_replicas("0,1", "cpu", 2) == (0, 1)
+    with pytest.raises(ValueError, match="counts >= 1"):
+        replicas.parse_replicas("0", "cpu", 2)
+
+    def summary(n, ttft, itl, tps):
+        return {"extra": {"num_replicas": n}, "load": "C=1", "concurrency": 1, "num_completed": 4,
+                "output_token_throughput": tps, "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+                "itl_ms": {"p50": itl, "p99": 3 * itl}}
+    rows = replicas.http_overhead([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["ttft_p50_added_ms"], r["ttft_p99_added_ms"], r["itl_p50_added_ms"], r["itl_p99_added_ms"]) == \
+        (3.5, 7.0, 0.5, 1.5)
+    assert r["throughput_ratio"] == 0.75
+    assert replicas.scaling([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)]) == []
+    assert "+3.50" in replicas.format_http_overhead(rows)

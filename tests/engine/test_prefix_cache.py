@@ -176,15 +176,33 @@ def test_entries_the_device_evicts_come_back_from_the_host_tier(model_dir, k):
 
 def test_snapshots_that_lose_their_slot_come_back_from_the_host_tier(model_dir):
     """Room for two snapshots only: older ones are offloaded and restored when a lookup needs them."""
-    rounds = [[SYSTEM + PROMPTS[i]] for i in range(5)] + [[SYSTEM + PROMPTS[0]]]
+    prompts = [SYSTEM + PROMPTS[i] * 4 for i in range(5)]     # each ends past the system prompt's blocks
+    rounds = [[p] for p in prompts] + [[prompts[0]]]
     row_bytes = engine_with(model_dir, False, 2).state_bank.spec.bytes_per_row(1)
     engine_small = engine_with(model_dir, True, 2, snapshot_gib=2 * row_bytes / 2**30)
     assert len(engine_small.state_bank.snapshot_conv) == 2
     out, cached = serve(engine_small, rounds)
     assert out == reference(model_dir, rounds, 2)
     assert engine_small.prefix_cache.stats.num_restored > 0
-    n = len(engine_small.tokenizer.encode(SYSTEM + PROMPTS[0]))
-    assert cached[-1][0] == (n - 1) // 16 * 16
+    n = len(engine_small.tokenizer.encode(prompts[0]))
+    assert cached[-1][0] == (n - 1) // 16 * 16 > len(engine_small.tokenizer.encode(SYSTEM))
+
+
+def test_a_hit_restores_one_snapshot_not_every_snapshot_on_its_path(model_dir):
+    """A long prompt leaves a snapshot every 16 tokens, more than the two slots hold, so most
+    go to the host tier. A repeat starts from the deepest one: the shallower ones on its path
+    stay on the host (bringing each back evicts another: a repeat would cost a copy of every
+    snapshot of the prompt both ways, seconds per request for a long prompt on a large model)."""
+    prompt = SYSTEM * 3 + PROMPTS[0]
+    rounds = [[prompt]] * 4
+    row_bytes = engine_with(model_dir, False).state_bank.spec.bytes_per_row(1)
+    engine = engine_with(model_dir, True, snapshot_gib=2 * row_bytes / 2**30)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds)
+    stats = engine.prefix_cache.stats
+    assert stats.num_snapshots_taken > 8 and stats.num_offloaded >= stats.num_snapshots_taken - 2
+    assert stats.num_requests_hit == 3 and all(c[0] > 0 for c in cached[1:])
+    assert stats.num_restored <= stats.num_requests_hit
 
 
 def test_a_packed_array_round_trips_exactly():
