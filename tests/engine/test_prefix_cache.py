@@ -205,14 +205,23 @@ def test_a_hit_restores_one_snapshot_not_every_snapshot_on_its_path(model_dir):
     assert stats.num_restored <= stats.num_requests_hit
 
 
-def test_a_packed_array_round_trips_exactly():
+def test_a_packed_array_and_host_record_round_trip_exactly():
     import numpy as np
 
-    from mtpserve.engine.prefix_cache import pack_array, unpack_array
+    from mtpserve.engine.prefix_cache import pack_array, pack_record, unpack_array, unpack_record
     for arr in (np.arange(24, dtype=np.float16).reshape(2, 3, 4), np.random.default_rng(0).standard_normal((5, 7)),
                 np.zeros((0, 3), np.int32)):
         back = unpack_array(pack_array(arr))
         assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
+    rng = np.random.default_rng(1)
+    record = {"kv": [rng.standard_normal((16, 2, 8)).astype(np.float16) for _ in range(3)],
+              "snapshot": (rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((2, 4, 4)), 48),
+              "hidden": rng.standard_normal((16, 64)).astype(np.float32)}
+    back = unpack_record(pack_record(record))
+    assert back.keys() == record.keys() and back["snapshot"][2] == 48
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(back["kv"], record["kv"]))
+    assert all(np.array_equal(a, b) for a, b in zip(back["snapshot"][:2], record["snapshot"][:2]))
+    assert np.array_equal(back["hidden"], record["hidden"])
 
 
 def test_a_snapshot_budget_too_small_for_one_snapshot_is_refused(model_dir):
