@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord
@@ -114,9 +115,12 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
         await asyncio.gather(*(delayed(i) for i in range(n)))
     finished = [r.finish_s for r in records if r.finish_s is not None]
     failed = sum(1 for r in records if not r.completed)
+    error = None
+    if failed:       # the commonest reasons, so a failed run says why without --save-requests
+        reasons = Counter(r.error or "unfinished" for r in records if not r.completed).most_common(3)
+        error = f"{failed} of {n} requests failed: " + "; ".join(f"{c} x {msg}" for msg, c in reasons)
     return LoadRun("http", None, None, load.concurrency, load.request_rate,
-                   max(finished, default=time.perf_counter() - t0), records,
-                   extra={"url": target.url}, error=f"{failed} of {n} requests failed" if failed else None)
+                   max(finished, default=time.perf_counter() - t0), records, extra={"url": target.url}, error=error)
 
 
 async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:
