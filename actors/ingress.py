@@ -228,15 +228,16 @@ class OpenAIRoutes:
         headers = {REPLICA_HEADER: self.replica_id}
         num_prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started)
+            events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started, prompts)
             # a client gone before the body starts leaves the generator un-iterated: abort on collection
             weakref.finalize(events, _cancel_all, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
-        cached = [0] * len(streams)
+        cached, out_ids = [0] * len(streams), [[] for _ in streams]
         try:
             async for i, event in self.run(streams, started):
                 texts[i] += event.text
+                out_ids[i] += event.token_ids
                 if event.finish_reason is not None:
                     finish[i], num_out[i] = event.finish_reason.value, event.num_output_tokens
                     cached[i] = event.num_cached_tokens
@@ -244,24 +245,34 @@ class OpenAIRoutes:
             raise APIError(400, str(e), param="prompt") from None
         except EngineFailed as e:
             raise APIError(503, str(e), "server_error", None, "unavailable") from None
+        ids = (out_ids, _per_choice(prompts, body.n)) if body.return_token_ids else (None, None)
         return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
                                             usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)),
-                                            chat), headers=headers)
+                                            chat, *ids), headers=headers)
 
-    async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float):
+    async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
+                   prompts: list[list[int]]):
         created, model, with_usage = int(time.time()), self.model_name, body.include_usage
         num_out, cached = [0] * len(streams), [0] * len(streams)
+        with_ids = body.return_token_ids
+        prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
         try:
             if chat:
                 for i in range(len(streams)):
-                    yield sse_chunk(request_id, model, created, chat, [chunk_choice(i, "", None, chat, first=True)],
-                                    with_usage)
+                    choice = chunk_choice(i, "", None, chat, first=True)
+                    if with_ids:
+                        choice["token_ids"], choice["prompt_token_ids"], prompt_ids[i] = [], prompt_ids[i], None
+                    yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
             async for i, event in self.run(streams, started):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens
-                if event.text or reason is not None:
+                if event.text or reason is not None or (with_ids and event.token_ids):
                     choice = chunk_choice(i, event.text or (None if chat else ""), reason, chat)
+                    if with_ids:
+                        choice["token_ids"] = list(event.token_ids)
+                        if prompt_ids[i] is not None:
+                            choice["prompt_token_ids"], prompt_ids[i] = prompt_ids[i], None
                     yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
             if with_usage:
                 yield sse_chunk(request_id, model, created, chat, [], True,
@@ -296,6 +307,11 @@ def _prompt_cached(cached: list[int], n: int) -> int:
     """Cached prompt tokens of a response: each prompt counted once (its first choice's), as
     prompt_tokens counts each prompt once for n choices."""
     return sum(cached[::n])
+
+
+def _per_choice(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each choice's prompt ids, in the streams' order (prompt-major, n choices each)."""
+    return [list(ids) for ids in prompts for _ in range(n)]
 
 
 def _cancel_all(streams) -> None:

@@ -53,6 +53,11 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     seed: int | None = Field(None, description="Seeds sampling; choice i of n uses seed + i.")
     ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
+    return_token_ids: bool = Field(False, description="vLLM's: each choice also carries `token_ids` (when "
+                                                      "streaming, the chunk's new ones; a chunk is sent for every "
+                                                      "step that adds tokens, even when their text is held back "
+                                                      "as an incomplete UTF-8 sequence) and `prompt_token_ids` "
+                                                      "(the first chunk's).")
     logprobs: Any = Field(None, description="Not supported.")
     presence_penalty: float = Field(0.0, description="Not supported (must be 0).")
     frequency_penalty: float = Field(0.0, description="Not supported (must be 0).")
@@ -151,13 +156,18 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 
 def completion_body(request_id: str, model: str, texts: list[str], finish: list[str], usage_: dict,
-                    chat: bool) -> dict:
+                    chat: bool, token_ids: list[list[int]] | None = None,
+                    prompt_token_ids: list[list[int]] | None = None) -> dict:
+    """The non-streamed answer; ``token_ids`` / ``prompt_token_ids`` per choice with return_token_ids."""
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
                     "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish))]
     else:
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                    for i, (t, f) in enumerate(zip(texts, finish))]
+    if token_ids is not None:
+        for choice, ids, prompt_ids in zip(choices, token_ids, prompt_token_ids):
+            choice["token_ids"], choice["prompt_token_ids"] = ids, prompt_ids
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage_}
 

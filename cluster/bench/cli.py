@@ -86,6 +86,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seeds prompts, arrivals and sampling")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: always generate --max-tokens)")
+    g.add_argument("--no-token-ids", dest="return_token_ids", action="store_false",
+                   help="over HTTP, do not ask for return_token_ids (vLLM's field; without it tokens are "
+                        "timed by the stream's text chunks, which hold back incomplete UTF-8)")
 
     g = p.add_argument_group("configurations")
     g.add_argument("--draft-tokens", help="MTP draft counts to run, e.g. 0,1,2,3,auto (0 = MTP off, auto = the "
@@ -242,7 +245,8 @@ def _bench(args) -> int:
         from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
         from mtpserve.cluster.bench.workload import per_load
         target = HttpTarget(args.url.rstrip("/"), args.served_model, args.api_key, args.max_tokens,
-                            args.temperature, args.ignore_eos, args.timeout_s, args.warmup_requests)
+                            args.temperature, args.ignore_eos, args.timeout_s, args.warmup_requests,
+                            args.return_token_ids)
         runs = run_http_loads(target, per_load(workload, loads, args.seed), log=_log)
         for run in runs:    # the server's own setting; the flag only labels its results
             run.synthetic_acceptance = a

@@ -33,6 +33,8 @@ class HttpTarget:
     ignore_eos: bool = True      # a vLLM-style extension field; off for servers that refuse it
     timeout_s: float = 600.0
     num_warmup_requests: int = 4
+    return_token_ids: bool = True  # vLLM's field: tokens timed as they come, even while their text is
+                                   # held back (incomplete UTF-8); off for servers that refuse it
 
     @property
     def headers(self) -> dict:
@@ -94,6 +96,8 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
                    "temperature": target.temperature, "stream_options": {"include_usage": True}}
         if target.ignore_eos:
             payload["ignore_eos"] = True
+        if target.return_token_ids:
+            payload["return_token_ids"] = True
         try:
             await _stream(session, target.url, payload, rec, t0)
         except (TimeoutError, OSError, ValueError) as e:
@@ -144,9 +148,11 @@ async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: floa
                 rec.error = (f"stream error event ({err.get('code')}): " + str(err.get("message", err)))[:300]
                 break
             for choice in obj.get("choices") or []:
-                if choice.get("text"):
-                    rec.add_chunk(now, 1)
-                    num_chunks += 1
+                ids = choice.get("token_ids")      # return_token_ids: timed by token, whatever the text
+                count = len(ids) if ids is not None else int(bool(choice.get("text")))
+                if count:
+                    rec.add_chunk(now, count)
+                    num_chunks += count
                 if choice.get("finish_reason"):
                     rec.finish_reason = choice["finish_reason"]
                     rec.finish_s = now

@@ -102,7 +102,7 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
                 continue
             with deployed(options, args.port, log) as url:
                 target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
-                                    args.ignore_eos, args.timeout_s, args.warmup_requests)
+                                    args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
                 for run in run_http_loads(target, loads_with_workloads, log=lambda m, n=n: log(f"[{n}] {m}")):
                     run.system = replica_label(n)
                     run.extra["num_replicas"] = n

@@ -68,6 +68,24 @@ def test_completions_streamed_and_not_agree_and_usage_adds_up(server):
     assert [line for line in raw.text.split("\n") if line][-1] == "data: [DONE]"
 
 
+def test_return_token_ids_gives_every_token_streamed_and_not(server):
+    """vLLM's return_token_ids: the whole answer's ids decode to its text; streamed, every step's
+    ids arrive in a chunk (also those whose text is held back) and add up to the same ids."""
+    client, model, prompt = _client(server), server["model"], "def add(a, b):"
+    tok = server["tokenizer"]
+    args = dict(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**args).model_dump()["choices"][0]
+    assert len(whole["token_ids"]) == 20 and tok.decode(whole["token_ids"]) == whole["text"]
+    assert whole["prompt_token_ids"] == tok.encode(prompt)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **args)]
+    streamed = [i for c in chunks for ch in c["choices"] for i in ch["token_ids"]]
+    assert streamed == whole["token_ids"]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks][:2] == [tok.encode(prompt), None]
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=4).model_dump()["choices"][0]
+    assert "token_ids" not in plain
+
+
 def test_chat_completions_async_streamed_and_not(server):
     client = openai.AsyncOpenAI(base_url=server["base"], api_key=KEY, max_retries=0, timeout=120)
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop?"}]
