@@ -108,12 +108,33 @@ def _answer(err: APIError, headers: dict | None = None) -> JSONResponse:
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    return _answer(validation_error(exc.errors()))
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's errors as one 400 naming the field (``messages[0].content``), never the
+    server's code (str(exc) would carry its source path). A field of several types (``prompt``)
+    fails once per type: then the message lists the types, not the first one's complaint."""
+    first = errors[0] if errors else {}
+    loc = [x for x in first.get("loc", ())[1:] if not _is_type_tag(x)]
+    param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or None
     msg = first.get("msg", "invalid request")
-    # the message names the field, never the server's code (str(exc) would carry its source path)
-    message = f"{param}: {msg}" if param else f"the request body must be a JSON object with the API's fields ({msg})"
-    return _answer(APIError(400, message, "invalid_request_error", param))
+    if param is None:
+        return APIError(400, f"the request body must be a JSON object with the API's fields ({msg})",
+                        "invalid_request_error", None)
+    types = [str(e["loc"][2]) for e in errors if len(e.get("loc", ())) > 2 and e["loc"][1] == first["loc"][1]
+             and _is_type_tag(e["loc"][2])]
+    if len(set(types)) > 1:
+        field = str(first["loc"][1])
+        return APIError(400, f"{field} must be one of: {', '.join(dict.fromkeys(types))} (JSON numbers for "
+                             f"numbers: no booleans or numeric strings)", "invalid_request_error", field)
+    return APIError(400, f"{param}: {msg}", "invalid_request_error", param)
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic's name for one branch of a union in an error's location (``str``, ``list[int]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none")
+                                      or "[" in part or part.startswith("function-"))
 
 
 @api.exception_handler(StarletteHTTPException)

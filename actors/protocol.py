@@ -35,6 +35,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
 
 

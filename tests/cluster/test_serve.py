@@ -180,45 +180,6 @@ def test_errors_use_the_openai_envelope(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id"
 
 
-def test_the_api_key_scheme_is_case_insensitive_and_near_misses_are_refused(server):
-    def status(authorization):
-        headers = {} if authorization is None else {"Authorization": authorization}
-        return requests.post(f"{server['base']}/completions", headers=headers, timeout=60,
-                             json={"model": server["model"], "prompt": "x = ", "max_tokens": 1}).status_code
-    assert status(f"bearer {KEY}") == status(f"BEARER  {KEY}") == status(f"Bearer {KEY}") == 200
-    for wrong in (None, f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Basic {KEY}", KEY, "Bearer"):
-        assert status(wrong) == 401, wrong
-
-
-def test_hostile_bodies_are_refused_before_they_are_parsed(server):
-    """The API key and the body size are checked before the body is read: a wrong key gets 401
-    whatever the body, an oversized body 413, a prompt that cannot fit the context a 400 without
-    being tokenized; the server keeps answering (issue 14 items 1-2)."""
-    url, model = f"{server['base']}/completions", server["model"]
-    junk = b"{" * (9 << 20)
-    r = requests.post(url, data=junk, headers={"Content-Type": "application/json"}, timeout=60)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = requests.post(url, data=b"{not json", headers={"Authorization": "Bearer wrong"}, timeout=60)
-    assert r.status_code == 401
-    r = requests.post(url, data=junk, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-                      timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    huge = "x" * (4 << 20)                       # under the body limit, far over the context
-    r = requests.post(url, json={"model": model, "prompt": huge, "max_tokens": 1},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    root = server["base"].rsplit("/v1", 1)[0]
-    for method, path, status in (("GET", "/v1/nowhere", 404), ("DELETE", "/v1/completions", 405)):
-        r = requests.request(method, root + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert requests.get(f"{root}/health", timeout=30).json()["status"] == "ok"
-    ok = _client(server).completions.create(model=model, prompt="x = ", max_tokens=2)
-    assert ok.usage.completion_tokens == 2
-    metrics = requests.get(f"{root}/metrics", timeout=30).text
-    for status in ("401", "404", "405", "413", "400"):
-        assert f'status="{status}"' in metrics, status
-
-
 def test_models_health_and_metrics(server):
     assert [m.id for m in _client(server).models.list().data] == [server["model"]]
     root = server["base"].rsplit("/v1", 1)[0]
