@@ -51,8 +51,59 @@ _replica: list = []          # the replica serving this process's routes (set by
 
 
 def guard(worker) -> None:
-    """Make ``worker`` the replica whose API key and body limit ``_refuse_early`` enforces."""
+    """Make ``worker`` the replica whose API key and body limit ``_refuse_early`` enforces, and
+    whose model the OpenAPI schema names."""
     _replica[:] = [worker]
+    _schema.clear()
+
+
+ERROR_ANSWERS = {       # what each route may answer besides 200 (all in the error envelope)
+    400: "bad JSON, types or values (error.param names the field), or a prompt too long",
+    401: "missing or wrong API key", 404: "unknown model", 411: "a body without a Content-Length",
+    413: "a body over the size limit", 429: "too many requests waiting on the replica: retry",
+    503: "the engine failed or the replica is stopping"}
+ROUTE_ERRORS = {"/v1/completions": (400, 401, 404, 411, 413, 429, 503),
+                "/v1/chat/completions": (400, 401, 404, 411, 413, 429, 503),
+                "/v1/models": (401,), "/health": (503,)}
+
+
+_schema: list = []           # the schema /openapi.json serves, built on first use
+
+
+def _openapi() -> dict:
+    """FastAPI's /openapi.json source (an instance attribute, so Serve's copy of ``api`` keeps it)."""
+    if not _schema:
+        _schema.append(openapi_schema(_replica[0].model_name if _replica else "mtpserve"))
+    return _schema[0]
+
+
+def openapi_schema(model_name: str) -> dict:
+    """FastAPI's schema with what the server really does: errors are 4xx/5xx envelopes (no 422:
+    validation errors are 400s) and `model` is the served model's name."""
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=api.title, version="1", description=api.description, routes=api.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorResponse"] = {
+        "type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in ROUTE_ERRORS.get(path, ()):
+                responses[str(status)] = {"description": ERROR_ANSWERS[status], "content": ref}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        if name in components:
+            components[name]["properties"]["model"]["enum"] = [model_name]
+    return schema
+
+
+api.openapi = _openapi
 
 
 class _RefuseEarly:

@@ -35,6 +35,8 @@ requests = pytest.importorskip("requests")
 
 APP, KEY = "hostile", "hostile-key"
 BODY_LIMIT = 1 << 20              # --max-request-bytes: 1 MiB, so oversized bodies stay cheap to send
+CONTEXT = 96                      # --max-model-len: whatever the fuzzer asks for, a request stays short
+FUZZ_EXAMPLES = 60                # schemathesis examples per operation
 ENVELOPE = {"message", "type", "param", "code"}
 
 
@@ -45,7 +47,8 @@ def server(ray_cluster, model_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
          "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
-         "--num-threads", "1", "--shutdown-grace-s", "1", "--max-request-bytes", str(BODY_LIMIT)],
+         "--num-threads", "1", "--shutdown-grace-s", "1", "--max-request-bytes", str(BODY_LIMIT),
+         "--max-model-len", str(CONTEXT)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -198,6 +201,38 @@ def test_session_ids_are_bounded(server):
             **AUTH, "x-session-id": f"{i:04d}" + "s" * 252}).status_code, range(64)))
     assert codes == [200] * 64
     _assert_healthy(server)
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    return schemathesis.openapi.from_url(f"{server['root']}/openapi.json")
+
+
+def test_the_published_schema_says_what_the_server_does(api_schema, server):
+    """Errors are documented as the envelope with their real statuses (400, never FastAPI's 422)
+    and `model` is the served model's name, so a schema-driven client or fuzzer can reach the model."""
+    raw = requests.get(f"{server['root']}/openapi.json", timeout=30).json()
+    post = raw["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in post and {"200", "400", "401", "413", "429"} <= set(post)
+    assert raw["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == [server["model"]]
+
+
+try:
+    import schemathesis as _schemathesis
+    from hypothesis import HealthCheck, settings
+
+    _fuzzed = _schemathesis.pytest.from_fixture("api_schema")
+
+    @_fuzzed.parametrize()
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    def test_schemathesis_finds_no_server_error_and_no_undocumented_status(case, server):
+        """Schema-driven fuzzing of every route (valid and invalid bodies): never a 5xx, only
+        documented statuses, every error in the envelope."""
+        from schemathesis.checks import not_a_server_error, status_code_conformance
+        case.call_and_validate(headers=AUTH, checks=[not_a_server_error, status_code_conformance])
+except ImportError:            # schemathesis is in the test extra; without it the fuzzing is skipped
+    pass
 
 
 def test_every_refusal_is_counted_by_status(server):
