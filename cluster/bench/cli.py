@@ -9,6 +9,7 @@
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256  1 replica, then one per GPU
     mtpserve bench --replicas 0,1 --concurrency 1,16 --draft-tokens 0       what HTTP serving adds to TTFT / ITL
     mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
+    mtpserve bench --replicas 2 --soak 300 --concurrency 32                  hostile traffic, a replica killed
     mtpserve bench --serving-overhead --requests 24 --max-tokens 64          HTTP vs in-process latency
 
 Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
@@ -63,6 +64,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--kill-replica-after", type=float, metavar="S",
                    help="with --replicas N: kill the busiest replica's process S seconds into the top "
                         "concurrency's load and record errors, recovery and the pools afterwards")
+    g.add_argument("--soak", type=float, metavar="S",
+                   help="with --replicas N: S seconds of mixed traffic (streams read to the end or dropped, "
+                        "hostile requests) from --concurrency clients, one replica killed halfway "
+                        "(--kill-replica-after to choose when); fails on a hung or unclear request or unclean pools")
     g.add_argument("--address", help="with --replicas: deploy onto this Ray cluster instead of a local one")
     g.add_argument("--port", type=int, default=8000, help="with --replicas: Serve's HTTP port")
     g.add_argument("--serving-overhead", nargs=argparse.REMAINDER, metavar="OPTION",
@@ -195,6 +200,8 @@ def _bytes(text: str) -> list[int]:
 
 def _bench(args) -> int:
     loads = _loads(args)
+    if args.soak is not None:
+        return _bench_soak(args)
     if args.replicas or args.kill_replica_after is not None:
         _check_cluster_args(args, loads)
         draft_tokens = ()
@@ -270,6 +277,24 @@ def _bench(args) -> int:
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, cached)
             runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
+
+
+def _bench_soak(args) -> int:
+    from mtpserve.cluster.bench import soak
+    if not args.replicas or args.url or args.compare or args.soak <= 0:
+        raise ValueError("--soak S (S > 0) runs on its own Serve app: give --replicas N, not --url or --compare")
+    if args.timeout_s == 600.0:
+        args.timeout_s = 120.0          # a soak's request that takes this long is hung
+    figures = soak.run_soak(args, log=_log)
+    now = _dt.datetime.now()
+    path = Path(args.results_dir) / f"{now.strftime('%Y%m%d-%H%M%S')}-{args.name or 'soak'}.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "serving_overhead")}
+    report.write_json(path, {"name": args.name or "soak", "created": now.isoformat(timespec="seconds"),
+                             "mode": "soak", "command": sys.argv, "git_commit": _git_commit(),
+                             "machine": report.machine_info(), "device": args.device, "settings": settings,
+                             "soak": figures})
+    print(soak.format_soak(figures) + f"\n\nresults: {path}")
+    return 0 if figures["passed"] else 1
 
 
 def _check_cluster_args(args, loads) -> None:
