@@ -33,8 +33,11 @@ from mtpserve.actors.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chunk_choice,
     completion_body,
+    messages_as_dicts,
     sse_chunk,
     usage,
 )
@@ -64,7 +67,8 @@ ERROR_ANSWERS = {       # what each route may answer besides 200 (all in the err
     503: "the engine failed or the replica is stopping"}
 ROUTE_ERRORS = {"/v1/completions": (400, 401, 404, 411, 413, 429, 503),
                 "/v1/chat/completions": (400, 401, 404, 411, 413, 429, 503),
-                "/v1/models": (401,), "/health": (503,)}
+                "/tokenize": (400, 401, 404, 411, 413), "/detokenize": (400, 401, 404, 411, 413),
+                "/v1/models": (401,), "/v1/models/{model_id}": (401, 404), "/health": (503,)}
 
 
 _schema: list = []           # the schema /openapi.json serves, built on first use
@@ -97,9 +101,10 @@ def openapi_schema(model_name: str) -> dict:
             responses.pop("422", None)
             for status in ROUTE_ERRORS.get(path, ()):
                 responses[str(status)] = {"description": ERROR_ANSWERS[status], "content": ref}
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        if name in components:
-            components[name]["properties"]["model"]["enum"] = [model_name]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        if name in components:       # `model`: the served name, or left out
+            components[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
+                                                       "description": "The served model's name; may be left out."}
     return schema
 
 
@@ -150,6 +155,30 @@ def _early_error(worker, headers: dict[str, str]) -> APIError | None:
 api.add_middleware(_RefuseEarly)
 
 
+class _CORS:
+    """Opt-in CORS (``allowed_origins``): Starlette's CORSMiddleware around everything (preflights
+    are answered before the API key is asked for) once the replica's setting is known; without
+    one, requests pass untouched."""
+
+    def __init__(self, app):
+        self.app, self._cors, self._origins = app, None, None
+
+    async def __call__(self, scope, receive, send):
+        origins = _replica[0].config.allowed_origins if _replica else None
+        if not origins or scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self._origins != origins:
+            from starlette.middleware.cors import CORSMiddleware
+            allowed = [o.strip() for o in origins.split(",") if o.strip()]
+            self._cors = CORSMiddleware(self.app, allow_origins=allowed, allow_methods=["GET", "POST"],
+                                        allow_headers=["*"], expose_headers=[REPLICA_HEADER])
+            self._origins = origins
+        return await self._cors(scope, receive, send)
+
+
+api.add_middleware(_CORS)         # added last: the outermost
+
+
 def _answer(err: APIError, headers: dict | None = None) -> JSONResponse:
     """An error response in the envelope, counted on /metrics by status."""
     if _replica:
@@ -179,6 +208,9 @@ def validation_error(errors: list[dict]) -> APIError:
         field = str(first["loc"][1])
         return APIError(400, f"{field} must be one of: {', '.join(dict.fromkeys(types))} (JSON numbers for "
                              f"numbers: no booleans or numeric strings)", "invalid_request_error", field)
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"{param} is not a field this server supports (it refuses what it would "
+                             f"otherwise ignore)", "invalid_request_error", param, "unsupported_parameter")
     return APIError(400, f"{param}: {msg}", "invalid_request_error", param)
 
 
@@ -218,8 +250,61 @@ class OpenAIRoutes:
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mtpserve", "max_model_len": self.context_length}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        self._authorize(request)
+        try:
+            self._check_model(model_id)
+        except APIError as e:
+            return self._error(e)
+        return self._model_card()
+
+    @api.get("/version")
+    async def version(self):
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+        try:
+            return {"version": package_version("mtpserve")}
+        except PackageNotFoundError:       # run from a checkout without installing it
+            return {"version": "unknown"}
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's /tokenize: {count, max_model_len, tokens} of a prompt or of chat messages."""
+        try:
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+            if body.messages is not None:
+                msgs = messages_as_dicts(body.messages)
+                try:
+                    text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="messages") from None
+                tokens = await self._encode(text, "messages")
+            else:
+                tokens = await self._encode(body.prompt, "prompt")
+        except APIError as e:
+            return self._error(e)
+        return {"count": len(tokens), "max_model_len": self.context_length, "tokens": tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        """vLLM's /detokenize: {prompt} of token ids."""
+        try:
+            self._check_model(body.model)
+            vocab = self.engine.limits.vocab_size
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        except APIError as e:
+            return self._error(e)
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtpserve",
+                "max_model_len": self.context_length}
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -262,11 +347,17 @@ class OpenAIRoutes:
             raise err
 
     def _check(self, body) -> None:
-        _require_unicode(body.model, "model")
-        if body.model != self.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
-                                f"`{self.model_name}`", "invalid_request_error", "model", "model_not_found")
+        self._check_model(body.model)
         body.refuse_unsupported()
+
+    def _check_model(self, model: str | None) -> None:
+        """A request names the served model, or none (then it is the one served)."""
+        if model is None:
+            return
+        _require_unicode(model, "model")
+        if model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`", "invalid_request_error", "model", "model_not_found")
 
     def _error(self, e: APIError) -> JSONResponse:
         return _answer(e, {REPLICA_HEADER: self.replica_id})
@@ -284,6 +375,11 @@ class OpenAIRoutes:
                 max_tokens = body.max_completion_tokens
             if max_tokens is None:
                 max_tokens = self.max_new_tokens(len(ids))
+            elif len(ids) + max_tokens > self.context_length:     # vLLM's answer too: never silently cut
+                raise APIError(400, f"this model's context is {self.context_length} tokens; the prompt's "
+                                    f"{len(ids)} plus max_tokens {max_tokens} exceed it: lower max_tokens",
+                               param="max_completion_tokens" if chat and body.max_completion_tokens is not None
+                               else "max_tokens")
             params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
         session_id = request.headers.get(SESSION_HEADER)
         if session_id is not None and len(session_id) > MAX_SESSION_ID_LENGTH:

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtpserve.engine.sampler import SamplingParams
 
@@ -34,16 +34,26 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, None)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+class _Strict(BaseModel):
+    """A request body: strict types (true is not an integer and "7" not a token id, as JSON has
+    it), and a field this server does not know is refused (400 naming it), never ignored; a field
+    sent as null is one not sent."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, values):
+        if isinstance(values, dict):
+            return {k: v for k, v in values.items() if v is not None}
+        return values
+
+
+class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
 
 
-class _SamplingFields(BaseModel):
-    # strict: true is not an integer and "7" not a token id (a number where one is due, as JSON has it)
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str = Field(description="The served model's name (see /v1/models).")
+class _SamplingFields(_Strict):
+    model: str | None = Field(None, description="The served model's name (see /v1/models); may be left out.")
     temperature: float | None = Field(None, description="0 = greedy; default 1.")
     top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; default 1 (off).")
     top_k: int | None = Field(None, description="Keep the k most likely tokens; 0, -1 or null = off.")
@@ -118,8 +128,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 
@@ -142,9 +151,28 @@ class ChatCompletionRequest(_SamplingFields):
                                               "(default: as many as the context and the KV cache allow).")
 
     def messages_as_dicts(self) -> list[dict]:
-        if not self.messages:
-            raise bad_request("messages is empty", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return messages_as_dicts(self.messages)
+
+
+def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
+    """What the chat template renders; a 400 for an empty conversation."""
+    if not messages:
+        raise bad_request("messages is empty", "messages")
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): a prompt, or messages rendered with the chat template."""
+    model: str | None = Field(None, description="The served model's name; may be left out.")
+    prompt: str | None = Field(None, description="Text to tokenize (or give messages).")
+    messages: list[ChatMessage] | None = Field(None, description="A conversation, rendered as chat completions do.")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape)."""
+    model: str | None = Field(None, description="The served model's name; may be left out.")
+    tokens: list[int] = Field(description="Token ids to turn into text.")
 
 
 # ---------------------------------------------------------------------------- response bodies

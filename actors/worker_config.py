@@ -38,6 +38,8 @@ class WorkerConfig:
     switch_interval_ms: float = setting(0.5, "the replica process's Python thread switch interval: the longest "
                                              "the engine thread holds the interpreter while the HTTP side waits "
                                              "to stream tokens (Python's default, 5 ms, starves it on a GPU)")
+    allowed_origins: str | None = setting(None, "CORS for browser clients: comma-separated origins allowed "
+                                                "(* for any); default none (no CORS headers, preflights 405)")
     max_request_bytes: int = setting(8 << 20, "the largest request body a replica reads (HTTP 413 above it; "
                                               "checked, with the API key, before the body is parsed)")
 

@@ -18,6 +18,7 @@ requests = pytest.importorskip("requests")
 from mtpserve.engine.tokenizer import Tokenizer  # noqa: E402
 
 APP, KEY = "cli", "test-key"
+ORIGIN = "http://app.example"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def server(ray_cluster, model_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
          "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
-         "--num-threads", "1", "--shutdown-grace-s", "1"],
+         "--num-threads", "1", "--shutdown-grace-s", "1", "--allowed-origins", ORIGIN],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
@@ -178,6 +179,59 @@ def test_errors_use_the_openai_envelope(server):
     r = requests.post(f"{server['base']}/completions", json={"model": model, "prompt": "x", "max_tokens": 1},
                       headers={"Authorization": f"Bearer {KEY}", "x-session-id": "s" * 8192}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id"
+
+
+def test_vllm_endpoints_and_an_optional_model(server):
+    """/v1/models/{id}, /tokenize, /detokenize and /version in vLLM's shapes; a request may leave
+    out `model` (one model is served)."""
+    client, model, tok = _client(server), server["model"], server["tokenizer"]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+    root, auth = server["base"].rsplit("/v1", 1)[0], {"Authorization": f"Bearer {KEY}"}
+    text = "def add(a, b):\n    return a + b"
+    r = requests.post(f"{root}/tokenize", json={"prompt": text}, headers=auth, timeout=30).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    chat = requests.post(f"{root}/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+                         headers=auth, timeout=30).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    back = requests.post(f"{root}/detokenize", json={"tokens": r["tokens"]}, headers=auth, timeout=30).json()
+    assert back == {"prompt": text}
+    bad = requests.post(f"{root}/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert requests.get(f"{root}/version", timeout=30).json()["version"]
+    r = requests.post(f"{server['base']}/completions", json={"prompt": "x = ", "max_tokens": 2}, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == model and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut(server):
+    """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
+    null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
+    client, model = _client(server), server["model"]
+    for field, value in (("min_p", 0.1), ("repetition_penalty", 1.1), ("response_format", {"type": "json_object"}),
+                         ("tools", []), ("min_tokens", 3), ("chat_template", "{{ x }}")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={field: value})
+        assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter", e.value.body
+    ok = client.completions.create(model=model, prompt="x = ", max_tokens=2, extra_body={"suffix": None, "logit_bias": None})
+    assert ok.usage.completion_tokens == 2
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x = ", max_tokens=context)
+    assert e.value.body["param"] == "max_tokens" and str(context) in e.value.body["message"]
+
+
+def test_cors_is_opt_in_and_answers_preflights_for_allowed_origins(server):
+    root = server["base"].rsplit("/v1", 1)[0]
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = requests.options(f"{root}/v1/chat/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = requests.options(f"{root}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = requests.get(f"{root}/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_models_health_and_metrics(server):
