@@ -68,6 +68,26 @@ def proxy_address(host: str, port: int) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------- the app
+def refuse_clash(app_name: str, route_prefix: str = "/") -> None:
+    """Before deploying onto a cluster we did not start: RuntimeError if an application of that
+    name runs there (serve.run would replace it) or another one serves ``route_prefix`` (it would
+    lose its URL); nothing on the cluster is touched."""
+    from ray import serve
+    if app_name in serve.status().applications:
+        raise RuntimeError(f"an application named {app_name!r} already runs on this Ray cluster (serving would "
+                           f"replace it): choose another --app-name")
+    try:   # the route prefixes are in the controller's details (a private API: without it, names only)
+        from ray.serve.context import _get_global_client
+        details = _get_global_client().get_serve_details()
+        prefixes = {name: app.get("route_prefix") for name, app in details.get("applications", {}).items()}
+    except Exception:  # noqa: BLE001
+        prefixes = {}
+    for name, prefix in prefixes.items():
+        if prefix == route_prefix:
+            raise RuntimeError(f"the application {name!r} already serves the route prefix {route_prefix} on this "
+                               f"Ray cluster: stop it first (mtpserve serves at {route_prefix})")
+
+
 def deploy(options, app_name: str, route_prefix: str = "/") -> None:
     """``serve.run`` of ``build_app(options)`` as ``app_name`` at ``route_prefix`` (returns once
     Serve runs the app; its replicas may still be reporting to the planner)."""

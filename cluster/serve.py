@@ -79,9 +79,16 @@ def cmd_serve(args) -> int:
         ray.shutdown()
         return 2
     options = options_from_args(args, resources.get("CPU") if started_ray else None, int(resources.get("GPU", 0)))
+    host, port = deploy.start_http(args.host, args.port)
+    if not started_ray:
+        try:
+            deploy.refuse_clash(args.app_name, "/")
+        except RuntimeError as e:           # before anything is deployed: nothing of theirs is touched
+            print(f"mtpserve: error: {e}", file=sys.stderr)
+            ray.shutdown()
+            return 2
     stop = _install_signal_handlers()
     try:
-        host, port = deploy.start_http(args.host, args.port)
         deploy.deploy(options, args.app_name, route_prefix="/")
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
