@@ -35,8 +35,10 @@ from mtpserve.actors.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_logprobs,
     chunk_choice,
     completion_body,
+    completion_logprobs,
     messages_as_dicts,
     sse_chunk,
     usage,
@@ -302,6 +304,10 @@ class OpenAIRoutes:
             return self._error(e)
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
+    def _token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (a token that is part of a character decodes to U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtpserve",
                 "max_model_len": self.context_length}
@@ -401,11 +407,12 @@ class OpenAIRoutes:
             weakref.finalize(events, _cancel_all, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
-        cached, out_ids = [0] * len(streams), [[] for _ in streams]
+        cached, out_ids, scored = [0] * len(streams), [[] for _ in streams], [[] for _ in streams]
         try:
             async for i, event in self.run(streams, started):
                 texts[i] += event.text
                 out_ids[i] += event.token_ids
+                scored[i] += event.logprobs or []
                 if event.finish_reason is not None:
                     finish[i], num_out[i] = event.finish_reason.value, event.num_output_tokens
                     cached[i] = event.num_cached_tokens
@@ -414,16 +421,21 @@ class OpenAIRoutes:
         except EngineFailed as e:
             raise APIError(503, str(e), "server_error", None, "unavailable") from None
         ids = (out_ids, _per_choice(prompts, body.n)) if body.return_token_ids else (None, None)
+        lps = None
+        if body.num_logprobs is not None:
+            lps = [chat_logprobs(e, self._token_text) if chat else completion_logprobs(e, self._token_text, 0)
+                   for e in scored]
         return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
                                             usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)),
-                                            chat, *ids), headers=headers)
+                                            chat, *ids, lps), headers=headers)
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
                    prompts: list[list[int]]):
         created, model, with_usage = int(time.time()), self.model_name, body.include_usage
         num_out, cached = [0] * len(streams), [0] * len(streams)
-        with_ids = body.return_token_ids
+        with_ids, with_logprobs = body.return_token_ids, body.num_logprobs is not None
         prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
+        offsets = [0] * len(streams)                                         # completions' text_offset
         try:
             if chat:
                 for i in range(len(streams)):
@@ -435,8 +447,14 @@ class OpenAIRoutes:
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens
-                if event.text or reason is not None or (with_ids and event.token_ids):
+                if event.text or reason is not None or ((with_ids or with_logprobs) and event.token_ids):
                     choice = chunk_choice(i, event.text or (None if chat else ""), reason, chat)
+                    if with_logprobs and event.logprobs:
+                        if chat:
+                            choice["logprobs"] = chat_logprobs(event.logprobs, self._token_text)
+                        else:
+                            choice["logprobs"] = completion_logprobs(event.logprobs, self._token_text, offsets[i])
+                            offsets[i] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
                     if with_ids:
                         choice["token_ids"] = list(event.token_ids)
                         if prompt_ids[i] is not None:

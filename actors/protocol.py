@@ -1,19 +1,20 @@
 """The OpenAI wire format: request models, their sampling parameters, response bodies, errors.
 
 Only this module and ``ingress`` know about HTTP; the engine sees token ids and
-``SamplingParams``. Parameters the engine cannot honour (logprobs, echo, penalties, logit bias,
-best_of, suffix) are refused with a 400 naming the parameter rather than silently ignored.
+``SamplingParams``. Parameters the engine cannot honour (echo, penalties, logit bias, best_of,
+suffix, and any field it does not know) are refused with a 400 naming the parameter rather
+than silently ignored.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 
@@ -69,16 +70,14 @@ class _SamplingFields(_Strict):
                                                       "step that adds tokens, even when their text is held back "
                                                       "as an incomplete UTF-8 sequence) and `prompt_token_ids` "
                                                       "(the first chunk's).")
-    logprobs: Any = Field(None, description="Not supported.")
     presence_penalty: float = Field(0.0, description="Not supported (must be 0).")
     frequency_penalty: float = Field(0.0, description="Not supported (must be 0).")
     logit_bias: dict | None = Field(None, description="Not supported.")
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("logprobs", "logit_bias"):
-            if getattr(self, name) not in (None, False, {}):
-                raise bad_request(f"{name} is not supported by this server", name)
+        if self.logit_bias not in (None, {}):
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported by this server (use 0)", name)
@@ -97,9 +96,14 @@ class _SamplingFields(_Strict):
                 top_k=None if self.top_k in (None, -1) else self.top_k,
                 seed=None if self.seed is None else self.seed + choice,
                 max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos)
+                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token when logprobs are asked for, else None (see the subclasses)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -108,9 +112,16 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists.")
     max_tokens: int | None = Field(16, description="Tokens to generate per choice (default 16).")
+    logprobs: int | None = Field(None, description=f"Each token's log-probability and the N (0..{MAX_LOGPROBS}) "
+                                                   f"most likely tokens' at its place, from the model's raw "
+                                                   f"distribution (before temperature, top-k, top-p).")
     echo: bool = Field(False, description="Not supported.")
     best_of: int | None = Field(None, description="Not supported.")
     suffix: str | None = Field(None, description="Not supported.")
@@ -149,6 +160,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, description="Tokens to generate per choice "
                                               "(default: as many as the context and the KV cache allow).")
+    logprobs: bool = Field(False, description="Each output token's log-probability (the model's raw distribution).")
+    top_logprobs: int | None = Field(None, description=f"With logprobs: the N (0..{MAX_LOGPROBS}) most likely "
+                                                       f"tokens at each place.")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def messages_as_dicts(self) -> list[dict]:
         return messages_as_dicts(self.messages)
@@ -186,19 +206,43 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 def completion_body(request_id: str, model: str, texts: list[str], finish: list[str], usage_: dict,
                     chat: bool, token_ids: list[list[int]] | None = None,
-                    prompt_token_ids: list[list[int]] | None = None) -> dict:
-    """The non-streamed answer; ``token_ids`` / ``prompt_token_ids`` per choice with return_token_ids."""
+                    prompt_token_ids: list[list[int]] | None = None, logprobs: list[dict] | None = None) -> dict:
+    """The non-streamed answer; ``token_ids`` / ``prompt_token_ids`` per choice with
+    return_token_ids, ``logprobs`` per choice when asked for."""
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
                     "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish))]
     else:
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                    for i, (t, f) in enumerate(zip(texts, finish))]
+    if logprobs is not None:
+        for choice, lp in zip(choices, logprobs):
+            choice["logprobs"] = lp
     if token_ids is not None:
         for choice, ids, prompt_ids in zip(choices, token_ids, prompt_token_ids):
             choice["token_ids"], choice["prompt_token_ids"] = ids, prompt_ids
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage_}
+
+
+def completion_logprobs(entries: list, token_text, text_offset: int) -> dict:
+    """A completions choice's ``logprobs`` for engine entries (id, logprob, top); offsets count
+    from ``text_offset`` in the choice's text."""
+    tokens = [token_text(t) for t, _, _ in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{token_text(a): b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, token_text) -> dict:
+    """A chat choice's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(t, lp):
+        text = token_text(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries]}
 
 
 def sse_chunk(request_id: str, model: str, created: int, chat: bool, choices: list[dict],

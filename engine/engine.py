@@ -34,7 +34,7 @@ from mtpserve.engine.output import OutputProcessor
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.sampler import SamplingParams, token_logprobs
 from mtpserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
@@ -247,10 +247,12 @@ class Engine:
             for u, start in zip(updates, plan.layout.row_start):
                 self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
+        logprobs = self._logprobs(plan, updates, out.logits)
         events = []
         for u in updates:
             if u.new_token_ids:
-                event = self.outputs.process(u.request, u.new_token_ids, u.finish_reason)
+                event = self.outputs.process(u.request, u.new_token_ids, u.finish_reason,
+                                             logprobs.get(u.request.request_id))
                 if event.finish_reason is not None:
                     self._finish(u.request, event.finish_reason)
                 events.append(event)
@@ -258,6 +260,24 @@ class Engine:
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
                                     graphed=self.graphs is not None and self.graphs.num_replays > replays)
         return events
+
+    def _logprobs(self, plan: StepPlan, updates, logits) -> dict[str, list]:
+        """Log-probabilities of the tokens each request asking for them emitted this step: token j
+        of a request came from its target row j (an accepted draft is scored by the verify row
+        that checked it, exactly the distribution plain decoding would have used)."""
+        asked = [u for u in updates if u.new_token_ids and u.request.params.logprobs is not None]
+        if not asked:
+            return {}
+        first_row = {s.request.request_id: row for s, row in zip(plan.scheduled, plan.layout.target_row)}
+        rows = [first_row[u.request.request_id] + j for u in asked for j in range(len(u.new_token_ids))]
+        tokens = [t for u in asked for t in u.new_token_ids]
+        scored = token_logprobs(logits, rows, tokens, max(u.request.params.logprobs for u in asked), self.xp)
+        out, i = {}, 0
+        for u in asked:
+            n, k = len(u.new_token_ids), u.request.params.logprobs
+            out[u.request.request_id] = [(t, lp, top[:k]) for t, lp, top in scored[i:i + n]]
+            i += n
+        return out
 
     def _verify(self, plan: StepPlan, drafts: dict):
         """One packed forward of the main model over each request's fed tokens and drafts."""

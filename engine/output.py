@@ -22,7 +22,8 @@ class OutputProcessor:
         """Give a new request its detokenizer."""
         req.detokenizer = IncrementalDetokenizer(self.tokenizer)
 
-    def process(self, req: Request, new_token_ids: list[int], finish: FinishReason | None) -> TokenEvent:
+    def process(self, req: Request, new_token_ids: list[int], finish: FinishReason | None,
+                logprobs: list | None = None) -> TokenEvent:
         """The event for tokens just appended to ``req`` (``finish``: a stop id or a limit hit);
         a stop string found in the new text finishes it too."""
         stop = req.params.stop
@@ -41,4 +42,4 @@ class OutputProcessor:
         text = detok.text[req.num_emitted_text:text_end]
         req.num_emitted_text = max(req.num_emitted_text, text_end)
         return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens,
-                          req.num_cached_tokens)
+                          req.num_cached_tokens, logprobs)

@@ -48,6 +48,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
+    logprobs: list | None = None    # with params.logprobs: per token (id, logprob, [(id, logprob)] top)
 
 
 @dataclass

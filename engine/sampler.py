@@ -54,6 +54,9 @@ class SamplingParams:
     max_tokens: number of tokens to generate, >= 1.
     stop: stop strings; stop_token_ids: stop token ids (a single value or None is accepted).
     ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: None = off; k in 0..MAX_LOGPROBS = each emitted token's log-probability and the k
+    most likely tokens' at its position, from the model's raw distribution (log-softmax of the
+    logits, before temperature, top-k and top-p: vLLM's default "raw_logprobs").
     """
 
     temperature: float = 1.0
@@ -64,6 +67,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
@@ -91,6 +95,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {tok!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null, got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -102,6 +108,28 @@ class SamplingParams:
         if self.is_greedy:
             return (0.0, 0, 1.0)
         return (float(self.temperature), int(self.top_k or 0), float(self.top_p))
+
+
+MAX_LOGPROBS = 20
+
+
+def token_logprobs(logits, rows: Sequence[int], token_ids: Sequence[int], num_top: int, xp=None) -> list:
+    """For each (row, token): (token, its log-probability, [(token, log-probability)] of the
+    row's ``num_top`` most likely tokens, most likely first), from the raw log-softmax of
+    ``logits[row]``; one device -> host copy."""
+    xp = xp or np
+    x = logits[xp.asarray(np.asarray(rows, np.int64))].astype(xp.float32)
+    x = x - x.max(axis=1, keepdims=True)
+    lp = x - xp.log(xp.exp(x).sum(axis=1, keepdims=True))
+    chosen = lp[xp.arange(len(rows)), xp.asarray(np.asarray(token_ids, np.int64))]
+    if num_top:
+        top = xp.argsort(-lp, axis=1)[:, :num_top]
+        top_lp = xp.take_along_axis(lp, top, axis=1)
+        top, top_lp = to_host(top), to_host(top_lp)
+    chosen = to_host(chosen)
+    return [(int(t), float(chosen[i]),
+             [(int(a), float(b)) for a, b in zip(top[i], top_lp[i])] if num_top else [])
+            for i, t in enumerate(token_ids)]
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

@@ -151,7 +151,7 @@ def test_errors_use_the_openai_envelope(server):
     assert e.value.body["code"] == "model_not_found"
     context = client.models.list().data[0].model_extra["max_model_len"]
     bad = [dict(temperature=-1), dict(top_p=2.0), dict(n=0), dict(max_tokens=0),
-           dict(extra_body={"top_k": -5}), dict(logprobs=2), dict(prompt=[7] * context),
+           dict(extra_body={"top_k": -5}), dict(logprobs=21), dict(prompt=[7] * context),
            dict(prompt=[10**7]), dict(prompt="x", stop=["a", "b", "c", "d", "e"]),
            dict(prompt=[5, True]), dict(n=True), dict(max_tokens="4"), dict(extra_body={"seed": "1"}),
            dict(prompt=["x"] * 1025)]
@@ -232,6 +232,40 @@ def test_cors_is_opt_in_and_answers_preflights_for_allowed_origins(server):
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = requests.get(f"{root}/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_logprobs_of_completions_and_chat_streamed_and_not(server):
+    """Completions `logprobs=N` and chat `logprobs` / `top_logprobs`: one entry per output token,
+    the greedy token the most likely of its alternatives, offsets adding up, and the streamed
+    entries the same as the whole answer's (to float rounding: the two run in other batches)."""
+    client, model = _client(server), server["model"]
+    args = dict(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0, logprobs=3,
+                extra_body={"ignore_eos": True})
+    lp = client.completions.create(**args).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and value <= 0 and abs(max(top.values()) - value) < 1e-5
+        assert top.get(token) is not None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args)
+                if c.choices and c.choices[0].logprobs]
+    assert [v for c in streamed for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+    chat_args = dict(model=model, messages=[{"role": "user", "content": "Write a haiku."}], max_tokens=8,
+                     temperature=0, logprobs=True, top_logprobs=2)
+    content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    assert len(content) == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-5 and entry.bytes == list(entry.token.encode())
+    chunks = [c.choices[0].logprobs for c in client.chat.completions.create(stream=True, **chat_args)
+              if c.choices and c.choices[0].logprobs]
+    assert [e.logprob for c in chunks for e in c.content] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{**chat_args, "logprobs": False})
+    assert e.value.body["param"] == "top_logprobs"
+    plain = client.completions.create(model=model, prompt="x", max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_models_health_and_metrics(server):

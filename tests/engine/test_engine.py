@@ -247,3 +247,37 @@ def test_max_model_len_bounds_every_request(model_dir):
     assert len(ids) + len(tokens["r0"]) == 40 and reasons["r0"] == FinishReason.LENGTH
     with pytest.raises(ValueError, match="exceeds the model's context"):
         Engine(EngineConfig(str(model_dir), max_model_len=10 ** 7))
+
+
+def _logprobs_of(engine, prompts, params):
+    """Each request's (tokens, logprob entries) from its events."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    tokens, entries = {}, {}
+    while engine.has_work:
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            entries.setdefault(ev.request_id, []).extend(ev.logprobs or [])
+        engine.check_integrity()
+    return tokens, entries
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_logprobs_are_the_target_distribution_with_mtp_on_as_off(model_dir, k):
+    """Every emitted token gets its log-probability and the top alternatives of its position; an
+    accepted draft is scored by the verify row that checked it, so with MTP on the figures are
+    plain decoding's (to float rounding), also when a stop id lands inside an accepted run."""
+    prompts = PROMPTS[:6]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=4)] * 5 + [
+        SamplingParams(temperature=0, max_tokens=20, logprobs=0, stop_token_ids=(13,))]
+    off_tokens, off = _logprobs_of(make_engine(model_dir, k=0, budget=48), prompts, params)
+    on_tokens, on = _logprobs_of(make_engine(model_dir, k=k, budget=48), prompts, params)
+    assert on_tokens == off_tokens
+    for rid, entries in off.items():
+        assert [t for t, _, _ in entries] == off_tokens[rid], "one entry per emitted token, in order"
+        for (t, lp, top), (t2, lp2, top2) in zip(entries, on[rid]):
+            assert t == t2 and abs(lp - lp2) < 1e-4 and [a for a, _ in top] == [a for a, _ in top2]
+            if top:
+                assert top[0][0] == t and abs(top[0][1] - lp) < 1e-6, "the greedy token is the most likely"
+                assert [b for _, b in top] == sorted((b for _, b in top), reverse=True) and lp <= 0
+    assert all(len(top) == 4 for _, _, top in off["r0"]) and all(top == [] for _, _, top in off["r5"])
