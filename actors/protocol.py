@@ -65,6 +65,10 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     seed: int | None = Field(None, description="Seeds sampling; choice i of n uses seed + i.")
     ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
+    min_tokens: int = Field(0, description="vLLM's: EOS and stop_token_ids cannot end the output before this "
+                                           "many tokens (stop strings still can).")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string that ended the "
+                                                                "output in its text.")
     return_token_ids: bool = Field(False, description="vLLM's: each choice also carries `token_ids` (when "
                                                       "streaming, the chunk's new ones; a chunk is sent for every "
                                                       "step that adds tokens, even when their text is held back "
@@ -96,7 +100,8 @@ class _SamplingFields(_Strict):
                 top_k=None if self.top_k in (None, -1) else self.top_k,
                 seed=None if self.seed is None else self.seed + choice,
                 max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs)
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 

@@ -240,7 +240,8 @@ class Engine:
         drafts = self.proposer.propose(drafting) if drafting else {}
         replays = self.graphs.num_replays if self.graphs is not None else 0
         out = self._verify(plan, drafts)
-        sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, out.logits, self.xp,
+        sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._mask_early_stops(plan, out.logits),
+                              self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
         if self.proposer is not None:
@@ -260,6 +261,23 @@ class Engine:
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
                                     graphed=self.graphs is not None and self.graphs.num_replays > replays)
         return events
+
+    def _mask_early_stops(self, plan: StepPlan, logits):
+        """``min_tokens``: a copy of the logits with the stop ids at -inf in every target row whose
+        token would come before a request's min_tokens-th (the logits themselves when none does).
+        Plain decoding and each verify row get the same mask, so MTP stays exact."""
+        masks = []
+        for s, row in zip(plan.scheduled, plan.layout.target_row):
+            r = s.request
+            if s.samples and r.params.min_tokens > r.num_output_tokens and r.stop_token_ids:
+                for j in range(min(s.num_drafts + 1, r.params.min_tokens - r.num_output_tokens)):
+                    masks.append((row + j, sorted(r.stop_token_ids)))
+        if not masks:
+            return logits
+        masked = logits.copy()
+        for row, ids in masks:
+            masked[row, self.xp.asarray(np.asarray(ids, np.int64))] = -np.inf
+        return masked
 
     def _logprobs(self, plan: StepPlan, updates, logits) -> dict[str, list]:
         """Log-probabilities of the tokens each request asking for them emitted this step: token j

@@ -3,7 +3,8 @@
 Each request carries its own incremental detokenizer (``Request.detokenizer``). Text is streamed
 as soon as no stop string can still be completed by later tokens: with stop strings, the last
 ``max(len(stop)) - 1`` characters are held back until they are known not to start one. A stop
-string ends the request with its text cut just before the stop string.
+string ends the request with its text cut just before the stop string (just after it with
+``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ class OutputProcessor:
         if stop:
             # only text that the new tokens could have completed a stop string in
             start = max(0, searched - max(map(len, stop)) + 1)
-            hit = min((i for i in (detok.text.find(s, start) for s in stop) if i >= 0), default=-1)
-            if hit >= 0:
-                finish, text_end = FinishReason.STOP, hit
+            hits = [(i, len(s)) for s in stop if (i := detok.text.find(s, start)) >= 0]
+            if hits:
+                hit, length = min(hits)
+                finish = FinishReason.STOP
+                text_end = hit + length if req.params.include_stop_str_in_output else hit
             elif finish is None:   # hold back what may be the start of a stop string
                 text_end = max(req.num_emitted_text, text_end - max(map(len, stop)) + 1)
         text = detok.text[req.num_emitted_text:text_end]

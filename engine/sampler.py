@@ -54,6 +54,9 @@ class SamplingParams:
     max_tokens: number of tokens to generate, >= 1.
     stop: stop strings; stop_token_ids: stop token ids (a single value or None is accepted).
     ignore_eos: keep generating past the end-of-sequence token.
+    min_tokens: the stop ids (EOS included) cannot be emitted before this many tokens (their
+    logits are masked, in plain decoding and in every verify row alike); stop strings still apply.
+    include_stop_str_in_output: a stop string that ends the request stays in its text.
     logprobs: None = off; k in 0..MAX_LOGPROBS = each emitted token's log-probability and the k
     most likely tokens' at its position, from the model's raw distribution (log-softmax of the
     logits, before temperature, top-k and top-p: vLLM's default "raw_logprobs").
@@ -67,6 +70,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +100,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {tok!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null, got {self.logprobs!r}")
 

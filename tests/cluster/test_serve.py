@@ -125,6 +125,25 @@ def test_stop_strings_are_honoured(server):
     streamed = client.completions.create(model=model, prompt="for i in", max_tokens=30, temperature=0,
                                          stop=stop, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+    kept = client.completions.create(model=model, prompt="for i in", max_tokens=30, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop
+
+
+def test_min_tokens_holds_against_an_early_stop_id(server):
+    client, model = _client(server), server["model"]
+    free = client.completions.create(model=model, prompt="def f(x):", max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True}).model_dump()["choices"][0]["token_ids"]
+    stop = free[1]
+    early = client.completions.create(model=model, prompt="def f(x):", max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    held = client.completions.create(model=model, prompt="def f(x):", max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [stop], "min_tokens": 6, "return_token_ids": True})
+    assert early.usage.completion_tokens == 2
+    ids = held.model_dump()["choices"][0]["token_ids"]
+    assert len(ids) >= 6 and stop not in ids[:6]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
 
 
 def test_n_choices_with_seeds(server):
@@ -209,7 +228,7 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
     for field, value in (("min_p", 0.1), ("repetition_penalty", 1.1), ("response_format", {"type": "json_object"}),
-                         ("tools", []), ("min_tokens", 3), ("chat_template", "{{ x }}")):
+                         ("tools", []), ("min_p", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={field: value})

@@ -281,3 +281,18 @@ def test_logprobs_are_the_target_distribution_with_mtp_on_as_off(model_dir, k):
                 assert top[0][0] == t and abs(top[0][1] - lp) < 1e-6, "the greedy token is the most likely"
                 assert [b for _, b in top] == sorted((b for _, b in top), reverse=True) and lp <= 0
     assert all(len(top) == 4 for _, _, top in off["r0"]) and all(top == [] for _, _, top in off["r5"])
+
+
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_min_tokens_holds_against_an_early_stop_id_with_mtp_on_as_off(model_dir, k):
+    """A stop id the model emits as its 3rd token: with min_tokens=8 it cannot come among the
+    first 8 (masked in plain decoding and in every verify row), and MTP on gives MTP off's tokens."""
+    free, _ = run_all(make_engine(model_dir, k=0), [PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=24)])
+    stop = free["r0"][2]
+    early = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop,))
+    held = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop,), min_tokens=8)
+    off, _ = run_all(make_engine(model_dir, k=0), [PROMPTS[0]] * 2, [early, held])
+    assert len(off["r0"]) == 3 and off["r0"][-1] == stop, "without min_tokens it stops at once"
+    assert len(off["r1"]) >= 8 and stop not in off["r1"][:8]
+    on, _ = run_all(make_engine(model_dir, k=k), [PROMPTS[0]] * 2, [early, held])
+    assert on == off
