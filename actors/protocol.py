@@ -1,8 +1,8 @@
 """The OpenAI wire format: request models, their sampling parameters, response bodies, errors.
 
 Only this module and ``ingress`` know about HTTP; the engine sees token ids and
-``SamplingParams``. Parameters the engine cannot honour (echo, penalties, logit bias, best_of,
-suffix, and any field it does not know) are refused with a 400 naming the parameter rather
+``SamplingParams``. Parameters the engine cannot honour (echo, logit bias, best_of, suffix, and
+any field it does not know) are refused with a 400 naming the parameter rather
 than silently ignored.
 """
 
@@ -74,17 +74,18 @@ class _SamplingFields(_Strict):
                                                       "step that adds tokens, even when their text is held back "
                                                       "as an incomplete UTF-8 sequence) and `prompt_token_ids` "
                                                       "(the first chunk's).")
-    presence_penalty: float = Field(0.0, description="Not supported (must be 0).")
-    frequency_penalty: float = Field(0.0, description="Not supported (must be 0).")
+    presence_penalty: float = Field(0.0, description="In [-2, 2]: subtracted from the logit of each token "
+                                                     "already in the output.")
+    frequency_penalty: float = Field(0.0, description="In [-2, 2]: subtracted from a token's logit per "
+                                                      "occurrence in the output.")
+    repetition_penalty: float = Field(1.0, description="vLLM's, > 0 (1 = off): logits of prompt and output "
+                                                       "tokens divided by it (positive) or multiplied (negative).")
     logit_bias: dict | None = Field(None, description="Not supported.")
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
         if self.logit_bias not in (None, {}):
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by this server (use 0)", name)
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in 1..{MAX_N}, got {self.n}", "n")
 
@@ -100,7 +101,8 @@ class _SamplingFields(_Strict):
                 top_k=None if self.top_k in (None, -1) else self.top_k,
                 seed=None if self.seed is None else self.seed + choice,
                 max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None

@@ -34,7 +34,7 @@ from mtpserve.engine.output import OutputProcessor
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import SamplingParams, token_logprobs
+from mtpserve.engine.sampler import SamplingParams, apply_penalties, token_logprobs
 from mtpserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
@@ -240,7 +240,7 @@ class Engine:
         drafts = self.proposer.propose(drafting) if drafting else {}
         replays = self.graphs.num_replays if self.graphs is not None else 0
         out = self._verify(plan, drafts)
-        sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._mask_early_stops(plan, out.logits),
+        sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._processed(plan, drafts, out.logits),
                               self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
@@ -262,22 +262,31 @@ class Engine:
                                     graphed=self.graphs is not None and self.graphs.num_replays > replays)
         return events
 
-    def _mask_early_stops(self, plan: StepPlan, logits):
-        """``min_tokens``: a copy of the logits with the stop ids at -inf in every target row whose
-        token would come before a request's min_tokens-th (the logits themselves when none does).
-        Plain decoding and each verify row get the same mask, so MTP stays exact."""
-        masks = []
+    def _processed(self, plan: StepPlan, drafts: dict, logits):
+        """The logits the tokens are chosen from: a copy with each request's penalties and its
+        ``min_tokens`` mask (stop ids at -inf before its min_tokens-th token) applied to its target
+        rows, row j with the history it has there (the output so far plus drafts 0..j-1), exactly
+        as plain decoding applies them one token at a time; the logits themselves when no request
+        needs any (and for logprobs, which are the raw distribution's)."""
+        work = []
         for s, row in zip(plan.scheduled, plan.layout.target_row):
-            r = s.request
-            if s.samples and r.params.min_tokens > r.num_output_tokens and r.stop_token_ids:
-                for j in range(min(s.num_drafts + 1, r.params.min_tokens - r.num_output_tokens)):
-                    masks.append((row + j, sorted(r.stop_token_ids)))
-        if not masks:
+            r, p = s.request, s.request.params
+            masked = p.min_tokens > r.num_output_tokens and r.stop_token_ids
+            if s.samples and (masked or p.has_penalties):
+                work.append((s, row))
+        if not work:
             return logits
-        masked = logits.copy()
-        for row, ids in masks:
-            masked[row, self.xp.asarray(np.asarray(ids, np.int64))] = -np.inf
-        return masked
+        xp, out = self.xp, logits.copy()
+        for s, row in work:
+            r, p = s.request, s.request.params
+            output = r.token_ids[r.num_prompt_tokens:]
+            draft = drafts[r.request_id].tokens if s.num_drafts else []
+            for j in range(s.num_drafts + 1):
+                if p.has_penalties:
+                    out[row + j] = apply_penalties(out[row + j], p, r.prompt_token_ids, output + draft[:j], xp)
+                if r.num_output_tokens + j < p.min_tokens and r.stop_token_ids:
+                    out[row + j, xp.asarray(np.asarray(sorted(r.stop_token_ids), np.int64))] = -np.inf
+        return out
 
     def _logprobs(self, plan: StepPlan, updates, logits) -> dict[str, list]:
         """Log-probabilities of the tokens each request asking for them emitted this step: token j

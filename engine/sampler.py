@@ -54,6 +54,11 @@ class SamplingParams:
     max_tokens: number of tokens to generate, >= 1.
     stop: stop strings; stop_token_ids: stop token ids (a single value or None is accepted).
     ignore_eos: keep generating past the end-of-sequence token.
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]): subtracted from the logit of
+    every token already in the output, once / per occurrence; repetition_penalty (vLLM's, > 0,
+    1 = off): the logit of every token in the prompt or the output divided by it when positive,
+    multiplied when negative. All apply before temperature, top-k and top-p, to plain decoding
+    and to each verify row with that row's own history (drafts accepted before it included).
     min_tokens: the stop ids (EOS included) cannot be emitted before this many tokens (their
     logits are masked, in plain decoding and in every verify row alike); stop strings still apply.
     include_stop_str_in_output: a stop string that ends the request stays in its text.
@@ -72,6 +77,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -100,12 +108,23 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {tok!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float, np.floating)) or isinstance(v, bool) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float, np.floating)) or isinstance(r, bool) or not (0 < r <= 10):
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {r!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null, got {self.logprobs!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -120,6 +139,23 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+
+
+def apply_penalties(row, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int], xp=None):
+    """One row of logits ([V], modified in place) after ``params``' penalties, for a position
+    whose output so far is ``output_ids`` (see SamplingParams)."""
+    xp = xp or np
+    if params.presence_penalty or params.frequency_penalty:
+        ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
+        if ids.size:
+            d_ids = xp.asarray(ids)
+            row[d_ids] -= xp.asarray((params.presence_penalty + params.frequency_penalty * counts).astype(np.float32)
+                                     ).astype(row.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = xp.asarray(np.unique(np.asarray(list(prompt_ids) + list(output_ids), np.int64)))
+        vals = row[seen]
+        row[seen] = xp.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    return row
 
 
 def token_logprobs(logits, rows: Sequence[int], token_ids: Sequence[int], num_top: int, xp=None) -> list:

@@ -146,6 +146,18 @@ def test_min_tokens_holds_against_an_early_stop_id(server):
         client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
 
 
+def test_penalties_change_the_output_and_out_of_range_ones_are_refused(server):
+    client, model = _client(server), server["model"]
+    args = dict(model=model, prompt="for i in range(10):\n", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0].text
+    freq = client.completions.create(**args, frequency_penalty=1.5).choices[0].text
+    rep = client.completions.create(**{**args, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}}).choices[0].text
+    assert freq != plain and rep != plain
+    for bad in (dict(frequency_penalty=2.5), dict(presence_penalty=-3), dict(extra_body={"repetition_penalty": 0})):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt="x", max_tokens=2, **bad)
+
+
 def test_n_choices_with_seeds(server):
     client, model = _client(server), server["model"]
     kwargs = dict(model=model, prompt="x = ", max_tokens=8, temperature=1.0, n=3, seed=7,
@@ -227,7 +239,7 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
-    for field, value in (("min_p", 0.1), ("repetition_penalty", 1.1), ("response_format", {"type": "json_object"}),
+    for field, value in (("min_p", 0.1), ("guided_regex", "a+"), ("response_format", {"type": "json_object"}),
                          ("tools", []), ("min_p", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,

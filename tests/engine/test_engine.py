@@ -296,3 +296,25 @@ def test_min_tokens_holds_against_an_early_stop_id_with_mtp_on_as_off(model_dir,
     assert len(off["r1"]) >= 8 and stop not in off["r1"][:8]
     on, _ = run_all(make_engine(model_dir, k=k), [PROMPTS[0]] * 2, [early, held])
     assert on == off
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_penalties_change_the_output_and_keep_greedy_mtp_on_as_off(model_dir, k):
+    """Presence, frequency and repetition penalties (and negative ones, which favour repeats)
+    steer greedy output; each verify row is penalised with the history it has (the drafts
+    before it included), so MTP on gives MTP off's tokens exactly."""
+    prompts = PROMPTS[:12]
+    kinds = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(repetition_penalty=1.4),
+             dict(frequency_penalty=-2.0)]
+    penalised = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **kinds[i % 4]) for i in range(12)]
+    base, _ = run_all(make_engine(model_dir, k=0), prompts, [SamplingParams(temperature=0, max_tokens=48,
+                                                                            ignore_eos=True)] * 12)
+    off, _ = run_all(make_engine(model_dir, k=0), prompts, penalised)
+    on, _ = run_all(make_engine(model_dir, k=k), prompts, penalised)
+    assert [rid for rid in off if on[rid] != off[rid]] == []
+    assert sum(off[rid] != base[rid] for rid in off) >= 10
+
+    def repeats(ids):
+        return len(ids) - len(set(ids))
+    assert sum(map(repeats, (off[f"r{i}"] for i in (0, 4, 8)))) < sum(map(repeats, (base[f"r{i}"] for i in (0, 4, 8))))
+    assert sum(map(repeats, (off[f"r{i}"] for i in (3, 7, 11)))) > sum(map(repeats, (base[f"r{i}"] for i in (3, 7, 11))))
