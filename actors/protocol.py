@@ -1,8 +1,8 @@
 """The OpenAI wire format: request models, their sampling parameters, response bodies, errors.
 
 Only this module and ``ingress`` know about HTTP; the engine sees token ids and
-``SamplingParams``. Parameters the engine cannot honour (echo, logit bias, best_of, suffix, and
-any field it does not know) are refused with a 400 naming the parameter rather
+``SamplingParams``. Parameters the engine cannot honour (echo, best_of, suffix, and any field
+it does not know) are refused with a 400 naming the parameter rather
 than silently ignored.
 """
 
@@ -80,12 +80,12 @@ class _SamplingFields(_Strict):
                                                       "occurrence in the output.")
     repetition_penalty: float = Field(1.0, description="vLLM's, > 0 (1 = off): logits of prompt and output "
                                                        "tokens divided by it (positive) or multiplied (negative).")
-    logit_bias: dict | None = Field(None, description="Not supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100], "
+                                                                 "added to that logit.")
+    min_p: float = Field(0.0, description="vLLM's, in [0, 1]: drop tokens less likely than min_p x the most likely.")
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias not in (None, {}):
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in 1..{MAX_N}, got {self.n}", "n")
 
@@ -103,9 +103,18 @@ class _SamplingFields(_Strict):
                 max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p, logit_bias=self._logit_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    def _logit_bias(self) -> tuple:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -187,6 +187,8 @@ class Engine:
         """Queue a request. Bad input raises ValueError (the serving edge turns it into a 400)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_request(ids, params.max_tokens, self.limits)
+        if any(t >= self.limits.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.limits.vocab_size})")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.manifest.eos_token_ids))
         req = Request(request_id, ids, params, arrival_index=next(self._arrivals), stop_token_ids=stop_ids)

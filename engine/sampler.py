@@ -50,6 +50,10 @@ class SamplingParams:
     temperature: 0 (or below ``MIN_TEMPERATURE``) = greedy argmax.
     top_p: nucleus mass in (0, 1]; 1 = off.
     top_k: number of highest-logit tokens kept; 0 or None = off.
+    min_p: in [0, 1]: tokens less likely than min_p x the most likely one are dropped (after
+    temperature, before top-k and top-p); 0 = off.
+    logit_bias: (token id, bias in [-100, 100]) pairs added to those logits (greedy too), like
+    the penalties before everything else.
     seed: seeds the request's RNG; None = a fresh random seed. Any int (taken mod 2**64).
     max_tokens: number of tokens to generate, >= 1.
     stop: stop strings; stop_token_ids: stop token ids (a single value or None is accepted).
@@ -70,6 +74,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
@@ -80,9 +85,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         self.validate()
@@ -108,6 +116,13 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {tok!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        m = self.min_p
+        if not isinstance(m, (int, float, np.floating)) or isinstance(m, bool) or not 0 <= m <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0
+                    or isinstance(pair[1], bool) or not isinstance(pair[1], (int, float)) or not -100 <= pair[1] <= 100):
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {pair!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float, np.floating)) or isinstance(v, bool) or not -2 <= v <= 2:
@@ -124,18 +139,20 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """Logit changes that depend on the request (its history, its bias): see apply_penalties."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
     @property
-    def processing_key(self) -> tuple[float, int, float]:
-        """(temperature, top_k, top_p) with 'off' values normalised; rows sharing it are processed together."""
+    def processing_key(self) -> tuple[float, int, float, float]:
+        """(temperature, top_k, top_p, min_p) with 'off' values normalised; rows sharing it are processed together."""
         if self.is_greedy:
-            return (0.0, 0, 1.0)
-        return (float(self.temperature), int(self.top_k or 0), float(self.top_p))
+            return (0.0, 0, 1.0, 0.0)
+        return (float(self.temperature), int(self.top_k or 0), float(self.top_p), float(self.min_p))
 
 
 MAX_LOGPROBS = 20
@@ -155,6 +172,9 @@ def apply_penalties(row, params: SamplingParams, prompt_ids: Sequence[int], outp
         seen = xp.asarray(np.unique(np.asarray(list(prompt_ids) + list(output_ids), np.int64)))
         vals = row[seen]
         row[seen] = xp.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if params.logit_bias:
+        ids = xp.asarray(np.asarray([t for t, _ in params.logit_bias], np.int64))
+        row[ids] += xp.asarray(np.asarray([b for _, b in params.logit_bias], np.float32)).astype(row.dtype)
     return row
 
 
@@ -261,11 +281,14 @@ def _nucleus_candidates(x, top_p: float, xp):
     return None
 
 
-def _process(logits, temperature: float, top_k: int, top_p: float, xp):
+def _process(logits, temperature: float, top_k: int, top_p: float, min_p: float, xp):
     """Probabilities [N, V] float32 of rows that share one processing key."""
     if temperature == 0.0:
         return _one_hot_argmax(logits, xp)
     x = logits.astype(xp.float32) / xp.float32(temperature)
+    if min_p > 0:         # relative to each row's most likely token, which always stays
+        p = _softmax(x, xp)
+        x = xp.where(p < xp.float32(min_p) * p.max(axis=1, keepdims=True), -xp.inf, x)
     vocab = x.shape[1]
     found = None
     if 0 < top_k < vocab:

@@ -146,14 +146,22 @@ def test_min_tokens_holds_against_an_early_stop_id(server):
         client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
 
 
-def test_penalties_change_the_output_and_out_of_range_ones_are_refused(server):
+def test_penalties_logit_bias_and_min_p_and_out_of_range_values_refused(server):
     client, model = _client(server), server["model"]
     args = dict(model=model, prompt="for i in range(10):\n", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(**args).choices[0].text
     freq = client.completions.create(**args, frequency_penalty=1.5).choices[0].text
     rep = client.completions.create(**{**args, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}}).choices[0].text
     assert freq != plain and rep != plain
-    for bad in (dict(frequency_penalty=2.5), dict(presence_penalty=-3), dict(extra_body={"repetition_penalty": 0})):
+    forced = client.completions.create(model=model, prompt="x = ", max_tokens=4, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.model_dump()["choices"][0]["token_ids"] == [42] * 4
+    sampled = client.completions.create(model=model, prompt="x = ", max_tokens=4, temperature=1.0, seed=1,
+                                        extra_body={"min_p": 0.3})
+    assert sampled.usage.completion_tokens >= 1
+    for bad in (dict(frequency_penalty=2.5), dict(presence_penalty=-3), dict(extra_body={"repetition_penalty": 0}),
+                dict(logit_bias={"x": 1}), dict(logit_bias={"5": 101}), dict(extra_body={"min_p": 1.5}),
+                dict(logit_bias={str(10**7): 1})):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=model, prompt="x", max_tokens=2, **bad)
 
@@ -239,8 +247,8 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
-    for field, value in (("min_p", 0.1), ("guided_regex", "a+"), ("response_format", {"type": "json_object"}),
-                         ("tools", []), ("min_p", 0.5), ("chat_template", "{{ x }}")):
+    for field, value in (("guided_json", {}), ("guided_regex", "a+"), ("response_format", {"type": "json_object"}),
+                         ("tools", []), ("top_a", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={field: value})

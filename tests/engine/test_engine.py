@@ -318,3 +318,19 @@ def test_penalties_change_the_output_and_keep_greedy_mtp_on_as_off(model_dir, k)
         return len(ids) - len(set(ids))
     assert sum(map(repeats, (off[f"r{i}"] for i in (0, 4, 8)))) < sum(map(repeats, (base[f"r{i}"] for i in (0, 4, 8))))
     assert sum(map(repeats, (off[f"r{i}"] for i in (3, 7, 11)))) > sum(map(repeats, (base[f"r{i}"] for i in (3, 7, 11))))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_logit_bias_forces_and_forbids_tokens_with_mtp_on_as_off(model_dir, k):
+    """+100 on a token makes greedy output nothing else; -100 on the token greedy picks first
+    makes it pick another; MTP on gives MTP off's tokens."""
+    free, _ = run_all(make_engine(model_dir, k=0), [PROMPTS[1]], [SamplingParams(temperature=0, max_tokens=8)])
+    first = free["r0"][0]
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0})
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={first: -100.0})
+    out, _ = run_all(make_engine(model_dir, k=k), [PROMPTS[1]] * 2, [forced, banned])
+    assert out["r0"] == [42] * 8 and first not in out["r1"]
+    ref, _ = run_all(make_engine(model_dir, k=0), [PROMPTS[1]] * 2, [forced, banned])
+    assert out == ref
+    with pytest.raises(ValueError, match="logit_bias"):
+        make_engine(model_dir).add_request("x", PROMPTS[1], SamplingParams(logit_bias={10**7: 1.0}))

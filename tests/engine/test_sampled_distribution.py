@@ -36,7 +36,9 @@ Z_CRITICAL = 3.29          # |N(0, 1)| at 1e-3
 FAR = 1.5                  # a wrong rule must fail its check by this factor: z 4.9, chi-square 57 (both ~1e-6)
 PLAIN = "temperature-1.0"
 FILTERED = "temperature-0.8-top-p-0.9"
-SETTINGS = {PLAIN: {"temperature": 1.0}, FILTERED: {"temperature": 0.8, "top_p": 0.9}}
+MIN_P = "temperature-1.0-min-p-0.05"
+SETTINGS = {PLAIN: {"temperature": 1.0}, FILTERED: {"temperature": 0.8, "top_p": 0.9},
+            MIN_P: {"temperature": 1.0, "min_p": 0.05}}
 
 
 # ---------------------------------------------------------------- wrong rules, on purpose

@@ -37,8 +37,8 @@ def test_valid_params_are_normalised():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=-3, stop="###", stop_token_ids=[1, 2])
     assert params.stop == ("###",) and params.stop_token_ids == (1, 2)
     assert SamplingParams(stop=None, stop_token_ids=7).stop_token_ids == (7,)
-    assert params.processing_key == (0.7, 0, 0.9)
-    assert SamplingParams(temperature=0, top_k=5).processing_key == (0.0, 0, 1.0)
+    assert params.processing_key == (0.7, 0, 0.9, 0.0)
+    assert SamplingParams(temperature=0, top_k=5).processing_key == (0.0, 0, 1.0, 0.0)
     hash(params)  # frozen and hashable: usable as a grouping key
     make_rng(params.seed).random()  # negative seeds are accepted
 
@@ -191,3 +191,11 @@ def test_inverse_cdf_never_picks_a_zero_probability_token():
     for u in [0.0, 0.4999, 0.5, np.nextafter(1.0, 0.0)]:
         assert sample_from_probs(row, [u])[0] in (1, 3)
     assert sample_from_probs(row, [np.nextafter(1.0, 0.0)])[0] == 3
+
+
+def test_min_p_drops_tokens_less_likely_than_min_p_times_the_most_likely():
+    logits = np.log(np.array([[0.5, 0.3, 0.12, 0.05, 0.03]], np.float32))
+    p = probs(logits, SamplingParams(temperature=1.0, min_p=0.2))[0]     # threshold 0.1: keeps 0.5, 0.3, 0.12
+    assert np.allclose(p, np.array([0.5, 0.3, 0.12, 0, 0]) / 0.92, atol=1e-6)
+    assert np.allclose(probs(logits, SamplingParams(temperature=1.0, min_p=1.0))[0], [1, 0, 0, 0, 0])
+    assert np.allclose(probs(logits, SamplingParams(temperature=1.0))[0], [0.5, 0.3, 0.12, 0.05, 0.03], atol=1e-6)
