@@ -39,6 +39,8 @@ from mtpserve.actors.protocol import (
     chunk_choice,
     completion_body,
     completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
     messages_as_dicts,
     sse_chunk,
     usage,
@@ -316,8 +318,10 @@ class OpenAIRoutes:
     async def completions(self, body: CompletionRequest, request: Request):
         try:
             self._check(body)
-            prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
-            return await self._respond(body, prompts, request, chat=False)
+            given = body.prompts()
+            prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in given] if body.echo else None
+            return await self._respond(body, prompts, request, chat=False, echo=echo)
         except APIError as e:
             return self._error(e)
 
@@ -368,7 +372,10 @@ class OpenAIRoutes:
     def _error(self, e: APIError) -> JSONResponse:
         return _answer(e, {REPLICA_HEADER: self.replica_id})
 
-    async def _respond(self, body, prompts: list[list[int]], request: Request, chat: bool):
+    async def _respond(self, body, prompts: list[list[int]], request: Request, chat: bool,
+                       echo: list[str] | None = None):
+        """Run every (prompt, choice) and answer whole or as SSE; ``echo``: the prompts' texts,
+        put before each choice's text (completions' echo)."""
         started = time.perf_counter()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if len(prompts) * body.n > self.config.max_pending:      # could never all be admitted: not a retryable 429
@@ -402,17 +409,20 @@ class OpenAIRoutes:
         headers = {REPLICA_HEADER: self.replica_id}
         num_prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started, prompts)
+            events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started, prompts, echo)
             # a client gone before the body starts leaves the generator un-iterated: abort on collection
             weakref.finalize(events, _cancel_all, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts, finish, num_out = [""] * len(streams), ["stop"] * len(streams), [0] * len(streams)
         cached, out_ids, scored = [0] * len(streams), [[] for _ in streams], [[] for _ in streams]
+        prompt_scored = [[] for _ in streams]
         try:
             async for i, event in self.run(streams, started):
                 texts[i] += event.text
                 out_ids[i] += event.token_ids
                 scored[i] += event.logprobs or []
+                if event.prompt_logprobs is not None:
+                    prompt_scored[i] = event.prompt_logprobs
                 if event.finish_reason is not None:
                     finish[i], num_out[i] = event.finish_reason.value, event.num_output_tokens
                     cached[i] = event.num_cached_tokens
@@ -422,20 +432,29 @@ class OpenAIRoutes:
             raise APIError(503, str(e), "server_error", None, "unavailable") from None
         ids = (out_ids, _per_choice(prompts, body.n)) if body.return_token_ids else (None, None)
         lps = None
-        if body.num_logprobs is not None:
-            lps = [chat_logprobs(e, self._token_text) if chat else completion_logprobs(e, self._token_text, 0)
-                   for e in scored]
+        if chat and body.num_logprobs is not None:
+            lps = [chat_logprobs(e, self._token_text) for e in scored]
+        elif body.num_logprobs is not None:
+            lps = []
+            for i, entries in enumerate(scored):
+                head = echo_logprobs(prompts[i // body.n][0], prompt_scored[i], self._token_text) if echo else None
+                start = head["text_offset"][-1] + len(head["tokens"][-1]) if head else 0
+                tail = completion_logprobs(entries, self._token_text, start)
+                lps.append(joined_logprobs(head, tail) if head else tail)
+        if echo:
+            texts = [echo[i // body.n] + t for i, t in enumerate(texts)]
         return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
                                             usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)),
                                             chat, *ids, lps), headers=headers)
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
-                   prompts: list[list[int]]):
+                   prompts: list[list[int]], echo: list[str] | None = None):
         created, model, with_usage = int(time.time()), self.model_name, body.include_usage
         num_out, cached = [0] * len(streams), [0] * len(streams)
         with_ids, with_logprobs = body.return_token_ids, body.num_logprobs is not None
         prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
         offsets = [0] * len(streams)                                         # completions' text_offset
+        echoed = [False] * len(streams)
         try:
             if chat:
                 for i in range(len(streams)):
@@ -447,14 +466,22 @@ class OpenAIRoutes:
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens
-                if event.text or reason is not None or ((with_ids or with_logprobs) and event.token_ids):
-                    choice = chunk_choice(i, event.text or (None if chat else ""), reason, chat)
+                first = echo is not None and not echoed[i]                      # an echoed choice's first chunk
+                echoed[i] = echoed[i] or first
+                if event.text or reason is not None or first or ((with_ids or with_logprobs) and event.token_ids):
+                    text = (echo[i // body.n] if first else "") + event.text
+                    choice = chunk_choice(i, text or (None if chat else ""), reason, chat)
                     if with_logprobs and event.logprobs:
                         if chat:
                             choice["logprobs"] = chat_logprobs(event.logprobs, self._token_text)
                         else:
-                            choice["logprobs"] = completion_logprobs(event.logprobs, self._token_text, offsets[i])
-                            offsets[i] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+                            head = echo_logprobs(prompts[i // body.n][0], event.prompt_logprobs or [],
+                                                 self._token_text) if first else None
+                            if head:
+                                offsets[i] = head["text_offset"][-1] + len(head["tokens"][-1])
+                            lp = completion_logprobs(event.logprobs, self._token_text, offsets[i])
+                            choice["logprobs"] = joined_logprobs(head, lp) if head else lp
+                            offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     if with_ids:
                         choice["token_ids"] = list(event.token_ids)
                         if prompt_ids[i] is not None:

@@ -103,7 +103,7 @@ class _SamplingFields(_Strict):
                 max_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                min_p=self.min_p, logit_bias=self._logit_bias(),
+                min_p=self.min_p, logit_bias=self._logit_bias(), prompt_logprobs=self.num_prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
@@ -122,6 +122,11 @@ class _SamplingFields(_Strict):
         return None
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Completions with echo and logprobs score the prompt too."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -132,19 +137,25 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists.")
     max_tokens: int | None = Field(16, description="Tokens to generate per choice (default 16).")
     logprobs: int | None = Field(None, description=f"Each token's log-probability and the N (0..{MAX_LOGPROBS}) "
                                                    f"most likely tokens' at its place, from the model's raw "
                                                    f"distribution (before temperature, top-k, top-p).")
-    echo: bool = Field(False, description="Not supported.")
+    echo: bool = Field(False, description="Put the prompt before each choice's text (with logprobs: the prompt "
+                                          "tokens' too, the first one's null).")
     best_of: int | None = Field(None, description="Not supported.")
     suffix: str | None = Field(None, description="Not supported.")
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo or self.best_of not in (None, 1) or self.suffix:
-            raise bad_request("echo, best_of and suffix are not supported by this server")
+        if self.best_of not in (None, 1) or self.suffix:
+            raise bad_request("best_of and suffix are not supported by this server",
+                              "suffix" if self.suffix else "best_of")
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -251,6 +262,18 @@ def completion_logprobs(entries: list, token_text, text_offset: int) -> dict:
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [{token_text(a): b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+
+
+def echo_logprobs(first_token: int, entries: list, token_text) -> dict:
+    """The prompt's part of an echoed completion's ``logprobs``: its first token has none."""
+    scored = completion_logprobs(entries, token_text, len(token_text(first_token)))
+    return {"tokens": [token_text(first_token)] + scored["tokens"],
+            "token_logprobs": [None] + scored["token_logprobs"], "top_logprobs": [None] + scored["top_logprobs"],
+            "text_offset": [0] + scored["text_offset"]}
+
+
+def joined_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(entries: list, token_text) -> dict:

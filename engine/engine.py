@@ -245,6 +245,7 @@ class Engine:
         sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._processed(plan, drafts, out.logits),
                               self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
+        self._score_prompts(plan, out.logits)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
         if self.proposer is not None:
             for u, start in zip(updates, plan.layout.row_start):
@@ -289,6 +290,27 @@ class Engine:
                 if r.num_output_tokens + j < p.min_tokens and r.stop_token_ids:
                     out[row + j, xp.asarray(np.asarray(sorted(r.stop_token_ids), np.int64))] = -np.inf
         return out
+
+    def _score_prompts(self, plan: StepPlan, logits) -> None:
+        """prompt_logprobs: the row at prompt position p scores prompt token p + 1 (collected on
+        the request until its first event; a preempted request's recomputed rows change nothing)."""
+        rows, tokens, owners = [], [], []
+        for s, start in zip(plan.scheduled, plan.layout.row_start):
+            r = s.request
+            if r.params.prompt_logprobs is None or r.num_output_tokens:
+                continue
+            if r.prompt_logprobs is None:
+                r.prompt_logprobs = {}
+            for i in range(s.num_tokens):
+                target = r.num_computed + i + 1
+                if target < r.num_prompt_tokens and target not in r.prompt_logprobs:
+                    rows.append(start + i)
+                    tokens.append(r.token_ids[target])
+                    owners.append((r, target))
+        if rows:
+            top = max(r.params.prompt_logprobs for r, _ in owners)
+            for (r, target), (t, lp, best) in zip(owners, token_logprobs(logits, rows, tokens, top, self.xp)):
+                r.prompt_logprobs[target] = (t, lp, best[:r.params.prompt_logprobs])
 
     def _logprobs(self, plan: StepPlan, updates, logits) -> dict[str, list]:
         """Log-probabilities of the tokens each request asking for them emitted this step: token j

@@ -44,5 +44,8 @@ class OutputProcessor:
                 text_end = max(req.num_emitted_text, text_end - max(map(len, stop)) + 1)
         text = detok.text[req.num_emitted_text:text_end]
         req.num_emitted_text = max(req.num_emitted_text, text_end)
+        prompt = None
+        if req.prompt_logprobs is not None:           # the prompt's entries go out once, with the first tokens
+            prompt, req.prompt_logprobs = [req.prompt_logprobs[i] for i in sorted(req.prompt_logprobs)], None
         return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens,
-                          req.num_cached_tokens, logprobs)
+                          req.num_cached_tokens, logprobs, prompt)

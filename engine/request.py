@@ -49,6 +49,7 @@ class TokenEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
     logprobs: list | None = None    # with params.logprobs: per token (id, logprob, [(id, logprob)] top)
+    prompt_logprobs: list | None = None   # with params.prompt_logprobs, on the first event: prompt tokens 1.. likewise
 
 
 @dataclass
@@ -69,6 +70,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     num_emitted_text: int = 0              # characters of output text already streamed out
     num_cached_tokens: int = 0             # prompt tokens taken from the prefix cache at admission
+    prompt_logprobs: dict[int, tuple] | None = None   # with params.prompt_logprobs: position -> entry,
+                                                      # handed out with the first event, then None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -66,6 +66,8 @@ class SamplingParams:
     min_tokens: the stop ids (EOS included) cannot be emitted before this many tokens (their
     logits are masked, in plain decoding and in every verify row alike); stop strings still apply.
     include_stop_str_in_output: a stop string that ends the request stays in its text.
+    prompt_logprobs: likewise for the prompt's tokens (from the second on; the request then starts
+    from scratch, not from the prefix cache, since cached positions have no logits).
     logprobs: None = off; k in 0..MAX_LOGPROBS = each emitted token's log-probability and the k
     most likely tokens' at its position, from the model's raw distribution (log-softmax of the
     logits, before temperature, top-k and top-p: vLLM's default "raw_logprobs").
@@ -87,6 +89,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -134,8 +137,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} or null, got {v!r}")
 
     @property
     def has_penalties(self) -> bool:

@@ -237,7 +237,7 @@ class Scheduler:
 
     def _start_from_cache(self, req: Request) -> PrefixHit | None:
         """A waiting request's longest cached prefix: its main blocks attached, num_computed set."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or req.params.prompt_logprobs is not None:   # it needs every prompt row
             return None
         hit = self.prefix_cache.lookup(req.request_id, req.token_ids)
         if hit is not None:

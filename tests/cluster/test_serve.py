@@ -307,6 +307,33 @@ def test_logprobs_of_completions_and_chat_streamed_and_not(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_use_it(server):
+    """completions echo + logprobs (lm-eval's loglikelihood request): the text starts with the
+    prompt, the prompt's tokens are scored (the first has no logprob), and a prompt made of a
+    prompt plus its greedy continuation scores that continuation as generation did."""
+    client, model, tok = _client(server), server["model"], server["tokenizer"]
+    prompt = "def add(a, b):"
+    gen = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    whole = prompt + gen.choices[0].text
+    n = len(tok.encode(prompt))
+    echoed = client.completions.create(model=model, prompt=whole, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(whole)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    count = len(tok.encode(whole))
+    assert len(lp.token_logprobs) == count + 1
+    assert lp.token_logprobs[n:count] == pytest.approx(gen.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [c.choices[0] for c in client.completions.create(model=model, prompt=whole, max_tokens=1, temperature=0,
+                                                                 logprobs=1, echo=True, stream=True) if c.choices]
+    assert "".join(c.text for c in streamed) == echoed.choices[0].text
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs][1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-4)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in plain if c.choices).startswith(prompt)
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in _client(server).models.list().data] == [server["model"]]
     root = server["base"].rsplit("/v1", 1)[0]

@@ -334,3 +334,28 @@ def test_logit_bias_forces_and_forbids_tokens_with_mtp_on_as_off(model_dir, k):
     assert out == ref
     with pytest.raises(ValueError, match="logit_bias"):
         make_engine(model_dir).add_request("x", PROMPTS[1], SamplingParams(logit_bias={10**7: 1.0}))
+
+
+def test_prompt_logprobs_score_every_prompt_token_like_generation_does(model_dir):
+    """Scoring prompt + output as a prompt gives, at the output's positions, the logprobs the
+    generation reported (to float rounding), whatever the prefill chunking; such a request
+    never starts from the prefix cache (cached positions have no logits)."""
+    gen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    tokens, entries = _logprobs_of(make_engine(model_dir, k=2), [PROMPTS[3]], [gen])
+    engine = make_engine(model_dir, k=0)
+    prompt = engine.tokenizer.encode(PROMPTS[3])
+    full = prompt + tokens["r0"]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    for budget in (64, 16):                       # one chunk, then chunks of 16
+        engine = make_engine(model_dir, k=0, budget=budget)
+        run_all(engine, [full], [SamplingParams(temperature=0, max_tokens=1)])    # the prefix is cached now
+        req = engine.add_request("s", full, score)
+        prompt_entries = None
+        while engine.has_work:
+            for ev in engine.step():
+                prompt_entries = ev.prompt_logprobs if prompt_entries is None else prompt_entries
+        assert req.num_cached_tokens == 0
+        assert [t for t, _, _ in prompt_entries] == full[1:]
+        tail = prompt_entries[len(prompt) - 1:]
+        for (t, lp, top), (t2, lp2, top2) in zip(tail, entries["r0"]):
+            assert t == t2 and abs(lp - lp2) < 1e-4 and [a for a, _ in top] == [a for a, _ in top2]
