@@ -334,6 +334,52 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_use_it(ser
     assert "".join(c.choices[0].text for c in plain if c.choices).startswith(prompt)
 
 
+# Every request field of OpenAI's completions and chat APIs and vLLM's extensions, with a value a
+# client would send. The server must honour a field (the README's table says how; the other tests
+# assert the effects) or refuse it with a 400 naming it: a 200 for a field not listed as honoured
+# is a field silently ignored.
+HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
+            "stop", "seed", "user", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stop_token_ids", "ignore_eos",
+            "min_tokens", "include_stop_str_in_output", "return_token_ids"}
+COMMON = dict(frequency_penalty=0.5, logit_bias={"5": 1.0}, max_tokens=2, n=2, presence_penalty=0.5, seed=3,
+              stop=["\n\n"], stream=False, temperature=0.7, top_p=0.9, user="u1",
+              top_k=5, min_p=0.05, repetition_penalty=1.1, length_penalty=1.0, stop_token_ids=[5], ignore_eos=True,
+              min_tokens=1, skip_special_tokens=False, spaces_between_special_tokens=False, truncate_prompt_tokens=8,
+              allowed_token_ids=[1, 2, 3], prompt_logprobs=1, add_special_tokens=True, guided_json={"type": "object"},
+              guided_regex="a+", guided_choice=["a", "b"], guided_grammar="root ::= 'a'",
+              guided_decoding_backend="xgrammar", guided_whitespace_pattern=" ", priority=1, logits_processors=["x"],
+              return_tokens_as_token_ids=True, return_token_ids=True, bad_words=["x"], cache_salt="s",
+              kv_transfer_params={}, vllm_xargs={}, structured_outputs={"regex": "a+"}, response_format={"type": "text"})
+COMPLETION_ONLY = dict(best_of=2, echo=True, logprobs=1, suffix="x")
+CHAT_ONLY = dict(audio={"voice": "alloy", "format": "wav"}, function_call="auto", functions=[{"name": "f"}],
+                 logprobs=True, max_completion_tokens=2, metadata={"k": "v"}, modalities=["text"],
+                 parallel_tool_calls=False, prediction={"type": "content", "content": "x"}, reasoning_effort="low",
+                 service_tier="auto", store=False, tool_choice="none", tools=[{"type": "function", "function":
+                                                                               {"name": "f", "parameters": {}}}],
+                 top_logprobs=1, web_search_options={}, verbosity="low", prompt_cache_key="k", safety_identifier="s",
+                 add_generation_prompt=True, continue_final_message=False, chat_template="{{ x }}",
+                 chat_template_kwargs={}, documents=[], mm_processor_kwargs={}, echo=True)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_every_openai_and_vllm_request_field_is_honoured_or_refused_by_name(server, route):
+    base = ({"prompt": "x = "} if route == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    fields = {**COMMON, **(COMPLETION_ONLY if route == "completions" else CHAT_ONLY)}
+    ignored = []
+    for name, value in fields.items():
+        extra = {"top_logprobs": 1} if name == "logprobs" and route != "completions" else {}
+        body = {"model": server["model"], **base, "max_tokens": 2, name: value, **extra}
+        r = requests.post(f"{server['base']}/{route}", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == name, (name, r.json())
+        else:
+            assert r.status_code == 200, (name, r.status_code, r.text[:300])
+            if name not in HONOURED:
+                ignored.append(name)
+    assert ignored == [], f"answered 200 without honouring: {ignored}"
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in _client(server).models.list().data] == [server["model"]]
     root = server["base"].rsplit("/v1", 1)[0]
