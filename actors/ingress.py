@@ -319,6 +319,9 @@ class OpenAIRoutes:
         try:
             self._check(body)
             given = body.prompts()
+            vocab = self.engine.limits.vocab_size
+            if any(not 0 <= t < vocab for p in given if not isinstance(p, str) for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in given] if body.echo else None
             return await self._respond(body, prompts, request, chat=False, echo=echo)
