@@ -237,7 +237,7 @@ def test_the_published_schema_says_what_the_server_does(api_schema, server):
     assert raw["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == [server["model"]]
 
 
-def test_schemathesis_finds_no_server_error_and_no_undocumented_status(api_schema, server):
+def test_schemathesis_finds_no_server_error_and_no_undocumented_status(api_schema, server, tmp_path):
     """Schema-driven fuzzing of every route (valid and invalid bodies, FUZZ_EXAMPLES each): never a
     5xx, only documented statuses, every error in the envelope. Its own process: onnxruntime,
     loaded by earlier tests, turns on flush-to-zero, and hypothesis then refuses to make floats."""
@@ -246,7 +246,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_status(api_schem
          "--checks", "not_a_server_error,status_code_conformance", "--max-examples", str(FUZZ_EXAMPLES),
          "--header", f"Authorization: Bearer {KEY}", "--suppress-health-check", "all", "--no-color",
          "--seed", str(FUZZ_SEED)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)     # its cache stays out of the checkout
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
