@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -70,10 +69,6 @@ class Worker:
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
         self.recorder = MetricsRecorder()
         guard(self)                                  # API key and body limit before any parse
-        if cfg.switch_interval_ms > 0:
-            # The owner thread's steps are mostly Python on a GPU (graph replays): with the default
-            # 5 ms interval, every hand-over to the event loop that streams tokens waits that long.
-            sys.setswitchinterval(cfg.switch_interval_ms / 1e3)
         self.loop = EngineLoop(self.engine, cfg.max_pending).start()
         self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
         self._stopping = threading.Event()

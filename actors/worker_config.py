@@ -35,9 +35,6 @@ class WorkerConfig:
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1 (else $MTPSERVE_API_KEY "
                                         "on the replica, else none)")
     report_interval_s: float = setting(0.2, "seconds between a replica's reports to the planner actor")
-    switch_interval_ms: float = setting(0.5, "the replica process's Python thread switch interval: the longest "
-                                             "the engine thread holds the interpreter while the HTTP side waits "
-                                             "to stream tokens (Python's default, 5 ms, starves it on a GPU)")
     allowed_origins: str | None = setting(None, "CORS for browser clients: comma-separated origins allowed "
                                                 "(* for any); default none (no CORS headers, preflights 405)")
     max_request_bytes: int = setting(8 << 20, "the largest request body a replica reads (HTTP 413 above it; "

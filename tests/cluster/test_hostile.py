@@ -22,17 +22,17 @@ Issue 14's items and where each is tested:
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 requests = pytest.importorskip("requests")
+
+from serve_process import start_serve  # noqa: E402
 
 APP, KEY = "hostile", "hostile-key"
 BODY_LIMIT = 1 << 20              # --max-request-bytes: 1 MiB, so oversized bodies stay cheap to send
@@ -45,28 +45,12 @@ ENVELOPE = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
-    import queue
-    port = ray_cluster["url"].rsplit(":", 1)[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
-         "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
-         "--num-threads", "1", "--shutdown-grace-s", "1", "--max-request-bytes", str(BODY_LIMIT),
-         "--max-model-len", str(CONTEXT)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    output, deadline = [], time.monotonic() + 180
-    while not any(line.startswith("mtpserve: serving") for line in output):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(output)
-        try:
-            output.append(lines.get(timeout=1))
-        except queue.Empty:
-            pass
+    served = start_serve(ray_cluster, model_dir, APP, "--api-key", KEY, "--num-threads", "1", "--shutdown-grace-s", "1",
+                         "--max-request-bytes", str(BODY_LIMIT), "--max-model-len", str(CONTEXT))
     root = ray_cluster["url"]
-    yield {"root": root, "url": f"{root}/v1/completions", "model": output[-1].split("`")[1],
-           "host": root.split("//")[1].rsplit(":", 1)[0], "port": int(port)}
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    yield {"root": root, "url": f"{root}/v1/completions", "model": served.model,
+           "host": root.split("//")[1].rsplit(":", 1)[0], "port": int(root.rsplit(":", 1)[1])}
+    served.stop()
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

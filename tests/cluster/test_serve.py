@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import pytest
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
+from serve_process import start_serve  # noqa: E402
+
 from mtpserve.engine.tokenizer import Tokenizer  # noqa: E402
 
 APP, KEY = "cli", "test-key"
@@ -23,28 +24,11 @@ ORIGIN = "http://app.example"
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
-    port = ray_cluster["url"].rsplit(":", 1)[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
-         "--port", port, "--model", str(model_dir), "--app-name", APP, "--api-key", KEY,
-         "--num-threads", "1", "--shutdown-grace-s", "1", "--allowed-origins", ORIGIN],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
-    reader.start()
-    output, deadline = [], time.monotonic() + 180
-    while not any(line.startswith("mtpserve: serving") for line in output):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(output)
-        try:
-            output.append(lines.get(timeout=1))
-        except queue.Empty:
-            pass
-    model = output[-1].split("`")[1]
-    yield {"base": f"{ray_cluster['url']}/v1", "model": model, "proc": proc, "lines": lines,
-           "reader": reader, "tokenizer": Tokenizer(model_dir)}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+    served = start_serve(ray_cluster, model_dir, APP, "--api-key", KEY, "--num-threads", "1",
+                         "--shutdown-grace-s", "1", "--allowed-origins", ORIGIN)
+    yield {"base": f"{ray_cluster['url']}/v1", "model": served.model, "proc": served.proc, "lines": served.lines,
+           "reader": served.reader, "tokenizer": Tokenizer(model_dir)}
+    served.stop()
 
 
 def _client(server, key=KEY):
