@@ -56,7 +56,9 @@ def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -
         return [], "--compare ortgenai: onnxruntime-genai is not installed (pip install onnxruntime-genai-cuda); skipped"
     with tempfile.TemporaryDirectory(prefix="mtpserve-anchor-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec = {"sweep": asdict(sweep), "prompt_ids": workload.prompt_ids, "shadow": str(Path(tmp) / "model")}
+        sets = [workload.prompt_set(i).prompt_ids for i in range(1, len(sweep.loads) + 1)] if workload.fresh else None
+        spec = {"sweep": asdict(sweep), "prompt_ids": workload.prompt_ids, "prompt_sets": sets,
+                "shadow": str(Path(tmp) / "model")}
         spec_path.write_text(json.dumps(spec))
         note = None
         try:
@@ -211,7 +213,7 @@ def _og_engine(og, shadow: Path, k: int, workload: Workload, sweep: AnchorSweep)
     print(f"ortgenai K={k}: og.Engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     if sweep.num_warmup_requests:
         n = min(sweep.num_warmup_requests, workload.num_requests)
-        og_run_load(og, engine, Workload(workload.prompt_ids[:n], None), Load(concurrency=n), k, sweep,
+        og_run_load(og, engine, workload.warmup(n), Load(concurrency=n), k, sweep,
                     min(16, sweep.max_tokens))
     return model, engine
 
@@ -225,7 +227,8 @@ def child_main(spec_path: str, out_path: str) -> int:
     sw = spec["sweep"]
     sweep = AnchorSweep(**{**sw, "draft_tokens": tuple(sw["draft_tokens"]),
                            "loads": tuple(Load(**l) for l in sw["loads"])})
-    workload = Workload(spec["prompt_ids"], None)
+    sets = spec.get("prompt_sets")       # each load's own prompts, as the parent's per_load gives them
+    workload = Workload(spec["prompt_ids"], None, fresh=(lambda i: sets[i - 1]) if sets else None)
     result: dict = {"runs": [], "note": None}
 
     def save() -> None:

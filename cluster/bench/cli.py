@@ -241,7 +241,9 @@ def _bench(args) -> int:
         if vocab is None:
             raise ValueError("--shared-prefix-len needs a vocabulary size: give --model DIR or --vocab-size N")
         prefix = random_workload(1, args.shared_prefix_len, vocab, args.seed + 1, exclude).prompt_ids[0]
-        workload = Workload([prefix + p for p in workload.prompt_ids], None, workload.arrivals_s)
+        base = workload
+        workload = Workload([prefix + p for p in base.prompt_ids], None, base.arrivals_s,
+                            fresh=(lambda i: [prefix + p for p in base.fresh(i)]) if base.fresh else None)
     if synthetic:
         _log(f"SYNTHETIC acceptance: each draft is accepted with probability {a:g}; the outputs are not the model's")
 

@@ -85,7 +85,7 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
                f"{g.memory_bytes / 2**20:.0f} MiB)" if g is not None else "; no CUDA graphs)"))
         if sweep.num_warmup_requests:
             n = min(sweep.num_warmup_requests, workload.num_requests)
-            warm = Workload(workload.prompt_ids[:n], None)
+            warm = workload.warmup(n)
             run_load(engine, sweep, warm, Load(concurrency=n), k, tag=f"warmup{k}", max_tokens=min(16, sweep.max_tokens))
         for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
             run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}")

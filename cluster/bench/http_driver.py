@@ -57,7 +57,7 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
         if target.num_warmup_requests and loads:
             wl = loads[0][1]
             n = min(target.num_warmup_requests, wl.num_requests)
-            warm = Workload(wl.prompt_ids[:n], wl.prompt_texts[:n] if wl.prompt_texts else None)
+            warm = wl.warmup(n)
             await _run_load(session, target, model, warm, Load(concurrency=n), max_tokens=min(16, target.max_tokens))
         runs = []
         for load, wl in loads:

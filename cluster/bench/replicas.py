@@ -116,7 +116,7 @@ def run_in_process(args, config, loads_with_workloads, log) -> list:
     import gc
 
     from mtpserve.cluster.bench.engine_driver import EngineSweep, run_load
-    from mtpserve.cluster.bench.workload import Load, Workload
+    from mtpserve.cluster.bench.workload import Load
     from mtpserve.engine.engine import Engine
     k = config.spec.draft_tokens
     sweep = EngineSweep(config.model_dir, config.device, config.num_threads, (k,), None,
@@ -130,7 +130,7 @@ def run_in_process(args, config, loads_with_workloads, log) -> list:
     if args.warmup_requests and loads_with_workloads:
         wl = loads_with_workloads[0][1]
         n = min(args.warmup_requests, wl.num_requests)
-        run_load(engine, sweep, Workload(wl.prompt_ids[:n], None), Load(concurrency=n), k, tag="warmup",
+        run_load(engine, sweep, wl.warmup(n), Load(concurrency=n), k, tag="warmup",
                  max_tokens=min(16, args.max_tokens))
     for i, (load, wl) in enumerate(loads_with_workloads):
         run = run_load(engine, sweep, wl, load, k, tag=f"l{i}")

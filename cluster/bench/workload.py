@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -67,17 +67,37 @@ class Workload:
 
     arrivals_s is None for a closed loop (the driver keeps C requests in flight) and sorted
     seconds from the start of the run for an open loop.
+
+    fresh, when set, makes the i-th prompt set (i >= 1; set 0 is ``prompt_ids``): ``per_load``
+    gives each load a set of its own, so a prefix cache cannot answer a later load from an
+    earlier one (random prompts; a fixed text list repeats by nature). ``warmup_ids``: the prompts
+    a warm-up before this workload runs (default: its own first ones).
     """
     prompt_ids: list[list[int]]
     prompt_texts: list[str] | None
     arrivals_s: list[float] | None = None
+    fresh: Callable[[int], list[list[int]]] | None = field(default=None, compare=False, repr=False)
+    warmup_ids: list[list[int]] | None = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
         return len(self.prompt_ids)
 
     def with_arrivals(self, arrivals_s: list[float] | None) -> Workload:
-        return Workload(self.prompt_ids, self.prompt_texts, arrivals_s)
+        return replace(self, arrivals_s=arrivals_s)
+
+    def prompt_set(self, i: int) -> Workload:
+        """The i-th prompt set (0 = this one) as a workload that warms up on set 0."""
+        if i == 0 or self.fresh is None:
+            return self
+        return Workload(self.fresh(i), None, self.arrivals_s, None, self.prompt_ids)
+
+    def warmup(self, n: int) -> Workload:
+        """The first n prompts a warm-up before this workload sends (not this workload's own
+        when it has a fresh set: warming on them would turn them into prefix-cache hits)."""
+        ids = self.warmup_ids if self.warmup_ids is not None else self.prompt_ids
+        texts = self.prompt_texts[:n] if self.prompt_texts and self.warmup_ids is None else None
+        return Workload(ids[:n], texts)
 
 
 class Submitter:
@@ -140,14 +160,17 @@ def text_workload(texts: list[str], encode, num_requests: int) -> Workload:
 
 
 def random_workload(num_requests: int, input_len: int, vocab_size: int, seed: int = 0,
-                    exclude: tuple[int, ...] = ()) -> Workload:
-    """Uniform random token ids in [0, vocab_size), skipping `exclude` (EOS and other specials)."""
+                    exclude: tuple[int, ...] = (), prefix: list[int] | None = None) -> Workload:
+    """Uniform random token ids in [0, vocab_size), skipping `exclude` (EOS and other specials),
+    after a shared `prefix` when given; each further prompt set (``fresh``) is drawn anew."""
     if input_len < 1:
         raise ValueError(f"input length must be >= 1, got {input_len}")
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude, dtype=np.int64))
-    rng = np.random.default_rng(seed)
-    ids = rng.choice(allowed, size=(num_requests, input_len))
-    return Workload([[int(t) for t in row] for row in ids], None)
+
+    def prompt_set(i: int) -> list[list[int]]:
+        rng = np.random.default_rng([seed, i] if i else seed)
+        return [list(prefix or []) + [int(t) for t in row] for row in rng.choice(allowed, size=(num_requests, input_len))]
+    return Workload(prompt_set(0), None, fresh=prompt_set)
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
@@ -160,7 +183,12 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[floa
 
 
 def per_load(workload: Workload, loads, seed: int = 0) -> list[tuple[Load, Workload]]:
-    """Pair each load with the workload it runs: open-loop loads get seeded Poisson arrivals."""
-    return [(load, workload if load.concurrency is not None else
-             workload.with_arrivals(poisson_arrivals(workload.num_requests, load.request_rate, seed)))
-            for load in loads]
+    """Pair each load with the workload it runs: its own prompt set when the workload makes fresh
+    ones (load i gets set i + 1; set 0 is for warm-ups); open-loop loads get seeded Poisson arrivals."""
+    pairs = []
+    for i, load in enumerate(loads):
+        wl = workload.prompt_set(i + 1)
+        if load.concurrency is None:
+            wl = wl.with_arrivals(poisson_arrivals(wl.num_requests, load.request_rate, seed))
+        pairs.append((load, wl))
+    return pairs

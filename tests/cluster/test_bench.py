@@ -137,6 +137,23 @@ def test_engine_mode_side_by_side(tiny_paged_export, tmp_path, capsys):
         assert "no plot: matplotlib is not installed" in out
 
 
+def test_each_load_gets_prompts_of_its_own_so_the_prefix_cache_cannot_answer_it(tiny_paged_export, tmp_path):
+    """Random prompts are drawn anew for each load (and the warm-up): a load repeating the one
+    before would be all prefix-cache hits, and its TTFT would measure the cache, not the load."""
+    rc = bench(["--model", str(tiny_paged_export), "--prompts", "random", "--input-len", "48",
+                "--concurrency", "1,2", "--num-prompts", "3", "--max-tokens", "2", "--warmup-requests", "2", "--draft-tokens", "0",
+                "--results-dir", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    results = only_json(tmp_path)["results"]
+    assert [r["extra"]["prefix_cache"]["query_tokens"] for r in results] == [3 * 48, 3 * 48]
+    assert [r["extra"]["prefix_cache"]["hit_tokens"] for r in results] == [0, 0]
+    wl = random_workload(3, 8, 50, seed=1, prefix=[7, 7])
+    sets = [wl.prompt_set(i).prompt_ids for i in range(3)]
+    assert all(p[:2] == [7, 7] and len(p) == 10 for s in sets for p in s)
+    assert len({tuple(p) for s in sets for p in s}) == 9            # no prompt in two sets
+    assert wl.prompt_set(2).warmup(2).prompt_ids == sets[0][:2]      # warm-ups draw from set 0
+
+
 def test_open_loop_counts_queueing_from_the_scheduled_arrival(tiny_paged_export):
     from mtpserve.engine.manifest import load_manifest
     sweep = EngineSweep(str(tiny_paged_export), "cpu", 0, (0,), None, (Load(request_rate=40.0),), 4,
