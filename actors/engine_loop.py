@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mtpserve.engine.admission import Footprint, ReservationLedger, check_request
@@ -128,8 +128,7 @@ class _Add:
 @dataclass
 class _Call:
     fn: Callable[[Any], Any]
-    future: asyncio.Future
-    event_loop: asyncio.AbstractEventLoop
+    reply: Callable[[Any, BaseException | None], None]   # (result, error), called on the owner thread
 
 
 @dataclass(frozen=True)
@@ -235,8 +234,12 @@ class EngineLoop:
         """Run ``fn(engine)`` on the owner thread between steps; its result (or exception)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Call(fn, future, loop))
+        self._inbox.put(_Call(fn, lambda result, error: loop.call_soon_threadsafe(_settle, future, result, error)))
         return await future
+
+    async def status(self) -> dict:
+        """Integrity of the pools and the ledger, checked between steps, and their figures."""
+        return await self.call(lambda _: self.status_now())
 
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
@@ -275,8 +278,7 @@ class EngineLoop:
         elif isinstance(command, _Add):
             if self._failed is not None:
                 self._dequeued()
-                _deliver([(command.stream, EngineFailed(f"the engine failed: {self._failed!r}"))],
-                         command.stream.event_loop)
+                self._deliver([(command.stream, EngineFailed(f"the engine failed: {self._failed!r}"))])
                 return
             self._pending.append(command)
             self._max_pending_seen = max(self._max_pending_seen, len(self._pending))
@@ -288,7 +290,7 @@ class EngineLoop:
                 result, error = command.fn(self.engine), None
             except Exception as e:  # handed back to the caller
                 result, error = None, e
-            command.event_loop.call_soon_threadsafe(_settle, command.future, result, error)
+            command.reply(result, error)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
         elif isinstance(command, _SetGrant):
@@ -303,7 +305,7 @@ class EngineLoop:
                 self.engine.add_request(add.request_id, add.token_ids, add.params)
             except ValueError as e:
                 self._finish_bookkeeping(add.request_id)
-                _deliver([(add.stream, e)], add.stream.event_loop)
+                self._deliver([(add.stream, e)])
                 continue
             self._streams[add.request_id] = add.stream
 
@@ -321,16 +323,16 @@ class EngineLoop:
         self._dispatch(events)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for event in events:
             stream = self._streams.get(event.request_id)
             if event.finish_reason is not None:
                 self._streams.pop(event.request_id, None)
                 self._finish_bookkeeping(event.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.event_loop, []).append((stream, event))
-        for loop, items in by_loop.items():
-            _deliver(items, loop)
+                items.append((stream, event))
+        if items:
+            self._deliver(items)
 
     def _abort(self, request_id: str) -> None:
         for i, add in enumerate(self._pending):
@@ -339,7 +341,7 @@ class EngineLoop:
                 self._dequeued()
                 self._finish_bookkeeping(request_id)
                 event = TokenEvent(request_id, [], "", FinishReason.ABORT, len(add.token_ids), 0)
-                _deliver([(add.stream, event)], add.stream.event_loop)
+                self._deliver([(add.stream, event)])
                 return
         event = self.engine.abort(request_id)
         if event is not None:
@@ -365,11 +367,34 @@ class EngineLoop:
             self._finish_bookkeeping(rid)
         self._streams.clear()
         self._publish()                       # before anyone hears of the failure
-        by_loop: dict = {}
-        for stream, err in items:
-            by_loop.setdefault(stream.event_loop, []).append((stream, err))
+        if items:
+            self._deliver(items)
+
+    def status_now(self) -> dict:
+        """``status`` on the owner thread: integrity ("ok" or what is broken) and pool figures."""
+        engine = self.engine
+        try:
+            engine.check_integrity()
+            self.ledger.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = str(e)
+        return {"integrity": integrity, "idle_and_empty": engine.is_idle_and_empty(),
+                "num_free_blocks": engine.kv_pool.num_free_blocks, "num_usable_blocks": engine.kv_pool.num_usable_blocks,
+                "num_free_rows": engine.state_bank.num_free_rows, "num_rows": engine.state_bank.max_rows,
+                "num_blocks_granted": self.ledger.num_blocks_granted,
+                "peak_reserved_blocks": self.ledger.peak_reserved_blocks,
+                "peak_reserved_rows": self.ledger.peak_reserved_rows,
+                "max_pending_seen": self._max_pending_seen, "num_pending": len(self._pending),
+                "spec": asdict(engine.stats)}
+
+    def _deliver(self, items: list) -> None:
+        """Hand (stream, event-or-exception) pairs to their readers: one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.event_loop, []).append((stream, item))
         for loop, batch in by_loop.items():
-            _deliver(batch, loop)
+            _wake(batch, loop)
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -408,7 +433,7 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
-def _deliver(items: list, loop: asyncio.AbstractEventLoop) -> None:
+def _wake(items: list, loop: asyncio.AbstractEventLoop) -> None:
     """Hand (stream, event-or-exception) pairs to their event loop in one wake-up."""
     def put_all():
         for stream, item in items:

@@ -299,7 +299,7 @@ class OpenAIRoutes:
         """vLLM's /detokenize: {prompt} of token ids."""
         try:
             self._check_model(body.model)
-            vocab = self.engine.limits.vocab_size
+            vocab = self.limits.vocab_size
             if any(not 0 <= t < vocab for t in body.tokens):
                 raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         except APIError as e:
@@ -319,7 +319,7 @@ class OpenAIRoutes:
         try:
             self._check(body)
             given = body.prompts()
-            vocab = self.engine.limits.vocab_size
+            vocab = self.limits.vocab_size
             if any(not 0 <= t < vocab for p in given if not isinstance(p, str) for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]

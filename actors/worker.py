@@ -20,13 +20,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
+from mtpserve.actors.engine_process import EngineProcess
 from mtpserve.actors.ingress import OpenAIRoutes, api, guard
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
@@ -34,6 +35,7 @@ from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.request import TokenEvent
 from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,16 +62,21 @@ class Worker:
         except Exception:             # outside Serve (tests, benchmarks): no planner
             self.replica_id, self.app_name = "local", None
         self.incarnation = uuid.uuid4().hex
-        self.engine = Engine(cfg.engine)
-        m = self.engine.manifest
-        self.max_drafts = self.engine.max_drafts
-        self.tokenizer = self.engine.tokenizer
+        if cfg.uses_engine_process:                  # no GIL shared with the serving below
+            self.loop = EngineProcess(cfg.engine, cfg.max_pending).start()
+            self.engine, m = None, self.loop.manifest
+            self.tokenizer = Tokenizer(m.path)
+        else:
+            self.engine = Engine(cfg.engine)
+            self.loop = EngineLoop(self.engine, cfg.max_pending).start()
+            m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
+        self.limits = self.loop.limits
+        self.max_drafts = self.loop.max_drafts if self.engine is None else self.engine.max_drafts
         self.model_name = cfg.served_model_name
         self.context_length = m.context_length
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
         self.recorder = MetricsRecorder()
         guard(self)                                  # API key and body limit before any parse
-        self.loop = EngineLoop(self.engine, cfg.max_pending).start()
         self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
         self._stopping = threading.Event()
         self._planner = None                     # the planner actor's handle, once known
@@ -105,7 +112,7 @@ class Worker:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most a request may generate: to the context end, within one replica's KV cache."""
-        return max(1, self.engine.limits.max_sequence_tokens - num_prompt_tokens)
+        return max(1, self.limits.max_sequence_tokens - num_prompt_tokens)
 
     # ------------------------------------------------------------------ Python handle surface
     async def generate(self, prompt: str | list[int], sampling: dict | None = None,
@@ -129,25 +136,8 @@ class Worker:
             yield event
 
     async def engine_status(self) -> dict:
-        """Pools, ledger and integrity, checked on the owner thread between steps."""
-        def inspect(engine):
-            try:
-                engine.check_integrity()
-                self.loop.ledger.check_integrity()
-                integrity = "ok"
-            except AssertionError as e:
-                integrity = str(e)
-            return {"replica_id": self.replica_id, "integrity": integrity,
-                    "idle_and_empty": engine.is_idle_and_empty(),
-                    "num_free_blocks": engine.kv_pool.num_free_blocks,
-                    "num_usable_blocks": engine.kv_pool.num_usable_blocks,
-                    "num_free_rows": engine.state_bank.num_free_rows, "num_rows": engine.state_bank.max_rows,
-                    "num_blocks_granted": self.loop.ledger.num_blocks_granted,
-                    "peak_reserved_blocks": self.loop.ledger.peak_reserved_blocks,
-                    "peak_reserved_rows": self.loop.ledger.peak_reserved_rows,
-                    "max_pending_seen": self.loop.snapshot.max_pending_seen,
-                    "spec": asdict(engine.stats)}
-        return await self.loop.call(inspect)
+        """Pools, ledger and integrity, checked on the engine's owner thread between steps."""
+        return {"replica_id": self.replica_id, **await self.loop.status()}
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict:

@@ -40,6 +40,14 @@ class WorkerConfig:
     max_request_bytes: int = setting(8 << 20, "the largest request body a replica reads (HTTP 413 above it; "
                                               "checked, with the API key, before the body is parsed)")
 
+    engine_process: bool | None = setting(None, "run the engine in a process of its own, so the replica's HTTP "
+                                                "serving and the engine's steps do not share one GIL (default: "
+                                                "on for CUDA, off for CPU)")
+
+    @property
+    def uses_engine_process(self) -> bool:
+        return self.engine_process if self.engine_process is not None else self.engine.device == "cuda"
+
     @property
     def served_model_name(self) -> str:
         if self.model_name:

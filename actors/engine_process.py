@@ -1,0 +1,352 @@
+"""The engine in a process of its own: the replica's serving and the engine's steps stop sharing a GIL.
+
+    replica process (HTTP, Serve, asyncio)             engine process (python -m ...engine_process)
+    ------------------------------------------         ------------------------------------------------
+    EngineProcess.submit_all / abort / set_grant ----> command thread -> EngineLoop inbox (unchanged)
+    call(fn) / status() / policy.set_plan ---------->  applied between steps
+    RequestStream (asyncio.Queue) <--- reader  <-----  one message per step: every request's events,
+      thread: one wake-up per event loop per message   then snapshots, call replies, the dequeued count
+
+One duplex ``multiprocessing`` pipe (a Unix socket pair handed to the child as a file descriptor,
+pickled messages) joins the two. The caller side has ``EngineLoop``'s interface, so the replica uses either. Why: on the H200
+the replica's event loop, Serve's own loop and the engine thread held one GIL; at 16 streams the
+engine thread got a fifth of it and each step took about twice its in-process time (py-spy --gil,
+results/h200/serving/).
+
+Failures: an engine that cannot start raises in ``start`` with the child's traceback; an engine
+process that dies fails every open stream with ``EngineFailed`` and refuses new requests (the
+replica's health check then fails and Serve replaces it); a replica that dies closes the socket and
+the engine process stops on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mtpserve.actors.engine_loop import (
+    EngineFailed,
+    EngineLoop,
+    LoopSnapshot,
+    Overloaded,
+    RequestStream,
+    _Add,
+    _AddAll,
+    _Call,
+    _settle,
+    _wake,
+)
+from mtpserve.engine.admission import check_request
+from mtpserve.engine.sampler import SamplingParams
+
+
+class EngineProcess:
+    """An ``EngineLoop`` in a child process, driven from this one; see the module docstring.
+
+    ``limits``, ``max_drafts``, ``num_usable_blocks``, ``num_rows`` and ``manifest`` come from the
+    child once its engine is built; ``policy`` forwards the planner's plan when the engine's draft
+    policy is adaptive (None otherwise).
+    """
+
+    def __init__(self, config, max_pending: int = 1024, snapshot_interval_s: float = 0.05,
+                 start_timeout_s: float = 1800.0):
+        self.config = config
+        self.max_pending = max_pending
+        self.snapshot_interval_s = snapshot_interval_s
+        self.start_timeout_s = start_timeout_s
+        self.snapshot = LoopSnapshot()
+        self.policy: _PolicyProxy | None = None
+        self._failed: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()             # streams, calls, counts; and one sender at a time
+        self._num_submitted = 0
+        self._num_dequeued = 0                    # the child's count: admitted or dropped from its queue
+        self._grant = (0, 0)
+        self._stopping = False
+        self._conn: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> EngineProcess:
+        """Spawn the engine process and wait until its engine is ready (RuntimeError if it fails)."""
+        self._conn, theirs = Pipe(duplex=True)            # a Unix socket pair: private to the two
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen([sys.executable, "-m", "mtpserve.actors.engine_process", str(theirs.fileno())],
+                                      env=env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._conn.send(("config", self.config, self.max_pending, self.snapshot_interval_s))
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._conn.poll(1.0):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self._proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError(f"the engine process was not ready within {self.start_timeout_s:g} s")
+        kind, info = self._conn.recv()
+        if kind != "ready":
+            self._proc.wait(timeout=30)
+            raise RuntimeError(f"the engine could not start in its process: {info}")
+        self.limits, self.max_drafts = info["limits"], info["max_drafts"]
+        self.num_usable_blocks, self.num_rows = info["num_usable_blocks"], info["num_rows"]
+        self.manifest, self.snapshot = info["manifest"], info["snapshot"]
+        self._grant = (self.num_usable_blocks, self.num_rows)
+        self.policy = _PolicyProxy(self) if info["adaptive"] else None
+        self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
+        self._reader.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (its open requests end with EngineFailed) and wait for it."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except (OSError, EngineFailed):
+            pass
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Set once the engine failed in a step (the child's snapshot says so) or its process ended."""
+        if self._failed is None and self.snapshot.failed is not None:
+            self._failed = EngineFailed(f"the engine failed during a step: {self.snapshot.failed}")
+        return self._failed
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    # ------------------------------------------------------------------ caller side (EngineLoop's)
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               session_id: str | None = None) -> RequestStream:
+        return self.submit_all([(request_id, token_ids, params)], session_id)[0]
+
+    def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]],
+                   session_id: str | None = None) -> list[RequestStream]:
+        """As ``EngineLoop.submit_all``: all or none; ValueError, Overloaded or EngineFailed first."""
+        if self.failed is not None:
+            raise EngineFailed(f"the engine failed: {self._failed!r}")
+        footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
+        blocks, rows = self._grant
+        if not all(f.num_blocks <= blocks and f.num_rows <= rows for f in footprints):
+            raise Overloaded("this replica is draining or its grant is too small for the request")
+        streams = [RequestStream(rid, self) for rid, _, _ in requests]
+        with self._lock:
+            queued = self._num_submitted - self._num_dequeued
+            if queued + len(requests) > self.max_pending:
+                raise Overloaded(f"{queued} requests are already waiting on this replica")
+            self._num_submitted += len(requests)
+            self._streams.update((s.request_id, s) for s in streams)
+            self._send_locked(("add", [(rid, list(ids), params) for rid, ids, params in requests], session_id))
+        return streams
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except (OSError, EngineFailed):
+            pass                                   # the process is gone: nothing left to free
+
+    def set_grant(self, num_blocks: int, num_rows: int) -> None:
+        self._grant = (min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows))
+        self._send(("grant", *self._grant))
+
+    async def call(self, fn: Callable[[Any], Any]):
+        """Run ``fn(engine)`` in the engine process between steps; fn and its result are pickled."""
+        return await self._ask("call", fn)
+
+    async def status(self) -> dict:
+        """``EngineLoop.status`` of the engine process, plus its pid."""
+        return {**await self._ask("status", None), "engine_pid": self.pid}
+
+    async def _ask(self, kind: str, payload):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self.failed is not None:
+                raise EngineFailed(f"the engine failed: {self._failed!r}")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, future)
+            self._send_locked((kind, call_id, payload))
+        return await future
+
+    def _send(self, message) -> None:
+        with self._lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message) -> None:
+        if self._conn is None:
+            raise EngineFailed("the engine process is not running")
+        self._conn.send(message)
+
+    # ------------------------------------------------------------------ reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "events":
+                self._dispatch(message[1], message[2])
+            elif kind == "snapshot":
+                self.snapshot, self._num_dequeued = message[1], message[2]
+            elif kind == "reply":
+                with self._lock:
+                    loop, future = self._calls.pop(message[1], (None, None))
+                if loop is not None:
+                    loop.call_soon_threadsafe(_settle, future, message[2], message[3])
+        code = self._proc.wait() if self._proc is not None else None
+        error = EngineFailed("the replica is shutting down" if self._stopping else
+                             f"the engine process exited (exit code {code})")
+        self._failed = self._failed or error
+        with self._lock:
+            streams, calls = list(self._streams.values()), list(self._calls.values())
+            self._streams.clear()
+            self._calls.clear()
+        self._wake_all([(s, error) for s in streams])
+        for loop, future in calls:
+            loop.call_soon_threadsafe(_settle, future, None, error)
+
+    def _dispatch(self, items: list[tuple[str, Any]], num_dequeued: int) -> None:
+        pairs = []
+        with self._lock:
+            self._num_dequeued = num_dequeued
+            for request_id, item in items:
+                final = isinstance(item, BaseException) or item.finish_reason is not None
+                stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+                if stream is not None:
+                    pairs.append((stream, item))
+        self._wake_all(pairs)
+
+    @staticmethod
+    def _wake_all(pairs: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in pairs:
+            by_loop.setdefault(stream.event_loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            _wake(batch, loop)
+
+
+class _PolicyProxy:
+    """The adaptive draft policy's planner inputs, forwarded to the engine process."""
+
+    def __init__(self, owner: EngineProcess):
+        self._owner = owner
+
+    def set_plan(self, *args) -> None:
+        self._owner._send(("policy", "set_plan", args))
+
+    def set_load(self, *args) -> None:
+        self._owner._send(("policy", "set_load", args))
+
+
+# ---------------------------------------------------------------------- the engine process
+class _RemoteStream:
+    """A request's stand-in in the engine process: its events go back over the connection."""
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+
+class _ChildLoop(EngineLoop):
+    """``EngineLoop`` whose deliveries, snapshots and replies are messages to the replica."""
+
+    def __init__(self, engine, conn: Connection, max_pending: int, snapshot_interval_s: float):
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self.num_dequeued = 0
+        super().__init__(engine, max_pending, snapshot_interval_s)
+
+    def send(self, message) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except OSError:
+                pass                               # the replica is gone; the command thread stops us
+
+    def add_remote(self, requests: list[tuple[str, list[int], SamplingParams]], session_id: str | None) -> None:
+        adds = []
+        for rid, ids, params in requests:
+            try:
+                footprint = check_request(ids, params.max_tokens, self.limits)
+            except ValueError as e:                # the replica checked this already; never silent
+                self._dequeued()
+                self.send(("events", [(rid, e)], self.num_dequeued))
+                continue
+            adds.append(_Add(rid, ids, params, footprint, _RemoteStream(rid), session_id))
+        with self._queued_lock:
+            self._num_queued += len(adds)
+        self._inbox.put(_AddAll(adds))
+
+    def _deliver(self, items: list) -> None:
+        self.send(("events", [(stream.request_id, item) for stream, item in items], self.num_dequeued))
+
+    def _dequeued(self) -> None:
+        super()._dequeued()
+        self.num_dequeued += 1
+
+    def _publish(self) -> None:
+        super()._publish()
+        self.send(("snapshot", self.snapshot, self.num_dequeued))
+
+
+def _child_main(fd: int) -> int:
+    conn = Connection(fd)
+    _, config, max_pending, snapshot_interval_s = conn.recv()
+    try:
+        from mtpserve.engine.engine import Engine
+        engine = Engine(config)
+        loop = _ChildLoop(engine, conn, max_pending, snapshot_interval_s)
+    except BaseException as e:
+        conn.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))
+        return 1
+    conn.send(("ready", {"limits": engine.limits, "max_drafts": engine.max_drafts, "manifest": engine.manifest,
+                         "num_usable_blocks": loop.num_usable_blocks, "num_rows": loop.num_rows,
+                         "adaptive": loop.policy is not None, "snapshot": loop.snapshot}))
+    loop.start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):                # the replica is gone
+            message = ("stop",)
+        kind = message[0]
+        if kind == "add":
+            loop.add_remote(message[1], message[2])
+        elif kind == "abort":
+            loop.abort(message[1])
+        elif kind == "grant":
+            loop.set_grant(message[1], message[2])
+        elif kind in ("call", "status"):
+            call_id, fn = message[1], message[2]
+            reply = (lambda cid: lambda result, error: loop.send(("reply", cid, result, error)))(call_id)
+            loop._inbox.put(_Call(fn if kind == "call" else (lambda _: loop.status_now()), reply))
+        elif kind == "policy":
+            if loop.policy is not None:
+                getattr(loop.policy, message[1])(*message[2])
+        elif kind == "stop":
+            loop.stop()
+            return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(int(sys.argv[1])))

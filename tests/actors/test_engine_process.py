@@ -1,0 +1,128 @@
+"""The engine in a process of its own (CUDA replicas' default), without Ray: the same output as the
+engine's own thread, aborts free, refusals come first, and a dead engine process is a clear error."""
+import asyncio
+import os
+import signal
+
+import pytest
+
+from mtpserve.actors.engine_loop import EngineFailed, EngineLoop, Overloaded
+from mtpserve.actors.engine_process import EngineProcess
+from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.request import FinishReason
+from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.tokenizer import Tokenizer
+
+PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def", "for i in range("]
+
+
+@pytest.fixture
+def make_process(model_dir):
+    started = []
+
+    def make(rows=8, max_pending=1024, draft_tokens=2):
+        config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, rows), spec=SpecConfig(draft_tokens))
+        process = EngineProcess(config, max_pending).start()
+        started.append(process)
+        return process
+    yield make
+    for process in started:
+        process.stop()
+        assert process._proc.poll() is not None, "the engine process is gone after stop"
+
+
+async def _collect(loop, rid, ids, params):
+    tokens, last = [], None
+    async for event in loop.submit(rid, ids, params):
+        tokens += event.token_ids
+        last = event
+    return tokens, last
+
+
+def _run_all(loop, prompts, params):
+    async def go():
+        return await asyncio.gather(*[_collect(loop, f"r{i}", p, params) for i, p in enumerate(prompts)])
+    return asyncio.run(go())
+
+
+def test_greedy_output_and_logprobs_equal_the_engine_thread_with_mtp_on(make_process, model_dir):
+    process = make_process(draft_tokens=2)
+    tok = Tokenizer(process.manifest.path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    in_process = _run_all(process, prompts, params)
+    thread = EngineLoop(Engine(EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 8),
+                                            spec=SpecConfig(0)))).start()       # MTP off, own thread
+    try:
+        reference = _run_all(thread, prompts, params)
+    finally:
+        thread.stop()
+    assert [t for t, _ in in_process] == [t for t, _ in reference]
+    assert all(e.finish_reason is FinishReason.LENGTH for _, e in in_process)
+    status = asyncio.run(process.status())
+    assert status["integrity"] == "ok" and status["idle_and_empty"] and status["engine_pid"] == process.pid
+    assert status["spec"]["num_draft_tokens"] > 0, "MTP drafted in the engine process"
+    assert process.snapshot.num_steps > 0 and process.snapshot.spec.num_emitted_tokens == 4 * 32
+
+
+def test_closing_streams_aborts_running_and_waiting_requests_in_the_engine_process(make_process):
+    process = make_process(rows=1)
+    ids = Tokenizer(process.manifest.path).encode(PROMPTS[0])
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def scenario():
+        running, waiting = process.submit("run", ids, long), process.submit("wait", ids, long)
+        first = await running.__anext__()                  # it runs; the other waits for the one row
+        assert first.token_ids
+        running.cancel()
+        waiting.cancel()
+        return await process.status()
+    status = asyncio.run(scenario())         # commands are FIFO: both aborts were applied before it
+    assert status["num_pending"] == 0 and status["idle_and_empty"] and status["integrity"] == "ok"
+
+
+def test_refusals_come_before_anything_is_queued(make_process):
+    process = make_process(rows=1, max_pending=2)
+    ids = Tokenizer(process.manifest.path).encode(PROMPTS[1])
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        with pytest.raises(ValueError, match="context"):
+            process.submit("huge", [5] * process.limits.context_length, long)
+        with pytest.raises(ValueError, match="token ids"):
+            process.submit("bad", [process.limits.vocab_size], long)
+        streams = [process.submit("a", ids, long)]
+        await streams[0].__anext__()                       # 'a' holds the only row
+        streams += [process.submit("b", ids, long), process.submit("c", ids, long)]
+        with pytest.raises(Overloaded, match="already waiting"):
+            process.submit("d", ids, long)
+        for s in streams:
+            s.cancel()
+        return await process.status()
+    assert asyncio.run(scenario())["idle_and_empty"]
+
+
+def test_a_dead_engine_process_fails_open_streams_and_refuses_new_requests(make_process):
+    process = make_process()
+    ids = Tokenizer(process.manifest.path).encode(PROMPTS[2])
+
+    async def scenario():
+        stream = process.submit("x", ids, SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(EngineFailed, match="engine process exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineFailed):
+            process.submit("y", ids, SamplingParams(max_tokens=4))
+        with pytest.raises(EngineFailed):
+            await process.status()
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert process.failed is not None
+
+
+def test_an_engine_that_cannot_start_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="could not start") as info:
+        EngineProcess(EngineConfig(str(tmp_path), num_threads=1)).start()
+    assert str(tmp_path) in str(info.value)

@@ -1,0 +1,79 @@
+"""A served replica whose engine runs in a process of its own (the CUDA default, forced on here):
+the same greedy output over HTTP as the engine in process, and a dead engine process is a clear
+503 for the requests it held, then Serve replaces the replica and it serves again."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+requests = pytest.importorskip("requests")
+
+from mtpserve.cluster.app import ServeOptions  # noqa: E402
+from mtpserve.cluster.client import replica_statuses  # noqa: E402
+from mtpserve.cluster.deploy import deployed  # noqa: E402
+from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
+from mtpserve.engine.engine import Engine  # noqa: E402
+from mtpserve.engine.sampler import SamplingParams  # noqa: E402
+
+APP = "engineproc"
+PROMPTS = ["def add(a, b):", "import os\nimport"]
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, model_dir):
+    options = ServeOptions.from_flat(model_dir=str(model_dir), num_replicas=1, num_threads=1, num_blocks=128,
+                                     max_resident_requests=4, num_cpus_per_replica=0.5, engine_process=True,
+                                     draft_tokens=2)
+    with deployed(options, APP, route_prefix=f"/{APP}", timeout_s=60.0):
+        yield {"base": f"{ray_cluster['url']}/{APP}", "model": options.served_model_name, "model_dir": model_dir}
+
+
+def _complete(app, prompt, **params):
+    body = {"model": app["model"], "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **params}
+    return requests.post(f"{app['base']}/v1/completions", json=body, timeout=60)
+
+
+def _only_status() -> dict:
+    statuses = replica_statuses(APP)
+    assert len(statuses) == 1, statuses
+    return next(iter(statuses.values()))
+
+
+def test_greedy_output_over_http_equals_the_engine_in_process(app):
+    engine = Engine(EngineConfig(str(app["model_dir"]), num_threads=1, cache=CacheConfig(64, 4)))    # MTP off
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    texts = {f"r{i}": "" for i in range(len(PROMPTS))}
+    while engine.has_work:
+        for event in engine.step():
+            texts[event.request_id] += event.text
+    for i, p in enumerate(PROMPTS):
+        r = _complete(app, p)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == texts[f"r{i}"]
+    status = _only_status()
+    assert status["integrity"] == "ok" and status["idle_and_empty"]
+    assert status["engine_pid"] and status["engine_pid"] != os.getpid()
+    assert status["spec"]["num_draft_tokens"] > 0
+
+
+def test_a_dead_engine_process_is_a_clear_503_then_the_replica_is_replaced(app):
+    engine_pid = _only_status()["engine_pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    r = _complete(app, PROMPTS[0])
+    assert r.status_code == 503, r.text
+    assert "engine" in r.json()["error"]["message"]
+    deadline, served = time.monotonic() + 90, None
+    while time.monotonic() < deadline:               # Serve's health check fails, a new replica starts
+        served = _complete(app, PROMPTS[1], max_tokens=4)
+        if served.status_code == 200:
+            break
+        time.sleep(1.0)
+    assert served is not None and served.status_code == 200, served.text if served else "no answer"
+    status = _only_status()
+    assert status["engine_pid"] != engine_pid and status["integrity"] == "ok"
