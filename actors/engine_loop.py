@@ -82,12 +82,18 @@ class LoopSnapshot:
 
 
 class RequestStream:
-    """One request's TokenEvents as an async iterator; ends after the finishing event."""
+    """One request's TokenEvents as an async iterator; ends after the finishing event.
 
-    def __init__(self, request_id: str, loop_owner: EngineLoop):
+    A reader that falls behind gets the events waiting for it as one (``merge_events``): under
+    load the replica then writes one chunk per read instead of one per step (vLLM's output
+    collector does the same), so serving keeps up with the engine instead of queueing behind it.
+    """
+
+    def __init__(self, request_id: str, loop_owner):
         self.request_id = request_id
         self._owner = loop_owner
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._held = None                  # an error that arrived behind merged events: next read
         self.event_loop = asyncio.get_running_loop()
         self.finished = False
 
@@ -97,7 +103,13 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
+        while not isinstance(item, BaseException) and item.finish_reason is None and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._held = later
+                break
+            item = merge_events(item, later)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -113,6 +125,17 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+
+
+def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """Two consecutive events of one request as one: tokens, text and logprobs joined, the
+    later one's end and counts (the first's prompt logprobs, which only a first event has)."""
+    logprobs = None if first.logprobs is None and then.logprobs is None else \
+        (first.logprobs or []) + (then.logprobs or [])
+    return TokenEvent(first.request_id, first.token_ids + then.token_ids, first.text + then.text,
+                      then.finish_reason, then.num_prompt_tokens or first.num_prompt_tokens,
+                      then.num_output_tokens, then.num_cached_tokens or first.num_cached_tokens, logprobs,
+                      first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
 
 
 @dataclass

@@ -127,7 +127,8 @@ class Engine:
             interval = config.cache.snapshot_interval or max(m.block_size, budget // m.block_size * m.block_size)
             self.prefix_cache = PrefixCache(m.block_size, self.kv_pool, self.head_pool, self.state_bank,
                                             interval, self.xp, self.runner.kv.arrays.values(),
-                                            head_arrays, int(config.cache.prefix_host_gib * 2**30))
+                                            head_arrays, int(config.cache.prefix_host_gib * 2**30),
+                                            offload_all=config.cache.prefix_host_policy == "all")
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))

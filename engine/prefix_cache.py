@@ -32,10 +32,12 @@ Entries whose blocks no request holds are evicted least recently used by the KV 
 Head blocks that a hit could not share (the creator never drafted over them) are given fresh
 blocks and marked stale on the request: drafts may then be worse, the output is unchanged.
 
-**Host tier** (``HostTier``): what the device lets go of is not lost. An entry whose main block is
-reclaimed, or whose snapshot loses its slot, is copied to host memory first (one device-to-host
-copy per array: packing it there as well cost ~90 ms per 37 MiB snapshot of a 1.4 B model, on the
-step path); a later lookup whose chain runs into host records restores what it uses (the path's
+**Host tier** (``HostTier``): what the device lets go of need not be lost. An entry whose main
+block is reclaimed, or whose snapshot loses its slot, is copied to host memory first if a later
+lookup has met it again (``reused``; every entry with ``offload_all``): each copy is a synchronous
+device-to-host transfer per array on the step path, and offloading every one-off prompt cost a
+1.4 B model 10x its TTFT at C=64 on the H200 (packing on the step path as well had cost ~90 ms
+per 37 MiB snapshot). A later lookup whose chain runs into host records restores what it uses (the path's
 blocks and one snapshot) before the hit. A record leaves the process serialised with msgpack
 (``pack_record``: each array as raw bytes with its dtype and shape), the format that moves a
 cached prefix between processes.
@@ -66,6 +68,7 @@ class CacheEntry:
     snapshot: int | None = None
     hidden: Array | None = None
     last_used: int = 0
+    reused: bool = False             # a later lookup's chain ran through it: worth a host copy
 
 
 @dataclass
@@ -216,9 +219,10 @@ class PrefixCache:
 
     def __init__(self, block_size: int, kv_pool: KVPool, head_pool: KVPool | None, bank: StateBank,
                  snapshot_interval: int, xp=np, kv_arrays: Sequence = (), head_arrays: Sequence = (),
-                 host_tier_bytes: int = 0):
+                 host_tier_bytes: int = 0, offload_all: bool = False):
         """kv_arrays / head_arrays: the pools' ``[num_blocks, block_size, ...]`` arrays, whose
-        blocks the host tier copies out and back; host_tier_bytes: its budget (0 = no tier)."""
+        blocks the host tier copies out and back; host_tier_bytes: its budget (0 = no tier);
+        offload_all: the tier takes every evicted entry, not only those a lookup met again."""
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"snapshot_interval must be a positive multiple of the block size {block_size}, "
                              f"got {snapshot_interval}")
@@ -232,6 +236,7 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.kv_arrays, self.head_arrays = list(kv_arrays), list(head_arrays)
         self.host = HostTier(host_tier_bytes) if host_tier_bytes and self.kv_arrays else None
+        self.offload_all = offload_all
         kv_pool.on_evict = self._block_evicted
         if head_pool is not None:
             head_pool.on_evict = self._head_block_evicted
@@ -273,6 +278,8 @@ class PrefixCache:
             record = self.host.get(digest) if self.host is not None else None
             if entry is None and (record is None or "kv" not in record):
                 break
+            if entry is not None:
+                entry.reused = True
             chain.matched = (k + 1) * self.block_size
             if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
                 deepest = k
@@ -335,6 +342,7 @@ class PrefixCache:
             arr[block] = xp.asarray(host)
         self._add_entry(digest, num_tokens, block)
         entry = self.entries[digest]
+        entry.reused = True
         if "head" in record and self.head_pool is not None and self.head_pool.reserve(
                 _PIN, (len(self.head_pool.block_table(_PIN)) + 1) * self.block_size):
             head_block = self.head_pool.block_table(_PIN)[-1]
@@ -369,8 +377,10 @@ class PrefixCache:
         return True
 
     def _offload(self, entry: CacheEntry, with_blocks: bool) -> None:
-        """Copy an entry's parts to the host tier before the device lets go of them."""
-        if self.host is None:
+        """Copy an entry's parts to the host tier before the device lets go of them: only a
+        reused entry's, unless ``offload_all`` (each copy is a device-to-host transfer on the step
+        path: for one-off prompts they cost a 1.4 B model 10x its TTFT on the H200 at C=64)."""
+        if self.host is None or not (entry.reused or self.offload_all):
             return
         parts = {}
         if with_blocks:

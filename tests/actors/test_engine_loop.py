@@ -141,3 +141,43 @@ def test_an_engine_failure_fails_every_request_and_refuses_new_ones(make_loop):
             loop.submit("y", ids, SamplingParams(max_tokens=4))
     asyncio.run(scenario())
     assert loop.snapshot.failed is not None
+
+
+def test_a_reader_that_falls_behind_gets_the_waiting_events_as_one(make_loop):
+    """Under load the replica writes one chunk per read, not one per step: nothing lost or reordered."""
+    loop = make_loop(adaptive=False)
+    ids = loop.engine.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+
+    async def read(delay_s: float):
+        stream = loop.submit(f"r{delay_s}", ids, params)
+        await asyncio.sleep(delay_s)                        # the engine runs ahead of this reader
+        return [e async for e in stream]
+    prompt = asyncio.run(read(0.0))
+    late = asyncio.run(read(3.0))
+    assert len(late) < len(prompt) and len(late) <= 2, "waiting events were merged"
+    for events in (prompt, late):
+        assert sum(len(e.token_ids) for e in events) == 20 == sum(len(e.logprobs) for e in events)
+    assert [t for e in late for t in e.token_ids] == [t for e in prompt for t in e.token_ids]
+    assert "".join(e.text for e in late) == "".join(e.text for e in prompt)
+    assert late[-1].finish_reason is FinishReason.LENGTH and late[-1].num_output_tokens == 20
+
+
+def test_an_error_behind_waiting_events_comes_after_them():
+    from mtpserve.actors.engine_loop import RequestStream
+    from mtpserve.engine.request import TokenEvent
+
+    class Owner:
+        def abort(self, request_id):
+            pass
+
+    async def scenario():
+        stream = RequestStream("x", Owner())
+        for i in range(3):
+            stream.put(TokenEvent("x", [i], str(i)))
+        stream.put(EngineFailed("gone"))
+        first = await stream.__anext__()
+        assert first.token_ids == [0, 1, 2] and first.text == "012"
+        with pytest.raises(EngineFailed):
+            await stream.__anext__()
+    asyncio.run(scenario())

@@ -17,11 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16, host_gib=4.0,
-                snapshot_gib=1.0):
+                snapshot_gib=1.0, host_policy="all"):
     return Engine(EngineConfig(str(model_dir), num_threads=2,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=rows,
                                                  prefix_cache=cache, snapshot_interval=interval,
-                                                 prefix_host_gib=host_gib, prefix_snapshot_gib=snapshot_gib),
+                                                 prefix_host_gib=host_gib, prefix_snapshot_gib=snapshot_gib,
+                                                 prefix_host_policy=host_policy),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=rows),
                                spec=SpecConfig(draft_tokens=k)))
 
@@ -172,6 +173,24 @@ def test_entries_the_device_evicts_come_back_from_the_host_tier(model_dir, k):
     out_no_tier, cached_no_tier = serve(no_tier, rounds)
     assert out_no_tier == out
     assert sum(cached[2]) > sum(cached_no_tier[2])
+
+
+def test_by_default_the_host_tier_takes_only_prefixes_met_again(model_dir):
+    """The default policy (reused): prompts seen once are dropped when the device evicts them (no
+    device-to-host copies for one-off traffic); a prefix a later lookup met again is offloaded,
+    and a third request still starts from it after the device let it go."""
+    one_off = [[p + SYSTEM * 6] for p in PROMPTS[3:7]]        # each seen once, evicted by the next
+    engine = engine_with(model_dir, True, 0, num_blocks=32, rows=6, host_policy="reused")
+    out, _ = serve(engine, one_off)
+    assert out == reference(model_dir, one_off, 0, num_blocks=32, rows=6)
+    assert engine.prefix_cache.stats.num_evicted_entries > 0 and engine.prefix_cache.stats.num_offloaded == 0
+    shared = [[SYSTEM + PROMPTS[0]], [SYSTEM + PROMPTS[1]]]   # the second one meets the first's prefix
+    churn = [[p + SYSTEM * 6] for p in PROMPTS[10:13]]        # then the device evicts it
+    rounds = shared + churn + [[SYSTEM + PROMPTS[2]]]
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, 0, num_blocks=32, rows=6)
+    assert engine.prefix_cache.stats.num_offloaded > 0 and engine.prefix_cache.stats.num_restored > 0
+    assert cached[-1][0] >= len(engine.tokenizer.encode(SYSTEM)) // 16 * 16 - 16 > 0
 
 
 def test_snapshots_that_lose_their_slot_come_back_from_the_host_tier(model_dir):
