@@ -126,3 +126,41 @@ def test_an_engine_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="could not start") as info:
         EngineProcess(EngineConfig(str(tmp_path), num_threads=1)).start()
     assert str(tmp_path) in str(info.value)
+
+
+def test_the_engine_process_ends_when_its_replica_is_killed(model_dir, tmp_path):
+    """A replica killed without cleanup (SIGKILL, OOM) must not leave its engine process (and on
+    a GPU its memory) behind: the engine process sees its connection close and stops."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import sys, time\n"
+        "from mtpserve.actors.engine_process import EngineProcess\n"
+        "from mtpserve.engine.config import EngineConfig\n"
+        f"p = EngineProcess(EngineConfig({str(model_dir)!r}, num_threads=1)).start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(replica.stdout.readline())
+        os.kill(engine_pid, 0)                            # running
+        replica.kill()
+        replica.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                break
+            try:                                          # reap it if it is our grandchild's zombie
+                os.waitpid(engine_pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)
+        else:
+            os.kill(engine_pid, signal.SIGKILL)
+            raise AssertionError("the engine process outlived its replica by 30 s")
+    finally:
+        replica.kill()
