@@ -67,6 +67,41 @@ def proxy_address(host: str, port: int) -> tuple[str, int]:
         return host, port
 
 
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def enable_direct_ingress(first_port: int) -> None:
+    """Before ``connect`` starts a local Ray: Serve's replicas will also serve HTTP themselves,
+    on ports from ``first_port`` up (Ray Serve's direct ingress, experimental in Ray 2.60)."""
+    os.environ[DIRECT_INGRESS_ENV] = "1"
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(first_port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(first_port + 999)
+    # a replica stays open this long when it stops, for a load balancer to deregister it: none here
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
+
+
+def direct_urls(app_name: str, host: str, num_replicas: int, timeout_s: float = 60.0) -> list[tuple[str, str]]:
+    """(replica id, base URL) of each replica that serves HTTP itself (direct ingress), once all
+    ``num_replicas`` have their port; [] when direct ingress is off or Serve's (alpha) API fails."""
+    import ray
+    try:
+        from ray.serve._private.common import RequestProtocol
+        from ray.serve.context import _get_global_client
+        controller = _get_global_client()._controller
+        deadline = time.monotonic() + timeout_s
+        while True:
+            groups = ray.get(controller.get_target_groups.remote(app_name))
+            targets = [t for g in groups if g.protocol == RequestProtocol.HTTP and g.app_name == app_name
+                       for t in g.targets]
+            if len(targets) >= num_replicas or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - a private handle and an alpha API: say nothing rather than fail
+        return []
+    loopback = host in (LOCAL_HOST, "localhost")
+    return [(t.name.rsplit("#", 1)[-1], f"http://{LOCAL_HOST if loopback else t.ip}:{t.port}") for t in targets]
+
+
 # ---------------------------------------------------------------------------- the app
 def refuse_clash(app_name: str, route_prefix: str = "/") -> None:
     """Before deploying onto a cluster we did not start: RuntimeError if an application of that

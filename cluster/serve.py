@@ -40,6 +40,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, ray://host:10001) "
                                                    "instead of starting a local one")
     p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name")
+    p.add_argument("--direct-port", type=int, default=None, metavar="PORT",
+                   help="also let each replica serve HTTP itself, on ports from PORT up (Ray Serve's "
+                        "experimental direct ingress): no proxy hop, so less added latency; those URLs have "
+                        "no session routing and no replica-loss errors (the --port URL keeps both). "
+                        "Needs a Ray of our own (not --address)")
     add_setting_flags(p.add_argument_group("settings (ServeOptions, the worker and engine configs)"),
                       SETTINGS, rename={"model_dir": "--model", "num_replicas": "--replicas"})
     p.set_defaults(func=cmd_serve)
@@ -72,6 +77,12 @@ def cmd_serve(args) -> int:
     except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2
+    if args.direct_port is not None:
+        if args.address is not None:
+            print("mtpserve: error: --direct-port needs a Ray of our own; on a cluster, set "
+                  f"{deploy.DIRECT_INGRESS_ENV}=1 in its nodes' environment instead", file=sys.stderr)
+            return 2
+        deploy.enable_direct_ingress(args.direct_port)
     started_ray = deploy.connect(args.address)
     resources = ray.cluster_resources()
     if options.worker.engine.device == "cuda" and not resources.get("GPU"):
@@ -99,6 +110,9 @@ def cmd_serve(args) -> int:
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{options.served_model_name}\", \"prompt\": \"def \", \"max_tokens\": 32}}'",
               flush=True)
+        if args.direct_port is not None:
+            for replica_id, direct in deploy.direct_urls(args.app_name, host, options.num_replicas):
+                print(f"  direct (replica {replica_id}, no proxy hop): {direct}/v1", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:
             time.sleep(0.2)

@@ -426,3 +426,45 @@ def test_without_address_serve_starts_its_own_ray_even_when_RAY_ADDRESS_names_a_
     assert out.returncode == 0, out.stderr
     started, gcs = out.stdout.split()[-2:]
     assert started == "True" and gcs != ray_cluster["address"]
+
+
+def test_direct_port_serves_each_replica_without_the_proxy_hop(ray_cluster, model_dir):
+    """`--direct-port`: the replica answers on its own port too (Ray Serve's direct ingress), with
+    the same greedy output as through the proxy; the flag is refused with --address."""
+    import os
+    import socket
+    refused = subprocess.run([sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
+                              "--direct-port", "31000"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--direct-port needs a Ray of our own" in refused.stderr
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "mtpserve.cluster.serve", "--model", str(model_dir),
+                             "--port", str(ports[0]), "--direct-port", str(ports[1]), "--num-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    try:
+        lines, deadline = [], time.monotonic() + 240
+        while not any("Ctrl-C to stop" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        direct = [line.split(": ", 1)[1].strip() for line in lines if "direct (replica" in line]
+        assert direct == [f"http://127.0.0.1:{ports[1]}/v1"], "".join(lines)
+        body = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
+        via_proxy = requests.post(f"http://127.0.0.1:{ports[0]}/v1/completions", json=body, timeout=60)
+        via_replica = requests.post(f"{direct[0]}/completions", json=body, timeout=60)
+        assert via_proxy.status_code == via_replica.status_code == 200, via_replica.text
+        assert via_replica.json()["choices"][0]["text"] == via_proxy.json()["choices"][0]["text"]
+        assert requests.get(f"http://127.0.0.1:{ports[1]}/health", timeout=10).status_code == 200
+        bad = requests.post(f"{direct[0]}/completions", json={**body, "temperature": -1}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        assert proc.returncode == 0 and time.monotonic() - started < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
