@@ -157,6 +157,9 @@ class LocalCluster:
         """(Re)start node ``index`` (0 = head); with ``wait``, until Ray counts it alive."""
         node = self.nodes[index]
         assert not node.alive(), f"node {index} is already running"
+        if node.starts:           # a rejoin: reap what is left of the lost node, and take fresh ports (an
+            self.stop_node(index, timeout_s=5)     # agent of the old one may still hold its own for a while)
+            node.ports = {name: free_port(node.ip) for name in NODE_PORTS}
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                f"--node-ip-address={node.ip}", f"--num-cpus={node.num_cpus:g}", "--num-gpus=0",
                f"--resources={json.dumps(node.resources)}", f"--temp-dir={self.temp_dir}",

@@ -93,7 +93,7 @@ def cmd_serve(args) -> int:
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
                   f"--host/--port do not change it", flush=True)
-        url = f"http://{host}:{port}"
+        url = deploy.client_url(host, port)
         print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.worker.engine.device} "
               f"replica{'s' if options.num_replicas > 1 else ''}) at {url}/v1", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "

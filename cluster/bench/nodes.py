@@ -21,9 +21,11 @@ config (the manifest, with this run's port). Then, over HTTP through every node'
    seconds in, the raylet of the worker node with the busiest replica is SIGKILLed. Every request
    is classified: ``ok`` (full length), ``clear error`` (the OpenAI envelope or SSE error event the
    proxy middleware sends for the lost replica's requests), ``proxy lost`` (its stream entered by
-   the lost node's own proxy: the connection dropped, as with any lost machine), ``unclear``
-   (anything else) or ``hung``. The node stays down --node-down-s while Serve's status for the
-   replica it cannot place is recorded, then rejoins; recorded: seconds until the GCS counted the
+   the lost node's own proxy: the connection dropped, as with any lost machine), ``proxy down``
+   (sent to that proxy after it died: connection refused; the client then leaves it out, as a
+   load balancer's health check would), ``unclear`` (anything else) or ``hung``. The node stays
+   down --node-down-s while Serve's status for the replica it cannot place is recorded (and
+   whether any live node still offers the replica resource), then rejoins; recorded: seconds until the GCS counted the
    node dead, the replica left the planner's view, Serve ran every replica again and the planner's
    view recovered; the planner's pid before and after (it must be the same actor, on the head);
 6. after: requests through every proxy (the returned node's too) complete; every replica's pools
@@ -53,6 +55,7 @@ from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster
 APP_NAME = "mtpserve"
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
+OTHER_PROBE_TOKENS = 160          # long enough to be in flight at the kill, short enough to finish
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "serve-nodes.yaml"
 # a lost node is declared dead after about a second of missed health checks (Ray's default is ~15 s)
 FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
@@ -61,8 +64,9 @@ FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_chec
 
 # ---------------------------------------------------------------------------- one request
 def send(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, session_id: str | None = None,
-         stop: threading.Event | None = None) -> dict:
-    """One streamed greedy completion through ``url``; returns what the client saw."""
+         first_token: threading.Event | None = None) -> dict:
+    """One streamed greedy completion through ``url``; returns what the client saw. ``first_token``
+    is set once its first token has arrived (or it ended without one)."""
     import requests
     out = {"url": url, "replica": None, "token_ids": [], "outcome": None, "error": None,
            "started": time.perf_counter(), "ended": None}
@@ -96,6 +100,8 @@ def send(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, s
                 for choice in obj.get("choices") or []:
                     out["token_ids"] += choice.get("token_ids") or []
                     finished = finished or bool(choice.get("finish_reason"))
+                if first_token is not None and out["token_ids"]:
+                    first_token.set()
             if finished and done and len(out["token_ids"]) == max_tokens:
                 out["outcome"] = "ok"
             else:
@@ -105,13 +111,16 @@ def send(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, s
     except requests.Timeout:
         out["outcome"], out["error"] = "hung", f"no answer within {timeout_s:g} s"
     except requests.ConnectionError as e:
-        out["outcome"] = "connection error"
-        out["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        refused = "refused" in str(e).lower()     # nothing listens there: the proxy's node is gone
+        out["outcome"] = "connection refused" if refused else "connection error"
+        out["error"] = f"{type(e).__name__}: {str(e)[-160:]}"
     except requests.RequestException as e:       # e.g. ChunkedEncodingError: the stream was torn
         out["outcome"] = "connection error"
         out["error"] = f"{type(e).__name__}: {str(e)[:120]}"
     finally:
         out["ended"] = time.perf_counter()
+        if first_token is not None:
+            first_token.set()
     return out
 
 
@@ -290,6 +299,8 @@ def _run_on_cluster(args, cluster: LocalCluster, workdir: Path, prompts, referen
 
 def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, planner, log) -> dict:
     """Clients streaming round the proxies; a worker node's raylet killed; the node back later."""
+    import ray
+
     from mtpserve.cluster import deploy
     view = deploy.placement(APP_NAME)
     records, lock, stop = [], threading.Lock(), threading.Event()
@@ -304,7 +315,7 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
             url = live[k % len(live)]
             k += 1
             r = send(url, model, rng.choice(prompts), args.max_tokens, args.timeout_s)
-            if r["outcome"] == "connection error" and "Connection refused" in (r["error"] or ""):
+            if r["outcome"] == "connection refused":
                 down.add(url)
             with lock:
                 records.append(r)
@@ -317,6 +328,9 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
     victim = max(view.replicas, key=lambda rid: view.replicas[rid].num_running)
     index = replica_node[victim]
     victim_ip = cluster.nodes[index].ip
+    other = next(rid for rid in view.replicas if rid != victim)
+    probes = {"lost replica": _open_probes(urls, model, prompts[0], victim, 512, args.timeout_s),
+              "other replica": _open_probes(urls, model, prompts[1], other, OTHER_PROBE_TOKENS, args.timeout_s)}
     running = {rid: r.num_running for rid, r in view.replicas.items()}
     pid = cluster.kill_node(index)
     killed_at = time.perf_counter()
@@ -333,14 +347,23 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
         v = deploy.placement(APP_NAME)
         if times["victim_left_view_s"] is None and v is not None and victim not in v.replicas:
             times["victim_left_view_s"] = now
-        serve_while_down = _serve_status()
+        serve_while_down = {**(_serve_status() or {}), "replica_resource_alive":
+                            ray.cluster_resources().get(REPLICA_RESOURCE, 0),
+                            "replica_resource_needed": len(view.replicas)}
         time.sleep(0.25)
     stop.set()                        # the load ends while the node is still down
-    for t in threads:
+    for t in threads + [t for group in probes.values() for t, _ in group.values()]:
         t.join(args.timeout_s + 30)
+    probe_outcomes = {name: {url: {k: r[k] for k in ("replica", "outcome", "error")} | {"num_tokens": len(r["token_ids"])}
+                             for url, (_, r) in group.items()} for name, group in probes.items()}
+    log(f"probes on the lost replica, by proxy: {probe_outcomes}")
     planner_while_down = _planner_where(APP_NAME, cluster)
     log(f"node down {time.perf_counter() - killed_at:.1f} s: {times}; Serve: {serve_while_down}")
-    cluster.start_node(index)
+    try:
+        cluster.start_node(index)
+    except RuntimeError as e:          # a loaded machine can time a node's start out: once more
+        log(f"node {index} did not rejoin ({str(e)[-300:]}); starting it again")
+        cluster.start_node(index)
     back_at = time.perf_counter()
     recovered = {"serve_running_s": None, "view_recovered_s": None}
     while time.perf_counter() - back_at < args.timeout_s and None in recovered.values():
@@ -357,14 +380,38 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
             "kill_after_s": args.kill_node_after, "running_at_kill": running,
             "times_after_kill": times, "serve_while_down": serve_while_down,
             "recovery_after_rejoin": recovered, "planner_while_down": planner_while_down,
-            "planner_before": planner,
+            "planner_before": planner, "probes": probe_outcomes,
             "outcomes": classify(records, killed_at, victim, cluster.nodes[index].proxy_url, args.max_tokens)}
+
+
+def _open_probes(urls, model, prompt, replica: str, max_tokens: int, timeout_s: float) -> dict:
+    """Before the kill: through every proxy, one stream bound (by session) to ``replica``, each
+    holding its first token; {url: (thread, record)}. On the lost replica, what each ends with
+    shows what a client of that node's proxy sees (the proxy middleware's SSE error event); on
+    another replica, each must complete (but the one through the lost node's own proxy)."""
+    import ray
+
+    from mtpserve.actors.planner import get_planner
+    planner = get_planner(APP_NAME)
+    probes = {}
+    for i in range(len(urls)):
+        ray.get(planner.bind_session.remote(f"probe-{replica}-{i}", replica), timeout=10)
+    time.sleep(0.75)                  # every proxy's router has the bindings (0.25 s refresh)
+    for i, url in enumerate(urls):
+        record, first = {}, threading.Event()
+        t = threading.Thread(target=lambda u=url, r=record, f=first, sid=f"probe-{replica}-{i}": r.update(
+            send(u, model, prompt, max_tokens, timeout_s, session_id=sid, first_token=f)), daemon=True)
+        t.start()
+        first.wait(timeout_s)
+        probes[url] = (t, record)
+    return probes
 
 
 def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: str, max_tokens: int) -> dict:
     """The load's requests by what happened to them around the kill."""
     groups: dict[str, Counter] = {"before the kill": Counter(), "in flight on the lost replica": Counter(),
                                   "in flight through the lost node's proxy": Counter(),
+                                  "in flight, no response started": Counter(),
                                   "in flight elsewhere": Counter(), "after the kill": Counter()}
     messages: Counter = Counter()
     for r in records:
@@ -376,13 +423,16 @@ def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: s
             group = "in flight through the lost node's proxy"
         elif r["replica"] == victim:
             group = "in flight on the lost replica"
+        elif r["replica"] is None:     # no replica had answered: the proxy's 503 names none (the lost one's queue)
+            group = "in flight, no response started"
         else:
             group = "in flight elsewhere"
         outcome = r["outcome"]
-        if outcome == "connection error" and r["url"] == victim_proxy and r["ended"] >= killed_at:
-            outcome = "proxy lost"
+        if outcome in ("connection error", "connection refused") and r["url"] == victim_proxy \
+                and r["ended"] >= killed_at:
+            outcome = "proxy lost" if outcome == "connection error" else "proxy down"
         groups[group][outcome] += 1
-        if r["error"] and outcome != "proxy lost":
+        if r["error"] and outcome not in ("proxy lost", "proxy down"):
             messages[f"{group}: {outcome}: {r['error'][:140]}"] += 1
     return {"num_requests": len(records), **{g: dict(c) for g, c in groups.items()},
             "messages": dict(messages.most_common(10))}
@@ -473,10 +523,13 @@ def nodes_ok(f: dict) -> bool:
     bad = sum(n for g, c in o.items() if isinstance(c, dict) and g != "messages"
               for k, n in c.items() if k in ("unclear", "hung"))
     elsewhere = o.get("in flight elsewhere", {})
-    on_victim = o.get("in flight on the lost replica", {})
+    on_victim = {**o.get("in flight on the lost replica", {}), **o.get("in flight, no response started", {})}
     planner_kept = (loss["planner_before"] or {}).get("pid") == (f.get("planner_after") or {}).get("pid") \
         and (f.get("planner_after") or {}).get("node") == 0
-    return (f["greedy"]["num_equal"] == f["greedy"]["num_prompts"]
+    victim_url = f["nodes"][loss["victim_node"]["index"]]["proxy"]
+    probes_ok = all(p["outcome"] == ("ok" if name == "other replica" else "clear error")
+                    for name, group in loss["probes"].items() for url, p in group.items() if url != victim_url)
+    return (probes_ok and f["greedy"]["num_equal"] == f["greedy"]["num_prompts"]
             and f["sessions"]["num_stayed"] == f["sessions"]["num_sessions"]
             and bad == 0 and set(elsewhere) <= {"ok"} and set(on_victim) <= {"ok", "clear error"}
             and loss["recovery_after_rejoin"]["view_recovered_s"] is not None and planner_kept
