@@ -538,6 +538,10 @@ def nodes_ok(f: dict) -> bool:
             and all(r["integrity"] == "ok" and r["idle_and_empty"] for r in f["replicas_after"].values()))
 
 
+def _node_of(f: dict, proxy_url: str):
+    return next((n["index"] for n in f["nodes"] if n["proxy"] == proxy_url), "?")
+
+
 def format_nodes(f: dict) -> str:
     lines = [f"{f['num_nodes']} nodes ({', '.join(n['ip'] for n in f['nodes'])}) up in {f.get('cluster_start_s')} s; "
              f"app deployed with {f['deployed_with']} in {f.get('deploy_s')} s"]
@@ -555,6 +559,9 @@ def format_nodes(f: dict) -> str:
     if loss:
         lines.append(f"node loss: node {loss['victim_node']['index']} ({loss['victim_node']['ip']}) raylet killed "
                      f"{loss['kill_after_s']:g} s in; {loss['times_after_kill']}; back: {loss['recovery_after_rejoin']}")
+        for name, group in loss["probes"].items():
+            lines.append(f"  probes on the {name}, by proxy: " + ", ".join(
+                f"node {_node_of(f, url)}: {p['outcome']} after {p['num_tokens']} tokens" for url, p in group.items()))
         for group, counts in loss["outcomes"].items():
             if isinstance(counts, dict) and group != "messages" and counts:
                 lines.append(f"  {group}: {counts}")

@@ -56,7 +56,8 @@ def test_three_nodes_route_across_proxies_and_survive_a_lost_worker_node(tmp_pat
     for url, probe in loss["probes"]["lost replica"].items():   # streams held open on it through each proxy
         assert probe["replica"] == loss["victim_replica"] and probe["num_tokens"] >= 1, probe
         if url == victim_url:
-            assert probe["outcome"] == "connection error", probe     # its own proxy went down with it
+            # its own proxy goes down with it: the stream drops, or the dying proxy still sends the event
+            assert probe["outcome"] in ("connection error", "clear error"), probe
         else:
             assert probe["outcome"] == "clear error" and probe["error"].startswith(REPLICA_LOST), probe
     for url, probe in loss["probes"]["other replica"].items():  # the other node's streams, open at the kill
