@@ -177,7 +177,7 @@ class LocalCluster:
         node.starts += 1
         with open(node.log_path, "w") as log:
             node.proc = subprocess.Popen(cmd, env=self._node_env(node), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         (self.workdir / "process_groups").open("a").write(f"{node.proc.pid}\n")
         if wait:
             self.wait_for_nodes(sum(n.alive() for n in self.nodes), timeout_s)
@@ -293,11 +293,11 @@ class LocalCluster:
         raise RuntimeError(f"no raylet found in node {node.index}'s process group {node.proc.pid}")
 
 
-def _die_with_parent() -> None:
-    """In a node's `ray start`: SIGTERM it when the process that started it dies (Linux), so a
-    killed driver leaves no cluster behind (`ray start --block` then stops its node)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child, before exec: ``sig`` it when the process that started it dies (Linux), so a
+    killed driver leaves nothing behind (a node's `ray start --block` stops its node on SIGTERM)."""
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)     # PR_SET_PDEATHSIG
     except OSError:
         pass

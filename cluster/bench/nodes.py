@@ -50,7 +50,7 @@ from collections import Counter
 from pathlib import Path
 
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
-from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster
+from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster, die_with_parent
 
 APP_NAME = "mtpserve"
 REPLICA_HEADER = "x-mtpserve-replica"
@@ -141,8 +141,9 @@ class Deployment:
                 cmd += [{"model_dir": "--model", "num_replicas": "--replicas"}.get(name, "--" + name.replace("_", "-")),
                         str(value)]
             self.command = cmd
+            # SIGKILLed if this process dies: its cluster dies with this process too, nothing is left to delete
             self.proc = subprocess.Popen(cmd, env=cluster.env, stdout=open(workdir / "serve.log", "w"),
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         else:
             import yaml
             config = yaml.safe_load(Path(args.serve_config or MANIFEST).read_text())
