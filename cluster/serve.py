@@ -4,6 +4,8 @@
     mtpserve serve --replicas 2 --port 8000         two CPU replicas
     mtpserve serve --device cuda                    one replica per GPU of this machine
     mtpserve serve --device cuda --address auto     one replica per GPU of a running cluster
+    mtpserve serve --address HEAD:6379 --replicas 2 --replica-resource mtpserve_replica
+                                                    one replica per worker node (manifests/serve-nodes.yaml)
 
 With no --address a local Ray is started and shut down on exit; with --address the app is
 deployed onto that cluster and deleted on exit (the cluster keeps running). Serve's HTTP proxy
