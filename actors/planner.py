@@ -15,10 +15,15 @@ restarted (workers report the sessions they hold). A replica whose reports stop 
 after ``replica_ttl_s`` (a loaded replica may just be late), or as soon as its Ray actor is
 gone: the actor looks up every replica silent for ``SILENT_AFTER_S``, so a killed replica
 leaves the view within a second or two.
+
+The actor runs on the head node (Ray's ``node:__internal_head__`` resource), whichever replica
+creates it: the head lives as long as the cluster does, so a worker node's loss (with the
+replicas on it) never takes the planner along; its view sheds the lost replicas as above.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +34,7 @@ from mtpserve.actors.metrics import MetricsSnapshot
 from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
 
 NAMESPACE = "mtpserve"
+HEAD_NODE_RESOURCE = "node:__internal_head__"    # Ray gives the head node 1 of it
 SILENT_AFTER_S = 1.0             # a replica this long without a report is checked for liveness
 
 
@@ -218,6 +224,12 @@ class PlannerActor:
         """{replica: {request id: (acceptance EMA, planned K)}} from the latest reports."""
         return self.state.plans
 
+    def where(self) -> dict:
+        """This actor's node and process (a restarted planner has a new pid and an empty view)."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "actor_id": ctx.get_actor_id()}
+
 
 def _live_actor_names() -> set[str]:
     """Names of the cluster's live named actors, every namespace (a dead actor's name is released)."""
@@ -225,9 +237,11 @@ def _live_actor_names() -> set[str]:
 
 
 def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST):
-    """The application's planner actor, created (detached, restartable) by the first caller."""
+    """The application's planner actor, created (detached, restartable, on the head node) by the
+    first caller."""
     return PlannerActor.options(name=planner_name(app_name), namespace=NAMESPACE, lifetime="detached",
-                                get_if_exists=True).remote(replica_ttl_s, draft_cost)
+                                get_if_exists=True, resources={HEAD_NODE_RESOURCE: 0.001}
+                                ).remote(replica_ttl_s, draft_cost)
 
 
 def get_planner(app_name: str):

@@ -14,6 +14,7 @@ One replica per GPU (``num_gpus=1``) or N CPU replicas. The replica
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from mtpserve.actors.ingress import OpenAIRoutes, api, guard
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
 from mtpserve.actors.worker_config import WorkerConfig
+from mtpserve.engine.bundled import resolve_model_dir
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.request import TokenEvent
 from mtpserve.engine.sampler import SamplingParams
@@ -55,7 +57,9 @@ class Worker:
     """The replica's logic (the Serve deployment ``LLMServer`` below adds the HTTP routes)."""
 
     def __init__(self, config: dict | WorkerConfig):
-        self.config = cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.from_dict(config)
+        cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.from_dict(config)
+        self.config = cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+            cfg.engine, model_dir=resolve_model_dir(cfg.engine.model_dir)))   # the bundled model: this node's copy
         try:
             ctx = serve.get_replica_context()
             self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
@@ -136,8 +140,10 @@ class Worker:
             yield event
 
     async def engine_status(self) -> dict:
-        """Pools, ledger and integrity, checked on the engine's owner thread between steps."""
-        return {"replica_id": self.replica_id, **await self.loop.status()}
+        """Pools, ledger and integrity, checked on the engine's owner thread between steps; the node
+        the replica runs on."""
+        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
+                **await self.loop.status()}
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict:

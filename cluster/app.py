@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpserve.actors.worker_config import WorkerConfig
+from mtpserve.engine.bundled import BUNDLED_MODEL_REF, MODEL_DIR
 from mtpserve.engine.config import config_fields, from_flat, setting
 
 
@@ -30,6 +31,9 @@ class ServeOptions:
                                    "device cuda, else 1)")
     num_cpus_per_replica: float = setting(1.0, "Ray CPUs reserved per replica")
     num_gpus_per_replica: float | None = setting(None, "Ray GPUs per replica (default: 1 with device cuda, else 0)")
+    replica_resource: str | None = setting(None, "a custom Ray resource each replica takes one unit of: give each "
+                                                 "node `ray start --resources '{\"NAME\": 1}'` to place one "
+                                                 "replica per node (as num_gpus_per_replica 1 places one per GPU)")
     shutdown_grace_s: float = setting(5.0, "seconds a stopping replica lets its in-flight requests run before "
                                            "it is stopped (their streams then end)")
 
@@ -59,9 +63,11 @@ def build_app(options: ServeOptions):
     from mtpserve.actors.worker import LLMServer
     options.validate()
     engine = options.worker.engine
+    model_dir = Path(engine.model_dir).resolve()
+    # a path as this machine sees it; the bundled model by reference (each node's install has its own copy)
     worker = dataclasses.replace(
         options.worker, model_name=options.served_model_name,
-        engine=dataclasses.replace(engine, model_dir=str(Path(engine.model_dir).resolve())))
+        engine=dataclasses.replace(engine, model_dir=BUNDLED_MODEL_REF if model_dir == MODEL_DIR else str(model_dir)))
     num_gpus = options.num_gpus_per_replica
     if num_gpus is None:
         num_gpus = 1 if engine.device == "cuda" else 0
@@ -69,7 +75,8 @@ def build_app(options: ServeOptions):
         num_replicas=options.num_replicas,
         max_ongoing_requests=engine.cache.max_resident_requests + worker.max_pending,
         graceful_shutdown_timeout_s=options.shutdown_grace_s, graceful_shutdown_wait_loop_s=0.5,
-        ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus})
+        ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus,
+                           **({"resources": {options.replica_resource: 1}} if options.replica_resource else {})})
     return deployment.bind(worker.to_dict())
 
 

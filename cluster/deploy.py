@@ -102,6 +102,24 @@ def direct_urls(app_name: str, host: str, num_replicas: int, timeout_s: float = 
     return [(t.name.rsplit("#", 1)[-1], f"http://{LOCAL_HOST if loopback else t.ip}:{t.port}") for t in targets]
 
 
+def client_url(host: str, port: int) -> str:
+    """Where a client reaches Serve's proxy on the head node: ``host`` itself, or for a wildcard
+    bind (0.0.0.0, ::) the head node's address (on a cluster that is not this machine)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = _head_node_ip() or LOCAL_HOST
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _head_node_ip() -> str | None:
+    import ray
+    try:
+        from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+        return next((n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and HEAD_NODE_RESOURCE_NAME in
+                     n["Resources"]), None)
+    except Exception:  # noqa: BLE001 - a private constant; a URL guess is not worth failing over
+        return None
+
+
 # ---------------------------------------------------------------------------- the app
 def refuse_clash(app_name: str, route_prefix: str = "/") -> None:
     """Before deploying onto a cluster we did not start: RuntimeError if an application of that

@@ -4,6 +4,8 @@
     mtpserve serve --replicas 2 --port 8000         two CPU replicas
     mtpserve serve --device cuda                    one replica per GPU of this machine
     mtpserve serve --device cuda --address auto     one replica per GPU of a running cluster
+    mtpserve serve --address HEAD:6379 --replicas 2 --replica-resource mtpserve_replica
+                                                    one replica per worker node (manifests/serve-nodes.yaml)
 
 With no --address a local Ray is started and shut down on exit; with --address the app is
 deployed onto that cluster and deleted on exit (the cluster keeps running). Serve's HTTP proxy
@@ -104,7 +106,7 @@ def cmd_serve(args) -> int:
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
                   f"--host/--port do not change it", flush=True)
-        url = f"http://{host}:{port}"
+        url = deploy.client_url(host, port)
         print(f"mtpserve: serving `{options.served_model_name}` ({options.num_replicas} {options.worker.engine.device} "
               f"replica{'s' if options.num_replicas > 1 else ''}) at {url}/v1", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "

@@ -11,6 +11,7 @@
     mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
     mtpserve bench --replicas 2 --soak 300 --concurrency 32                  hostile traffic, a replica killed
     mtpserve bench --serving-overhead --requests 24 --max-tokens 64          HTTP vs in-process latency
+    mtpserve bench --nodes 3 --concurrency 6 --max-tokens 24                 a 3-node Ray cluster, a node lost
 
 Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
 (closed-loop concurrencies, or Poisson request rates) against the same prompts, after a warm-up.
@@ -19,7 +20,9 @@ Figures follow DESIGN §8; speedups are against K=0 of the same run. Results go 
 accepted with that probability instead of checked against the model (for untrained MTP heads):
 such outputs are not the model's, and every report says "synthetic". With --replicas the
 real Serve app is deployed once per replica count and driven over HTTP (cluster/bench/replicas.py;
---kill-replica-after: cluster/bench/fault.py). --serving-overhead runs cluster/bench/serving_overhead.py
+--kill-replica-after: cluster/bench/fault.py). --nodes N starts a Ray cluster of N nodes on this machine,
+one replica per worker node, and kills a worker node's raylet mid-load (cluster/bench/nodes.py).
+--serving-overhead runs cluster/bench/serving_overhead.py
 with the options after it (see `mtpserve bench --serving-overhead --help`; --model given before it
 is passed on).
 """
@@ -68,6 +71,19 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --replicas N: S seconds of mixed traffic (streams read to the end or dropped, "
                         "hostile requests) from --concurrency clients, one replica killed halfway "
                         "(--kill-replica-after to choose when); fails on a hung or unclear request or unclean pools")
+    g.add_argument("--nodes", type=int, metavar="N",
+                   help="instead: a Ray cluster of N nodes on this machine (a head, N-1 worker nodes with one CPU "
+                        "replica each), requests through every node's proxy, a worker node's raylet killed mid-load")
+    g.add_argument("--deploy", default="cli", choices=["cli", "config"],
+                   help="with --nodes: deploy with `mtpserve serve --address` (cli) or `serve deploy` of "
+                        "--serve-config (config)")
+    g.add_argument("--serve-config", help="with --nodes --deploy config: the Serve config (default "
+                                          "manifests/serve-nodes.yaml; its HTTP port is replaced by this run's)")
+    g.add_argument("--kill-node-after", type=float, default=4.0, metavar="S",
+                   help="with --nodes: kill the busiest worker node's raylet S seconds into the load (default 4)")
+    g.add_argument("--node-down-s", type=float, default=8.0, metavar="S",
+                   help="with --nodes: keep the lost node down this long before it rejoins (default 8)")
+    g.add_argument("--keep-workdir", action="store_true", help="with --nodes: keep the cluster's logs in /tmp")
     g.add_argument("--address", help="with --replicas: deploy onto this Ray cluster instead of a local one")
     g.add_argument("--port", type=int, default=8000, help="with --replicas: Serve's HTTP port")
     g.add_argument("--serving-overhead", nargs=argparse.REMAINDER, metavar="OPTION",
@@ -200,6 +216,8 @@ def _bytes(text: str) -> list[int]:
 
 def _bench(args) -> int:
     loads = _loads(args)
+    if args.nodes is not None:
+        return _bench_nodes(args)
     if args.soak is not None:
         return _bench_soak(args)
     if args.replicas or args.kill_replica_after is not None:
@@ -296,6 +314,25 @@ def _bench_soak(args) -> int:
                              "machine": report.machine_info(), "device": args.device, "settings": settings,
                              "soak": figures})
     print(soak.format_soak(figures) + f"\n\nresults: {path}")
+    return 0 if figures["passed"] else 1
+
+
+def _bench_nodes(args) -> int:
+    from mtpserve.cluster.bench import nodes
+    if args.replicas or args.url or args.compare or args.address or args.soak is not None:
+        raise ValueError("--nodes N starts its own cluster and app: drop --replicas, --url, --compare, --address "
+                         "and --soak")
+    if args.timeout_s == 600.0:
+        args.timeout_s = 120.0          # a request that takes this long here is hung
+    figures = nodes.run_nodes(args, log=_log)
+    now = _dt.datetime.now()
+    name = args.name or f"nodes-{args.nodes}-cpu"
+    path = Path(args.results_dir) / f"{now.strftime('%Y%m%d-%H%M%S')}-{name}.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "serving_overhead")}
+    report.write_json(path, {"name": name, "created": now.isoformat(timespec="seconds"), "mode": "nodes",
+                             "command": sys.argv, "git_commit": _git_commit(), "machine": report.machine_info(),
+                             "device": "cpu", "settings": settings, "nodes": figures})
+    print(nodes.format_nodes(figures) + f"\n\nresults: {path}")
     return 0 if figures["passed"] else 1
 
 

@@ -78,10 +78,10 @@ def serve_options(args, num_replicas: int, num_cpus: int):
 def deployed(options, port: int, log, timeout_s: float = 600.0):
     """The Serve app with ``options``, every replica reporting to its planner; yields the base URL."""
     started = time.perf_counter()
-    _, port = deploy.start_http(deploy.LOCAL_HOST, port)
+    host, port = deploy.start_http(deploy.LOCAL_HOST, port)
     with deploy.deployed(options, APP_NAME, route_prefix="/", timeout_s=timeout_s):
         log(f"{replica_label(options.num_replicas)} up in {time.perf_counter() - started:.1f} s")
-        yield f"http://{deploy.LOCAL_HOST}:{port}"
+        yield deploy.client_url(host, port)       # a cluster's Serve may already listen elsewhere
 
 
 # ---------------------------------------------------------------------------- the sweep

@@ -112,3 +112,13 @@ def test_serve_refuses_a_truncated_model_in_one_line_before_starting_ray(tmp_pat
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("mtpserve: error:") and "model.onnx.data" in lines[0], proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr
+
+
+def test_the_printed_url_names_a_host_a_client_can_reach():
+    """`mtpserve serve --host 0.0.0.0` (a cluster's proxies) prints an address to connect to, not the wildcard."""
+    from mtpserve.cluster.deploy import client_url
+    assert client_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert client_url("::1", 8001) == "http://[::1]:8001"
+    for wildcard in ("0.0.0.0", "::"):
+        url = client_url(wildcard, 8000)
+        assert url.endswith(":8000") and wildcard not in url.removeprefix("http://").rsplit(":", 1)[0], url

@@ -14,8 +14,9 @@ requests = pytest.importorskip("requests")
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from mtpserve.cluster.app import setting_names  # noqa: E402
-from mtpserve.engine.bundled import MODEL_DIR  # noqa: E402
+from mtpserve.cluster.app import ServeOptions, build_app, setting_names  # noqa: E402
+from mtpserve.cluster.local_cluster import REPLICA_RESOURCE  # noqa: E402
+from mtpserve.engine.bundled import BUNDLED_MODEL_REF, MODEL_DIR, resolve_model_dir  # noqa: E402
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 
@@ -30,7 +31,7 @@ def _serve_configs() -> dict[str, dict]:
 
 def test_every_manifest_is_a_valid_serve_config_of_this_package():
     configs = _serve_configs()
-    assert {"serve-cpu.yaml", "serve-gpu.yaml", "rayservice.yaml"} <= set(configs)
+    assert {"serve-cpu.yaml", "serve-gpu.yaml", "serve-nodes.yaml", "rayservice.yaml"} <= set(configs)
     fields = set(setting_names())
     for name, config in configs.items():
         schema = ServeDeploySchema.model_validate(config)
@@ -40,6 +41,20 @@ def test_every_manifest_is_a_valid_serve_config_of_this_package():
             assert set(app.args) <= fields, f"{name}: unknown args {set(app.args) - fields}"
     gpu = configs["serve-gpu.yaml"]["applications"][0]["args"]
     assert gpu["device"] == "cuda" and gpu["num_gpus_per_replica"] == 1
+    nodes = configs["serve-nodes.yaml"]["applications"][0]["args"]
+    assert nodes["replica_resource"] == REPLICA_RESOURCE     # what `mtpserve bench --nodes` gives each worker node
+
+
+def test_a_replica_resource_pins_each_replica_and_the_bundled_model_travels_by_reference():
+    """On a cluster a replica takes one unit of the node resource, and reads the bundled model from
+    its own node's install (the deploying machine's path may not exist there)."""
+    app = build_app(ServeOptions.from_flat(replica_resource=REPLICA_RESOURCE, num_replicas=2))
+    deployment = app._bound_deployment
+    assert deployment.ray_actor_options["resources"] == {REPLICA_RESOURCE: 1}
+    assert deployment.init_args[0]["engine"]["model_dir"] == BUNDLED_MODEL_REF
+    assert resolve_model_dir(BUNDLED_MODEL_REF) == str(MODEL_DIR)
+    plain = build_app(ServeOptions.from_flat(num_replicas=1))._bound_deployment
+    assert "resources" not in plain.ray_actor_options
 
 
 def test_the_cpu_config_deploys_with_serve_run_and_answers(ray_cluster, model_dir, tmp_path):

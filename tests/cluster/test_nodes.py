@@ -1,0 +1,83 @@
+"""A real 3-node Ray cluster on this machine (`mtpserve bench --nodes 3`, cluster/bench/nodes.py):
+a head and two worker nodes started with `ray start` in a subprocess of their own (their own
+ports, temp dir and auth token: the session's Ray cluster from conftest is not touched), the app
+deployed with `serve deploy manifests/serve-nodes.yaml`, one replica pinned per worker node,
+requests through every node's proxy, then a worker node's raylet killed mid-load.
+
+What a user of a multi-node deployment would notice, each asserted here: replicas on both worker
+nodes and the planner on the head; greedy output through any proxy equal to `mtpserve
+generate`; a session reaching its replica whichever proxy it enters by; when a node is lost, the
+other replica's requests complete, the lost replica's streams end with the OpenAI error event
+(through the head's and the other worker node's proxies: the middleware's variable reached
+them), the planner survives, Serve brings the replica back when the node rejoins, and every
+pool is clean afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mtpserve.cluster.bench.nodes import OTHER_PROBE_TOKENS, format_nodes
+
+REPLICA_LOST = "SSE error event replica_unavailable"
+
+
+@pytest.mark.slow
+def test_three_nodes_route_across_proxies_and_survive_a_lost_worker_node(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}      # nothing of the session's Ray
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtpserve.cluster.cli", "bench", "--nodes", "3", "--deploy", "config",
+         "--concurrency", "6", "--max-tokens", "16", "--kill-node-after", "3", "--node-down-s", "4",
+         "--results-dir", str(tmp_path), "--name", "nodes"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:        # its nodes stop with it (they are started to die with their parent)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    results = list(tmp_path.glob("*-nodes.json"))
+    assert results, output[-4000:]
+    f = json.loads(results[0].read_text())["nodes"]
+    assert proc.returncode == 0 and f["passed"], format_nodes(f)
+
+    assert sorted(f["placement"]["replica_node"].values()) == [1, 2], "one replica on each worker node"
+    assert f["placement"]["planner"]["node"] == 0, "the planner runs on the head node"
+    assert f["greedy"]["num_equal"] == f["greedy"]["num_prompts"] == 6
+    assert len(set(f["greedy"]["via"])) == 3, "the greedy prompts entered by all three proxies"
+    assert f["sessions"]["num_stayed"] == f["sessions"]["num_sessions"], f["sessions"]
+
+    loss = f["node_loss"]
+    victim_url = f["nodes"][loss["victim_node"]["index"]]["proxy"]
+    for url, probe in loss["probes"]["lost replica"].items():   # streams held open on it through each proxy
+        assert probe["replica"] == loss["victim_replica"] and probe["num_tokens"] >= 1, probe
+        if url == victim_url:
+            # its own proxy goes down with it: the stream drops, or the dying proxy still sends the event
+            assert probe["outcome"] in ("connection error", "clear error"), probe
+        else:
+            assert probe["outcome"] == "clear error" and probe["error"].startswith(REPLICA_LOST), probe
+    for url, probe in loss["probes"]["other replica"].items():  # the other node's streams, open at the kill
+        assert probe["replica"] != loss["victim_replica"], probe
+        if url != victim_url:
+            assert probe["outcome"] == "ok" and probe["num_tokens"] == OTHER_PROBE_TOKENS, probe
+    o = loss["outcomes"]
+    assert set(o["in flight elsewhere"]) <= {"ok"}, o
+    assert set(o["in flight on the lost replica"]) | set(o["in flight, no response started"]) <= {"clear error", "ok"}, o
+    assert o["after the kill"].get("ok", 0) >= 1, o
+    assert not any(c.get("unclear") or c.get("hung") for g, c in o.items() if isinstance(c, dict) and g != "messages"), o
+    assert loss["planner_before"]["pid"] == loss["planner_while_down"]["pid"] == f["planner_after"]["pid"]
+    assert loss["times_after_kill"]["victim_left_view_s"] is not None
+    assert loss["serve_while_down"]["replica_resource_alive"] == 1, "the lost node's replica slot is gone"
+    assert loss["recovery_after_rejoin"]["view_recovered_s"] is not None
+
+    after = f["after"]
+    assert after["num_ok"] == after["num_requests"] and set(after["by_node"]) == {"1", "2"}, after
+    assert sorted(r["node"] for r in f["replicas_after"].values()) == [1, 2]
+    assert loss["victim_replica"] not in f["replicas_after"], "Serve replaced the lost replica"
+    for replica in f["replicas_after"].values():
+        assert replica["integrity"] == "ok" and replica["idle_and_empty"], replica
+        assert replica["num_free_rows"] == replica["num_rows"]
