@@ -292,7 +292,7 @@ class Engine:
         if not work:
             return logits
         xp, out = self.xp, logits.copy()
-        grammar_rows, grammar_masks = [], []
+        grammar_rows, grammar_work = [], []
         for s, row in work:
             r, p = s.request, s.request.params
             output = r.token_ids[r.num_prompt_tokens:]
@@ -303,12 +303,14 @@ class Engine:
                 if r.num_output_tokens + j < p.min_tokens and r.stop_token_ids:
                     out[row + j, xp.asarray(np.asarray(sorted(r.stop_token_ids), np.int64))] = -np.inf
             if grammars and r.request_id in grammars:
+                grammar_work.append((r.request_id, draft, len(grammar_rows)))
                 grammar_rows.extend(range(row, row + s.num_drafts + 1))
-                grammar_masks.append(grammars.row_masks(r.request_id, draft))
-        if grammar_rows:
+        if grammar_rows:                  # every constrained row of the step in one bitmask
+            bitmask = grammars.bitmask(len(grammar_rows))
+            for rid, draft, start in grammar_work:
+                grammars.fill_row_masks(rid, draft, bitmask, start)
             rows = xp.asarray(np.asarray(grammar_rows, np.int64))
-            allowed = xp.asarray(np.concatenate(grammar_masks))
-            out[rows] = xp.where(allowed, out[rows], -np.inf)
+            out[rows] = xp.where(xp.asarray(grammars.allowed(bitmask)), out[rows], -np.inf)
         return out
 
     def _score_prompts(self, plan: StepPlan, logits) -> None:

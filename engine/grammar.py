@@ -116,8 +116,9 @@ class GrammarCompiler:
 class GrammarManager:
     """Each constrained request's matcher (xgrammar), keyed by request id; see the module docstring.
 
-    Masks are host bool arrays [rows, vocab] (True = allowed); the engine applies them to its
-    logits rows. ``check_integrity``-style bookkeeping: ``request_ids`` must stay within the
+    Masks are filled as xgrammar's int32 bitmasks (one row per logits row, all of a step's rows
+    in one array) and unpacked once to bool [rows, vocab] (True = allowed), which the engine
+    applies to its logits rows. ``check_integrity``-style bookkeeping: ``request_ids`` must stay within the
     engine's live requests."""
 
     def __init__(self, compiler: GrammarCompiler):
@@ -125,7 +126,6 @@ class GrammarManager:
         self._matchers: dict[str, object] = {}
         self._speculated: dict[str, int] = {}        # drafts advanced over since the last rollback
         self._blocked: set[str] = set()               # met a draft the grammar forbids since then
-        self._bitmask = None
 
     def start(self, request_id: str, spec: GrammarSpec) -> None:
         import xgrammar as xgr
@@ -147,21 +147,34 @@ class GrammarManager:
     def request_ids(self) -> set[str]:
         return set(self._matchers)
 
-    def _mask(self, matcher) -> np.ndarray:
-        v = self.compiler.vocab_size
-        if self._bitmask is None:
-            self._bitmask = np.empty((1, (v + 31) // 32), np.int32)
-        self._bitmask.fill(-1)
+    def bitmask(self, num_rows: int) -> np.ndarray:
+        """An int32 bitmask [num_rows, ceil(V / 32)] to fill (bit t of a row: token t allowed)."""
+        return np.empty((num_rows, (self.compiler.vocab_size + 31) // 32), np.int32)
+
+    def allowed(self, bitmask: np.ndarray) -> np.ndarray:
+        """bool [rows, V] of a filled bitmask (one unpack for a whole step's rows)."""
+        return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.compiler.vocab_size,
+                             bitorder="little").view(bool)
+
+    def _fill(self, matcher, bitmask: np.ndarray, row: int) -> None:
         if matcher.is_terminated():            # nothing may follow the end: only a stop id (again)
-            allowed = np.zeros(v, bool)
-            allowed[list(self.compiler.stop_token_ids)] = True
-            return allowed
-        matcher.fill_next_token_bitmask(self._bitmask, 0)
-        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:v].astype(bool)
+            bits = bitmask.view(np.uint32)
+            bits[row] = 0
+            for t in self.compiler.stop_token_ids:
+                bits[row, t >> 5] |= np.uint32(1 << (t & 31))
+        else:
+            matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_mask(self, request_id: str, bitmask: np.ndarray, row: int) -> None:
+        """Row ``row`` of ``bitmask``: the tokens allowed next, after the committed output and
+        any drafts speculated."""
+        self._fill(self._matchers[request_id], bitmask, row)
 
     def mask(self, request_id: str) -> np.ndarray:
-        """[V] the tokens allowed next, after the committed output and any drafts speculated."""
-        return self._mask(self._matchers[request_id])
+        """[V] bool: the tokens allowed next (``fill_mask`` of one row, unpacked)."""
+        bitmask = self.bitmask(1)
+        self.fill_mask(request_id, bitmask, 0)
+        return self.allowed(bitmask)[0]
 
     def speculate(self, request_id: str, token: int) -> bool:
         """Advance over a draft (undone by ``rollback``); False: the grammar forbids it (or the
@@ -180,19 +193,24 @@ class GrammarManager:
         self._speculated[request_id] = 0
         self._blocked.discard(request_id)
 
-    def row_masks(self, request_id: str, drafts: list[int]) -> np.ndarray:
-        """[len(drafts) + 1, V]: the masks of a request's verify rows (row j: after drafts
-        0..j-1; rows after a forbidden draft allow everything, they are never used). The
-        matcher is back where it was on return."""
-        out = np.ones((len(drafts) + 1, self.compiler.vocab_size), bool)
+    def fill_row_masks(self, request_id: str, drafts: list[int], bitmask: np.ndarray, start: int) -> None:
+        """Rows ``start .. start + len(drafts)`` of ``bitmask``: the masks of a request's verify
+        rows (row j: after drafts 0..j-1; rows after a forbidden draft allow everything, they are
+        never used). The matcher is back where it was on return."""
         m = self._matchers[request_id]
         assert self._speculated[request_id] == 0, f"{request_id}: drafts speculated and not rolled back"
+        bitmask[start:start + len(drafts) + 1] = -1
         for j in range(len(drafts) + 1):
-            out[j] = self._mask(m)
+            self._fill(m, bitmask, start + j)
             if j == len(drafts) or not self.speculate(request_id, drafts[j]):
                 break
         self.rollback(request_id)
-        return out
+
+    def row_masks(self, request_id: str, drafts: list[int]) -> np.ndarray:
+        """[len(drafts) + 1, V] bool: ``fill_row_masks`` unpacked."""
+        bitmask = self.bitmask(len(drafts) + 1)
+        self.fill_row_masks(request_id, drafts, bitmask, 0)
+        return self.allowed(bitmask)
 
     def advance(self, request_id: str, tokens: list[int]) -> None:
         """Commit emitted tokens (each was chosen from a masked row, so the grammar takes it)."""

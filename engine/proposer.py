@@ -137,7 +137,10 @@ class MTPProposer:
         rows = [j for j, s in enumerate(active) if s.request.request_id in self.grammars]
         if not rows:
             return logits
-        allowed = self.xp.asarray(np.stack([self.grammars.mask(active[j].request.request_id) for j in rows]))
+        bitmask = self.grammars.bitmask(len(rows))
+        for i, j in enumerate(rows):
+            self.grammars.fill_mask(active[j].request.request_id, bitmask, i)
+        allowed = self.xp.asarray(self.grammars.allowed(bitmask))
         out, idx = logits.copy(), self.xp.asarray(np.asarray(rows, np.int64))
         out[idx] = self.xp.where(allowed, out[idx], -np.inf)
         return out

@@ -1,6 +1,10 @@
-"""Grammar engines side by side: host time to compute one token mask, at batch 1 and 64.
+"""Structured output's cost: grammar engines side by side, and the served engine with a grammar on vs off.
 
-    python -m mtpserve.cluster.bench.grammar [--model DIR] [--engines llguidance,xgrammar] [--out results/]
+    python -m mtpserve.cluster.bench.grammar engines [--model DIR] [--engines llguidance,xgrammar]
+    python -m mtpserve.cluster.bench.grammar cost [--model DIR] [--device cuda] [--concurrency 1,16]
+                                                  [--draft-tokens 0,2] [--requests 32]
+
+``engines``: host time to compute one token mask, at batch 1 and 64.
 
 For each engine and each schema (``SCHEMAS``), a valid JSON instance is tokenized with the
 model's tokenizer and replayed token by token: every step computes the next-token bitmask of
@@ -8,7 +12,12 @@ each matcher in the batch, then consumes the instance's next token (batch 64 = 6
 at staggered offsets into their instances, the masks filled together as a step would).
 Reported: mask (+ consume) microseconds per token per request, and compile milliseconds.
 xgrammar is optional (it pulls torch); the server depends on the engine this picks
-(llguidance, see README "Structured output").
+(xgrammar, see README "Structured output").
+
+``cost``: the engine in process (closed loop, C requests in flight) over chat prompts asking
+for JSON, each with a JSON schema (greedy), then the same prompts without one for exactly as
+many tokens each (ignore_eos): wall time per output token both ways, the grammar's own host
+time per token (every GrammarManager call timed), and MTP acceptance with the grammar on vs off.
 """
 
 from __future__ import annotations
@@ -37,6 +46,24 @@ SCHEMAS = {
         {"id": 7, "tags": ["a", "def", "bc"], "owner": {"email": "x.y@example.org", "score": 3.25},
          "items": [{"sku": "ABC-1234", "qty": 2}, {"sku": "XYZ-0001", "qty": 10}, {"sku": "QQQ-9999", "qty": 1}]}),
 }
+
+
+# the cost run's schemas: every string, number and array bounded, so a small model's answers end
+COST_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["io", "os", "re"]}, "maxItems": 4},
+                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 999}, "y": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["x", "y"], "additionalProperties": False},
+        "label": {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}]}},
+     "required": ["point", "label"], "additionalProperties": False},
+    {"type": "object", "properties": {"function": {"type": "string", "pattern": "^[a-z_]{1,12}$"},
+                                      "args": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 99},
+                                               "maxItems": 3}}, "required": ["function", "args"], "additionalProperties": False},
+]
 
 
 def _instance_text(value) -> str:
@@ -105,10 +132,8 @@ class _XGrammar:
         return np.full((n, (self.vocab + 31) // 32), -1, np.int32)
 
     def fill(self, matchers, bitmask) -> None:
-        import torch
-        t = torch.from_numpy(bitmask)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(t, i)
+        for i, m in enumerate(matchers):          # one matcher at a time, as GrammarManager does
+            m.fill_next_token_bitmask(bitmask, i)
 
     @staticmethod
     def consume(m, token: int) -> None:
@@ -153,18 +178,148 @@ def measure(engine, tokenizer, schema: dict, instance, batch: int, rounds: int) 
             "consume_us_per_token": round(statistics.median(consume_us), 2)}
 
 
+TOPICS = ["a user", "a point", "tags of a module", "a function call", "the os module", "a file", "a loop",
+          "a class", "an order", "a test"]
+
+
+class _TimedGrammars:
+    """Wraps an engine's GrammarManager methods to add up the host time spent in them (the
+    outermost call's: speculate inside fill_row_masks counts once)."""
+
+    def __init__(self, manager):
+        self.seconds, self._depth = 0.0, 0
+        for name in ("fill_row_masks", "fill_mask", "allowed", "speculate", "rollback", "advance", "start"):
+            setattr(manager, name, self._timed(getattr(manager, name)))
+
+    def _timed(self, fn):
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            self._depth += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.perf_counter() - t
+        return timed
+
+
+def _drive(engine, prompts: list[list[int]], params: list, concurrency: int) -> tuple[float, dict[str, list[int]]]:
+    """Closed loop: ``concurrency`` requests in flight, each finished one replaced by the next."""
+    tokens: dict[str, list[int]] = {}
+    queue = list(enumerate(zip(prompts, params)))
+    live = 0
+    started = time.perf_counter()
+    while queue or engine.has_work:
+        while queue and live < concurrency:
+            i, (ids, sp) = queue.pop(0)
+            engine.add_request(f"q{i}", ids, sp)
+            live += 1
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                live -= 1
+    return time.perf_counter() - started, tokens
+
+
+def cost(args) -> dict:
+    """Grammar on vs off per (K, C); see the module docstring."""
+    from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from mtpserve.engine.engine import Engine
+    from mtpserve.engine.grammar import GrammarSpec
+    from mtpserve.engine.sampler import SamplingParams
+    from mtpserve.engine.speculative import SpecDecodeStats
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for k in (int(x) for x in args.draft_tokens.split(",")):
+        peak = max(concurrencies)
+        engine = Engine(EngineConfig(args.model, device=args.device, num_threads=args.num_threads,
+                                     cache=CacheConfig(max_resident_requests=peak),
+                                     scheduler=SchedulerConfig(max_requests_per_step=peak),
+                                     spec=SpecConfig(draft_tokens=k)))
+        timer = _TimedGrammars(engine.grammars)
+        tok = engine.tokenizer
+        schemas = COST_SCHEMAS
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Describe {TOPICS[i % 10]} as JSON."}]))
+                   for i in range(args.requests)]
+        specs = [GrammarSpec("json_schema", json.dumps(schemas[i % len(schemas)])) for i in range(args.requests)]
+        for spec in set(specs):          # compiled before the clock starts, as the serving edge does
+            engine.grammars.compiler.compile(spec)
+        _drive(engine, prompts[:2], [SamplingParams(temperature=0, max_tokens=8, grammar=specs[0])] * 2, 2)   # warm-up
+        for c in concurrencies:
+            before, timer.seconds = engine.stats.merged(SpecDecodeStats()), 0.0
+            on_s, on_tokens = _drive(engine, prompts, [SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                                                      grammar=g) for g in specs], c)
+            grammar_s, mid = timer.seconds, engine.stats.merged(SpecDecodeStats())
+            lengths = [len(on_tokens[f"q{i}"]) for i in range(args.requests)]
+            valid = sum(_valid_json(tok.decode(on_tokens[f"q{i}"])) for i in range(args.requests))
+            off_s, _ = _drive(engine, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                                for n in lengths], c)
+            after, n = engine.stats, sum(lengths)
+            row = {"draft_tokens": k, "concurrency": c, "requests": args.requests, "output_tokens": n,
+                   "valid_json": valid,
+                   "on_ms_per_token": round(on_s / n * 1e3, 4), "off_ms_per_token": round(off_s / n * 1e3, 4),
+                   "grammar_host_us_per_token": round(grammar_s / n * 1e6, 2),
+                   "on_over_off": round(on_s / off_s, 4),
+                   "acceptance_on": _rate(before, mid), "acceptance_off": _rate(mid, after)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        engine.check_integrity()
+    return {"kind": "grammar-cost", "device": args.device, "max_tokens": args.max_tokens, "results": rows}
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _rate(a, b) -> float | None:
+    drafted = b.num_draft_tokens - a.num_draft_tokens
+    return round((b.num_accepted_tokens - a.num_accepted_tokens) / drafted, 4) if drafted else None
+
+
 def main(argv: list[str] | None = None) -> int:
     from mtpserve.cluster.bench.report import machine_info, write_json
     from mtpserve.engine.bundled import MODEL_DIR
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["engines", "cost"])
+    p.add_argument("--model", default=str(MODEL_DIR))
+    p.add_argument("--out", default="results")
+    p.add_argument("--engines", default="llguidance,xgrammar", help="engines: which grammar engines")
+    p.add_argument("--batches", default="1,64", help="engines: matchers per step")
+    p.add_argument("--rounds", type=int, default=3, help="engines: replays of each instance")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cost")
+    p.add_argument("--num-threads", type=int, default=0, help="cost: ORT intra-op threads")
+    p.add_argument("--concurrency", default="1,16", help="cost: requests in flight")
+    p.add_argument("--draft-tokens", default="0,2", help="cost: MTP draft counts")
+    p.add_argument("--requests", type=int, default=32, help="cost: requests per configuration")
+    p.add_argument("--max-tokens", type=int, default=160, help="cost: max tokens of a constrained answer")
+    args = p.parse_args(argv)
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
+    if args.mode == "cost":
+        payload = {**cost(args), "model": args.model, "machine": machine_info(), "commit": _commit()}
+        path = write_json(Path(args.out) / f"{stamp}-grammar-cost-{args.device}-{Path(args.model).name}.json", payload)
+        print(f"wrote {path}")
+        return 0
+    return engines(args, stamp)
+
+
+def _commit() -> str | None:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def engines(args, stamp: str) -> int:
+    from mtpserve.cluster.bench.report import machine_info, write_json
     from mtpserve.engine.manifest import load_manifest
     from mtpserve.engine.tokenizer import Tokenizer
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(MODEL_DIR))
-    p.add_argument("--engines", default="llguidance,xgrammar")
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="results")
-    args = p.parse_args(argv)
     model = Path(args.model)
     manifest = load_manifest(model)
     tokenizer = Tokenizer(model)
@@ -179,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                      **measure(engine, tokenizer, schema, instance, batch, args.rounds)}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
     path = write_json(Path(args.out) / f"{stamp}-grammar-engines-{manifest.path.name}.json",
-                      {"kind": "grammar-engines", "model": str(model), "machine": machine_info(), "results": rows})
+                      {"kind": "grammar-engines", "model": str(model), "machine": machine_info(),
+                       "commit": _commit(), "results": rows})
     print(f"wrote {path}")
     return 0
 
