@@ -139,23 +139,23 @@ class _SamplingFields(_Strict):
         given = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            given.append(GrammarSpec("json_object", "", "response_format"))
+            given.append(_grammar("json_object", "", "response_format"))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise bad_request("response_format of type json_schema needs json_schema", "response_format")
-            given.append(GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_), "response_format"))
+            given.append(_grammar("json_schema", json.dumps(rf.json_schema.schema_), "response_format"))
         elif rf is not None and rf.json_schema is not None:
             raise bad_request("response_format.json_schema goes with type json_schema", "response_format")
         if self.guided_json is not None:
-            given.append(GrammarSpec("json_schema", _schema_text(self.guided_json, "guided_json"), "guided_json"))
+            given.append(_grammar("json_schema", _schema_text(self.guided_json, "guided_json"), "guided_json"))
         if self.guided_regex is not None:
-            given.append(GrammarSpec("regex", self.guided_regex, "guided_regex"))
+            given.append(_grammar("regex", self.guided_regex, "guided_regex"))
         if self.guided_choice is not None:
             if not self.guided_choice or not all(self.guided_choice):
                 raise bad_request("guided_choice needs one or more non-empty strings", "guided_choice")
-            given.append(GrammarSpec("choice", json.dumps(self.guided_choice), "guided_choice"))
+            given.append(_grammar("choice", json.dumps(self.guided_choice), "guided_choice"))
         if self.guided_grammar is not None:
-            given.append(GrammarSpec("grammar", self.guided_grammar, "guided_grammar"))
+            given.append(_grammar("grammar", self.guided_grammar, "guided_grammar"))
         given += self._tool_grammar()
         if len(given) > 1:
             raise bad_request(f"one structured-output constraint per request: {given[0].param} and "
@@ -207,13 +207,16 @@ class CompletionRequest(_SamplingFields):
                                                    f"distribution (before temperature, top-k, top-p).")
     echo: bool = Field(False, description="Put the prompt before each choice's text (with logprobs: the prompt "
                                           "tokens' too, the first one's null).")
-    best_of: int | None = Field(None, description="Not supported.")
-    suffix: str | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Only 1: ranking hidden candidates is not implemented.")
+    suffix: str | None = Field(None, description="Not supported (the models served have no fill-in-the-middle format).")
 
     def prompts(self) -> list[str | list[int]]:
-        if self.best_of not in (None, 1) or self.suffix:
-            raise bad_request("best_of and suffix are not supported by this server",
-                              "suffix" if self.suffix else "best_of")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported by this server: it would generate best_of hidden "
+                              "candidates per choice and rank them by log-probability; ask for n choices with "
+                              "logprobs and rank them yourself", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -334,14 +337,21 @@ class ChatCompletionRequest(_SamplingFields):
         mode = self.tool_mode
         if mode == "named":
             schema = self.tool_schemas()[self.tool_choice.function.name]
-            return [GrammarSpec("json_schema", json.dumps(schema), "tool_choice")]
+            return [_grammar("json_schema", json.dumps(schema), "tool_choice")]
         if mode == "required":
             calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for name, schema in self.tool_schemas().items()]
             array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-            return [GrammarSpec("json_schema", json.dumps(array), "tools")]
+            return [_grammar("json_schema", json.dumps(array), "tools")]
         return []
+
+
+def _grammar(kind: str, value: str, param: str) -> GrammarSpec:
+    try:
+        return GrammarSpec(kind, value, param)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
 
 
 def _schema_text(schema: dict | str, param: str) -> str:

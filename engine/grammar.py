@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 65536       # a longer schema, regex or grammar is refused before compiling
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class GrammarSpec:
             raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         if not isinstance(self.value, str):
             raise ValueError(f"{self.param}: the grammar must be text, got {type(self.value).__name__}")
+        if len(self.value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{self.param} is {len(self.value)} characters, more than the {MAX_GRAMMAR_CHARS} "
+                             f"this server compiles")
 
 
 def _xgrammar_message(e: Exception) -> str:
