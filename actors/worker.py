@@ -61,6 +61,7 @@ class Worker:
             self.replica_id, self.app_name = "local", None
         self.incarnation = uuid.uuid4().hex
         self.engine = Engine(cfg.engine)
+        self.engine.grammars.compiler.load()         # structured output's library, before serving
         m = self.engine.manifest
         self.max_drafts = self.engine.max_drafts
         self.tokenizer = self.engine.tokenizer

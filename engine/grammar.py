@@ -72,7 +72,10 @@ class GrammarCompiler:
         self._compiler = None
         self._cache: dict[GrammarSpec, object] = {}
 
-    def _xgr_compiler(self):
+    def load(self):
+        """Load xgrammar (it imports torch: seconds) and index the vocabulary, once; a server calls
+        it at start, so that neither the first constrained request nor the engine thread (the
+        import holds the GIL) pays it mid-traffic. Returns xgrammar's compiler."""
         with self._lock:
             if self._compiler is None:      # xgrammar (and torch) load on the first grammar only
                 import xgrammar as xgr
@@ -95,7 +98,7 @@ class GrammarCompiler:
         hit = self._cache.get(spec)
         if hit is not None:
             return hit
-        compiler = self._xgr_compiler()
+        compiler = self.load()
         try:
             if spec.kind == "json_schema":
                 compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
