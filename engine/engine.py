@@ -310,7 +310,7 @@ class Engine:
             for rid, draft, start in grammar_work:
                 grammars.fill_row_masks(rid, draft, bitmask, start)
             rows = xp.asarray(np.asarray(grammar_rows, np.int64))
-            out[rows] = xp.where(xp.asarray(grammars.allowed(bitmask)), out[rows], -np.inf)
+            out[rows] = xp.where(grammars.allowed(bitmask, xp), out[rows], -np.inf)
         return out
 
     def _score_prompts(self, plan: StepPlan, logits) -> None:

@@ -60,6 +60,14 @@ def _xgrammar_message(e: Exception) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(e).strip()).strip() or type(e).__name__
 
 
+def unpack_bitmask(words, vocab_size: int, xp):
+    """bool [rows, vocab_size] of int32 bitmask words [rows, ceil(V / 32)] on any array module:
+    token t is bit t % 32 of word t // 32."""
+    shifts = xp.arange(32, dtype=xp.int32)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer (xgrammar), thread-safe, cached by spec.
 
@@ -158,10 +166,14 @@ class GrammarManager:
         """An int32 bitmask [num_rows, ceil(V / 32)] to fill (bit t of a row: token t allowed)."""
         return np.empty((num_rows, (self.compiler.vocab_size + 31) // 32), np.int32)
 
-    def allowed(self, bitmask: np.ndarray) -> np.ndarray:
-        """bool [rows, V] of a filled bitmask (one unpack for a whole step's rows)."""
-        return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.compiler.vocab_size,
-                             bitorder="little").view(bool)
+    def allowed(self, bitmask: np.ndarray, xp=None):
+        """bool [rows, V] of a filled bitmask, on ``xp``'s device (one unpack for a whole step's
+        rows): numpy unpacks on the host; on a GPU the int32 words travel (V / 8 bytes a row, not
+        V) and are unpacked there."""
+        if xp is None or xp is np:
+            return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.compiler.vocab_size,
+                                 bitorder="little").view(bool)
+        return unpack_bitmask(xp.asarray(bitmask), self.compiler.vocab_size, xp)
 
     def _fill(self, matcher, bitmask: np.ndarray, row: int) -> None:
         if matcher.is_terminated():            # nothing may follow the end: only a stop id (again)

@@ -140,7 +140,7 @@ class MTPProposer:
         bitmask = self.grammars.bitmask(len(rows))
         for i, j in enumerate(rows):
             self.grammars.fill_mask(active[j].request.request_id, bitmask, i)
-        allowed = self.xp.asarray(self.grammars.allowed(bitmask))
+        allowed = self.grammars.allowed(bitmask, self.xp)
         out, idx = logits.copy(), self.xp.asarray(np.asarray(rows, np.int64))
         out[idx] = self.xp.where(allowed, out[idx], -np.inf)
         return out

@@ -5,9 +5,10 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
-from mtpserve.engine.grammar import GrammarCompiler, GrammarManager, GrammarSpec
+from mtpserve.engine.grammar import GrammarCompiler, GrammarManager, GrammarSpec, unpack_bitmask
 from mtpserve.engine.sampler import SamplingParams
 
 from test_engine import make_engine, run_all, run_requests
@@ -132,6 +133,24 @@ def test_matcher_masks_follow_drafts_and_roll_back(model_dir):
     assert manager.mask("a")[y] and not manager.mask("a")[a]
     manager.forget("a")
     assert not manager.request_ids
+
+
+def test_the_device_unpacking_of_a_bitmask_is_the_host_one(model_dir):
+    """The GPU path unpacks int32 words with shifts (any array module); it must agree with the
+    host's unpackbits, bit 31 (the sign) and a vocabulary that ends inside a word included."""
+    engine = make_engine(model_dir, k=0)
+    manager = GrammarManager(engine.grammars.compiler)
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-2**31, 2**31, size=(5, (engine.grammars.compiler.vocab_size + 31) // 32),
+                           dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1
+    bitmask[1] = 0
+    host = manager.allowed(bitmask)
+    assert host.shape == (5, engine.grammars.compiler.vocab_size) and host[0].all() and not host[1].any()
+    assert (unpack_bitmask(bitmask, host.shape[1], np) == host).all()
+    assert host[2, 31] == bool(bitmask[2, 0] < 0)
+    cut = np.unpackbits(bitmask.view(np.uint8), axis=1, count=3990, bitorder="little").view(bool)
+    assert (unpack_bitmask(bitmask, 3990, np) == cut).all()
 
 
 def test_bad_grammars_are_value_errors_naming_the_field_and_leave_nothing(model_dir):
