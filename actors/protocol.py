@@ -70,6 +70,15 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's newer form of the guided_* fields: one of them."""
+    json_: dict | str | None = Field(None, alias="json", description="A JSON Schema the output must match.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF (xgrammar's dialect, rule `root`).")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+
+
 class _SamplingFields(_Strict):
     model: str | None = Field(None, description="The served model's name (see /v1/models); may be left out.")
     temperature: float | None = Field(None, description="0 = greedy; default 1.")
@@ -108,6 +117,8 @@ class _SamplingFields(_Strict):
     guided_choice: list[str] | None = Field(None, description="vLLM's: the output is exactly one of these strings.")
     guided_grammar: str | None = Field(None, description="vLLM's: an EBNF grammar (xgrammar's dialect, rule `root`) "
                                                          "the output must match.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice, grammar "
+                                                                           "or json_object, as the guided_* fields.")
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -134,8 +145,8 @@ class _SamplingFields(_Strict):
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
     def grammar_spec(self) -> GrammarSpec | None:
-        """The request's structured-output constraint (at most one of response_format and the
-        guided_* fields), or None; a 400 naming the field for a malformed one."""
+        """The request's structured-output constraint (at most one of response_format, the
+        guided_* fields and structured_outputs), or None; a 400 naming the field for a malformed one."""
         given = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -156,6 +167,23 @@ class _SamplingFields(_Strict):
             given.append(_grammar("choice", json.dumps(self.guided_choice), "guided_choice"))
         if self.guided_grammar is not None:
             given.append(_grammar("grammar", self.guided_grammar, "guided_grammar"))
+        so = self.structured_outputs
+        if so is not None:
+            param = "structured_outputs"
+            if so.json_ is not None:
+                given.append(_grammar("json_schema", _schema_text(so.json_, param), param))
+            if so.regex is not None:
+                given.append(_grammar("regex", so.regex, param))
+            if so.choice is not None:
+                if not so.choice or not all(so.choice):
+                    raise bad_request("structured_outputs.choice needs one or more non-empty strings", param)
+                given.append(_grammar("choice", json.dumps(so.choice), param))
+            if so.grammar is not None:
+                given.append(_grammar("grammar", so.grammar, param))
+            if so.json_object:
+                given.append(_grammar("json_object", "", param))
+            if not so.model_fields_set - {"json_object"} and not so.json_object:
+                raise bad_request("structured_outputs needs one of json, regex, choice, grammar, json_object", param)
         given += self._tool_grammar()
         if len(given) > 1:
             raise bad_request(f"one structured-output constraint per request: {given[0].param} and "

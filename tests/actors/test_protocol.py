@@ -72,7 +72,13 @@ def test_structured_output_fields_become_one_grammar_or_a_400_naming_the_field()
     assert CompletionRequest(prompt="x", response_format={"type": "text"}).grammar_spec() is None
     assert CompletionRequest(prompt="x", guided_json='{"type": "integer"}').grammar_spec().param == "guided_json"
     assert CompletionRequest(prompt="x", guided_choice=["a", "b"]).grammar_spec().kind == "choice"
-    for kw, param in (({"guided_json": "not json"}, "guided_json"), ({"guided_json": "[1]"}, "guided_json"),
+    so = CompletionRequest(prompt="x", structured_outputs={"json": {"type": "object"}}).grammar_spec()
+    assert (so.kind, so.param) == ("json_schema", "structured_outputs")
+    assert CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]}).grammar_spec().kind == "choice"
+    assert CompletionRequest(prompt="x", structured_outputs={"json_object": True}).grammar_spec().kind == "json_object"
+    for kw, param in (({"structured_outputs": {}}, "structured_outputs"),
+                      ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                      ({"guided_json": "not json"}, "guided_json"), ({"guided_json": "[1]"}, "guided_json"),
                       ({"guided_choice": []}, "guided_choice"), ({"guided_regex": "a", "guided_grammar": "b"}, "guided_grammar"),
                       ({"response_format": {"type": "json_schema"}}, "response_format"),
                       ({"guided_regex": "a" * 70000}, "guided_regex")):

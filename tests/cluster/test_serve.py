@@ -232,7 +232,7 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
-    for field, value in (("structured_outputs", {"regex": "a+"}), ("parallel_tool_calls", False),
+    for field, value in (("guided_decoding_backend", "xgrammar"), ("parallel_tool_calls", False),
                          ("functions", [{"name": "f"}]), ("top_a", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
@@ -327,7 +327,7 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             "stop", "seed", "user", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stop_token_ids", "ignore_eos",
             "min_tokens", "include_stop_str_in_output", "return_token_ids", "response_format", "guided_json",
-            "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice"}
+            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice"}
 COMMON = dict(frequency_penalty=0.5, logit_bias={"5": 1.0}, max_tokens=2, n=2, presence_penalty=0.5, seed=3,
               stop=["\n\n"], stream=False, temperature=0.7, top_p=0.9, user="u1",
               top_k=5, min_p=0.05, repetition_penalty=1.1, length_penalty=1.0, stop_token_ids=[5], ignore_eos=True,
@@ -407,9 +407,10 @@ def test_json_schema_output_parses_and_validates_for_20_prompts(server):
     obj = client.completions.create(model=model, prompt="x = ", max_tokens=80, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}})
     assert isinstance(json.loads(obj.choices[0].text), dict)
-    regex = client.completions.create(model=model, prompt="x = ", max_tokens=20, temperature=0,
-                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}).choices[0].text
-    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex)
+    for extra in ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}):
+        regex = client.completions.create(model=model, prompt="x = ", max_tokens=20, temperature=0,
+                                          extra_body=extra).choices[0].text
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex), extra
     choice = client.completions.create(model=model, prompt="x = ", max_tokens=20, temperature=1.0, n=4,
                                        extra_body={"guided_choice": ["True", "False", "None"]})
     assert {c.text for c in choice.choices} <= {"True", "False", "None"}
