@@ -43,6 +43,7 @@ from mtpserve.actors.protocol import (
     joined_logprobs,
     messages_as_dicts,
     parse_tool_calls,
+    split_at_tool_call,
     sse_chunk,
     tool_call_deltas,
     usage,
@@ -493,10 +494,13 @@ class OpenAIRoutes:
         prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
         offsets = [0] * len(streams)                                         # completions' text_offset
         echoed = [False] * len(streams)
-        # with tools offered, a choice's text is held back until its end, then sent as content
-        # and/or delta.tool_calls (parsed from the whole output)
+        # with tools offered, a choice's text streams until a tool call starts (tool_choice auto:
+        # the <tool_call> token; required / named: at once), then is held back until its end and
+        # sent as delta.tool_calls (parsed from the whole output), or as content if none parses
         tool_mode = body.tool_mode if chat else "none"
-        held_text, held_ids = [""] * len(streams), [[] for _ in streams]
+        call_token = self.tokenizer.token_id("<tool_call>") if tool_mode == "auto" else None
+        held = [tool_mode in ("named", "required")] * len(streams)
+        sent_text, held_text, out_ids = [""] * len(streams), [""] * len(streams), [[] for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):
@@ -512,12 +516,19 @@ class OpenAIRoutes:
                 echoed[i] = echoed[i] or first
                 event_text, calls = event.text, None
                 if tool_mode != "none":
-                    held_text[i] += event_text
-                    held_ids[i] += event.token_ids
-                    event_text = ""
+                    out_ids[i] += event.token_ids
+                    if held[i]:
+                        held_text[i], event_text = held_text[i] + event_text, ""
+                    elif call_token is not None and call_token in event.token_ids:
+                        event_text, held_text[i] = split_at_tool_call(event.token_ids, event_text, call_token,
+                                                                      self.tokenizer.decode)
+                        held[i] = True
                     if reason is not None:
-                        event_text, calls, reason = self._tool_answer(body, held_text[i], held_ids[i], reason)
-                        event_text = event_text or ""
+                        _, calls, reason = self._tool_answer(body, sent_text[i] + event_text + held_text[i],
+                                                             out_ids[i], reason)
+                        if not calls:             # nothing parsed: what was held back is content after all
+                            event_text += held_text[i]
+                    sent_text[i] += event_text
                 if event_text or reason is not None or first or ((with_ids or with_logprobs) and event.token_ids):
                     text = (echo[i // body.n] if first else "") + event_text
                     choice = chunk_choice(i, text or (None if chat else ""), reason, chat)

@@ -550,6 +550,16 @@ def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: 
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
+def split_at_tool_call(token_ids: list[int], text: str, call_token: int, decode) -> tuple[str, str]:
+    """A streamed step's text split where a tool call starts: (the part before the ``<tool_call>``
+    token, sent as content; the rest, held back). When the text of the tokens before it is not
+    a prefix of the step's text (a character split across steps), all of it is held."""
+    before = decode(token_ids[:token_ids.index(call_token)])
+    if not text.startswith(before):
+        before = ""
+    return before, text[len(before):]
+
+
 def tool_call_deltas(calls: list[dict]) -> list[dict]:
     """A streamed chat chunk's ``delta.tool_calls``: each call whole, with its index."""
     return [{"index": k, **c} for k, c in enumerate(calls)]

@@ -68,6 +68,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token spelled ``text`` (an added token such as ``<tool_call>``), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -5,7 +5,13 @@ import json
 
 import pytest
 
-from mtpserve.actors.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_tool_calls
+from mtpserve.actors.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_tool_calls,
+    split_at_tool_call,
+)
 from mtpserve.engine.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -36,6 +42,16 @@ def test_auto_parses_qwen_tool_call_blocks_and_keeps_the_text_before_them():
 ])
 def test_auto_leaves_what_does_not_parse_as_content(text):
     assert parse_tool_calls(text, "auto", None, NAMES) == (text, [])
+
+
+def test_a_streamed_step_is_split_where_its_tool_call_starts(model_dir):
+    tok = Tokenizer(model_dir)
+    call = tok.token_id("<tool_call>")
+    ids = tok.encode("Sure.") + [call] + tok.encode('\n{"name": "add"')
+    text = tok.decode(ids)                                   # the step's text, <tool_call> skipped
+    assert split_at_tool_call(ids, text, call, tok.decode) == ("Sure.", '\n{"name": "add"')
+    assert split_at_tool_call([call, *ids[-2:]], tok.decode(ids[-2:]), call, tok.decode) == ("", tok.decode(ids[-2:]))
+    assert split_at_tool_call(ids, "\ufffd" + text, call, tok.decode) == ("", "\ufffd" + text)   # not a prefix: all held
 
 
 def test_forced_outputs_parse_as_calls():

@@ -485,6 +485,19 @@ def test_forced_tool_calls_have_arguments_that_validate_streamed_and_not(server)
         assert e.value.body["param"] == param, (extra, e.value.body)
 
 
+def test_auto_tool_choice_streams_content_until_a_call_starts(server):
+    """With tools offered and no call made, the answer streams step by step (not held to the
+    end) and adds up to the whole answer's content."""
+    client, model = _client(server), server["model"]
+    args = dict(model=model, messages=[{"role": "user", "content": "Write the Python function `main`."}],
+                tools=[WEATHER, ADD], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.message.tool_calls is None and whole.finish_reason == "length"
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **args)
+              if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 5 and "".join(chunks) == whole.message.content
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in _client(server).models.list().data] == [server["model"]]
     root = server["base"].rsplit("/v1", 1)[0]
