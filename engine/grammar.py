@@ -33,6 +33,7 @@ import numpy as np
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_GRAMMAR_CHARS = 65536       # a longer schema, regex or grammar is refused before compiling
+MAX_CACHED_GRAMMARS = 128       # compiled grammars kept (one holds token-mask caches: MBs for a large vocabulary)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
             raise ValueError(f"{spec.param} does not compile: {_xgrammar_message(e)}") from None
         with self._lock:
-            if len(self._cache) >= 1024:
+            if len(self._cache) >= MAX_CACHED_GRAMMARS:       # oldest out first
                 self._cache.pop(next(iter(self._cache)))
             self._cache[spec] = compiled
         return compiled
