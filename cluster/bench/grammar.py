@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="llguidance,xgrammar", help="engines: which grammar engines")
     p.add_argument("--batches", default="1,64", help="engines: matchers per step")
     p.add_argument("--rounds", type=int, default=3, help="engines: replays of each instance")
+    p.add_argument("--train-vocab", type=int, default=0,
+                   help="engines: measure with a byte-level BPE of this many entries trained on the stdlib instead")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cost")
     p.add_argument("--num-threads", type=int, default=0, help="cost: ORT intra-op threads")
     p.add_argument("--concurrency", default="1,16", help="cost: requests in flight")
@@ -331,6 +333,30 @@ def _commit() -> str | None:
         return None
 
 
+def _trained_tokenizer(vocab_size: int, out: Path):
+    """A byte-level BPE of ``vocab_size`` entries (Qwen's special tokens first) trained on this
+    Python's standard library (site-packages left out), the bundled model's data: a large vocabulary where no large
+    tokenizer can be fetched. Returns (a Tokenizer over it, its JSON)."""
+    import sysconfig
+    import tempfile
+
+    from mtpserve.engine.tokenizer import Tokenizer, train_byte_level_bpe
+    files = sorted(f for f in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py") if "site-packages" not in f.parts)
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text())
+        except (UnicodeDecodeError, OSError):
+            continue
+    t0 = time.perf_counter()
+    tok = train_byte_level_bpe(texts, vocab_size)
+    print(f"trained a {tok.get_vocab_size()}-entry BPE on {len(texts)} files in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    folder = Path(tempfile.mkdtemp())
+    tok.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder), (folder / "tokenizer.json").read_text()
+
+
 def engines(args, stamp: str) -> int:
     from mtpserve.cluster.bench.report import machine_info, write_json
     from mtpserve.engine.manifest import load_manifest
@@ -339,6 +365,8 @@ def engines(args, stamp: str) -> int:
     manifest = load_manifest(model)
     tokenizer = Tokenizer(model)
     tokenizer_json = (model / "tokenizer.json").read_text()
+    if args.train_vocab:
+        tokenizer, tokenizer_json = _trained_tokenizer(args.train_vocab, Path(args.out))
     rows = []
     for name in args.engines.split(","):
         engine = ENGINES[name](tokenizer_json, list(manifest.eos_token_ids))
@@ -349,8 +377,9 @@ def engines(args, stamp: str) -> int:
                      **measure(engine, tokenizer, schema, instance, batch, args.rounds)}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    path = write_json(Path(args.out) / f"{stamp}-grammar-engines-{manifest.path.name}.json",
-                      {"kind": "grammar-engines", "model": str(model), "machine": machine_info(),
+    name = f"bpe{args.train_vocab}" if args.train_vocab else manifest.path.name
+    path = write_json(Path(args.out) / f"{stamp}-grammar-engines-{name}.json",
+                      {"kind": "grammar-engines", "model": str(model), "tokenizer": name, "machine": machine_info(),
                        "commit": _commit(), "results": rows})
     print(f"wrote {path}")
     return 0
