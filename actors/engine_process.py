@@ -289,6 +289,8 @@ class _ChildLoop(EngineLoop):
         for rid, ids, params in requests:
             try:
                 footprint = check_request(ids, params.max_tokens, self.limits)
+                if params.grammar is not None:     # compiled here, on the command thread, not between steps
+                    self.engine.grammars.compiler.compile(params.grammar)
             except ValueError as e:                # the replica checked this already; never silent
                 self._dequeued()
                 self.send(("events", [(rid, e)], self.num_dequeued))
@@ -316,6 +318,7 @@ def _child_main(fd: int) -> int:
     try:
         from mtpserve.engine.engine import Engine
         engine = Engine(config)
+        engine.grammars.compiler.load()            # structured output's library, before serving
         loop = _ChildLoop(engine, conn, max_pending, snapshot_interval_s)
     except BaseException as e:
         conn.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))

@@ -42,7 +42,10 @@ from mtpserve.actors.protocol import (
     echo_logprobs,
     joined_logprobs,
     messages_as_dicts,
+    parse_tool_calls,
+    split_at_tool_call,
     sse_chunk,
+    tool_call_deltas,
     usage,
 )
 
@@ -323,6 +326,7 @@ class OpenAIRoutes:
             if any(not 0 <= t < vocab for p in given if not isinstance(p, str) for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
+            await self._compile_grammar(body)
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in given] if body.echo else None
             return await self._respond(body, prompts, request, chat=False, echo=echo)
         except APIError as e:
@@ -332,15 +336,43 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
             self._check(body)
+            tools = body.tools_to_render()
             try:
-                text = self.tokenizer.apply_chat_template(body.messages_as_dicts())
+                text = self.tokenizer.apply_chat_template(body.messages_as_dicts(), tools=tools)
             except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
-            return await self._respond(body, [await self._encode(text, "messages")], request, chat=True)
+                raise APIError(400, str(e), param="tools" if tools and not self.tokenizer.renders_tools
+                               else "messages") from None
+            ids = await self._encode(text, "messages")
+            await self._compile_grammar(body)
+            return await self._respond(body, [ids], request, chat=True)
         except APIError as e:
             return self._error(e)
 
     # ------------------------------------------------------------------ helpers
+    async def _compile_grammar(self, body) -> None:
+        """A request's structured-output grammar compiled (on a thread, into the engine's cache)
+        before it is queued: one that does not compile is a 400 naming its field."""
+        spec = body.grammar_spec()
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self.grammar_compiler.compile, spec)
+            except ValueError as e:
+                raise APIError(400, str(e), param=spec.param) from None
+
+    def _tool_answer(self, body, text: str, ids: list[int], finish: str) -> tuple[str | None, list[dict], str]:
+        """(content, tool_calls, finish_reason) of a chat choice when tools are offered: the calls
+        parsed from its output (special tokens kept, the ending stop id dropped)."""
+        eos = self.manifest.eos_token_ids
+        while ids and ids[-1] in eos:
+            ids = ids[:-1]
+        mode = body.tool_mode
+        named = body.tool_choice.function.name if mode == "named" else None
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(raw, mode, named, set(body.tool_schemas()))
+        if not calls:
+            return text, [], finish
+        return content, calls, "tool_calls" if finish == "stop" else finish
+
     async def _encode(self, text: str, param: str) -> list[int]:
         """Token ids of a text: refused at once when it cannot fit the context whatever its tokens;
         a long one is tokenized on a thread, so /health and other streams keep being served."""
@@ -446,9 +478,13 @@ class OpenAIRoutes:
                 lps.append(joined_logprobs(head, tail) if head else tail)
         if echo:
             texts = [echo[i // body.n] + t for i, t in enumerate(texts)]
+        calls = None
+        if chat and body.tool_mode != "none":
+            answers = [self._tool_answer(body, t, o, f) for t, o, f in zip(texts, out_ids, finish)]
+            texts, calls, finish = [a[0] for a in answers], [a[1] for a in answers], [a[2] for a in answers]
         return JSONResponse(completion_body(request_id, self.model_name, texts, finish,
                                             usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)),
-                                            chat, *ids, lps), headers=headers)
+                                            chat, *ids, lps, tool_calls=calls), headers=headers)
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
                    prompts: list[list[int]], echo: list[str] | None = None):
@@ -458,6 +494,13 @@ class OpenAIRoutes:
         prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
         offsets = [0] * len(streams)                                         # completions' text_offset
         echoed = [False] * len(streams)
+        # with tools offered, a choice's text streams until a tool call starts (tool_choice auto:
+        # the <tool_call> token; required / named: at once), then is held back until its end and
+        # sent as delta.tool_calls (parsed from the whole output), or as content if none parses
+        tool_mode = body.tool_mode if chat else "none"
+        call_token = self.tokenizer.token_id("<tool_call>") if tool_mode == "auto" else None
+        held = [tool_mode in ("named", "required")] * len(streams)
+        sent_text, held_text, out_ids = [""] * len(streams), [""] * len(streams), [[] for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):
@@ -471,9 +514,26 @@ class OpenAIRoutes:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens
                 first = echo is not None and not echoed[i]                      # an echoed choice's first chunk
                 echoed[i] = echoed[i] or first
-                if event.text or reason is not None or first or ((with_ids or with_logprobs) and event.token_ids):
-                    text = (echo[i // body.n] if first else "") + event.text
+                event_text, calls = event.text, None
+                if tool_mode != "none":
+                    out_ids[i] += event.token_ids
+                    if held[i]:
+                        held_text[i], event_text = held_text[i] + event_text, ""
+                    elif call_token is not None and call_token in event.token_ids:
+                        event_text, held_text[i] = split_at_tool_call(event.token_ids, event_text, call_token,
+                                                                      self.tokenizer.decode)
+                        held[i] = True
+                    if reason is not None:
+                        _, calls, reason = self._tool_answer(body, sent_text[i] + event_text + held_text[i],
+                                                             out_ids[i], reason)
+                        if not calls:             # nothing parsed: what was held back is content after all
+                            event_text += held_text[i]
+                    sent_text[i] += event_text
+                if event_text or reason is not None or first or ((with_ids or with_logprobs) and event.token_ids):
+                    text = (echo[i // body.n] if first else "") + event_text
                     choice = chunk_choice(i, text or (None if chat else ""), reason, chat)
+                    if calls:
+                        choice["delta"]["tool_calls"] = tool_call_deltas(calls)
                     if with_logprobs and event.logprobs:
                         if chat:
                             choice["logprobs"] = chat_logprobs(event.logprobs, self._token_text)

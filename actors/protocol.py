@@ -1,19 +1,23 @@
 """The OpenAI wire format: request models, their sampling parameters, response bodies, errors.
 
 Only this module and ``ingress`` know about HTTP; the engine sees token ids and
-``SamplingParams``. Parameters the engine cannot honour (echo, best_of, suffix, and any field
-it does not know) are refused with a 400 naming the parameter rather
-than silently ignored.
+``SamplingParams``. Parameters the engine cannot honour (best_of, suffix, and any field it
+does not know) are refused with a 400 naming the parameter rather than silently ignored.
+Structured output (response_format, vLLM's guided_*) becomes a ``grammar.GrammarSpec``; tools
+are rendered by the chat template and their calls parsed back out of the output (``tool_calls``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mtpserve.engine.grammar import GrammarSpec
 from mtpserve.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
@@ -53,6 +57,28 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(description="The schema's name.")
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="The JSON Schema the output must validate against.")
+    strict: bool | None = Field(None, description="Accepted: the schema is always enforced.")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text (no constraint), json_object (any JSON object) or json_schema.")
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's newer form of the guided_* fields: one of them."""
+    json_: dict | str | None = Field(None, alias="json", description="A JSON Schema the output must match.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF (xgrammar's dialect, rule `root`).")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+
+
 class _SamplingFields(_Strict):
     model: str | None = Field(None, description="The served model's name (see /v1/models); may be left out.")
     temperature: float | None = Field(None, description="0 = greedy; default 1.")
@@ -84,6 +110,15 @@ class _SamplingFields(_Strict):
                                                                  "added to that logit.")
     min_p: float = Field(0.0, description="vLLM's, in [0, 1]: drop tokens less likely than min_p x the most likely.")
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description="Structured output: json_object or json_schema "
+                                                                     "(enforced by a grammar, also with MTP).")
+    guided_json: dict | str | None = Field(None, description="vLLM's: a JSON Schema the output must match.")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression the output must match.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the output is exactly one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM's: an EBNF grammar (xgrammar's dialect, rule `root`) "
+                                                         "the output must match.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice, grammar "
+                                                                           "or json_object, as the guided_* fields.")
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -104,9 +139,60 @@ class _SamplingFields(_Strict):
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 min_p=self.min_p, logit_bias=self._logit_bias(), prompt_logprobs=self.num_prompt_logprobs,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs)
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
+                grammar=self.grammar_spec())
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's structured-output constraint (at most one of response_format, the
+        guided_* fields and structured_outputs), or None; a 400 naming the field for a malformed one."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(_grammar("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema", "response_format")
+            given.append(_grammar("json_schema", json.dumps(rf.json_schema.schema_), "response_format"))
+        elif rf is not None and rf.json_schema is not None:
+            raise bad_request("response_format.json_schema goes with type json_schema", "response_format")
+        if self.guided_json is not None:
+            given.append(_grammar("json_schema", _schema_text(self.guided_json, "guided_json"), "guided_json"))
+        if self.guided_regex is not None:
+            given.append(_grammar("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            if not self.guided_choice or not all(self.guided_choice):
+                raise bad_request("guided_choice needs one or more non-empty strings", "guided_choice")
+            given.append(_grammar("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(_grammar("grammar", self.guided_grammar, "guided_grammar"))
+        so = self.structured_outputs
+        if so is not None:
+            param = "structured_outputs"
+            if so.json_ is not None:
+                given.append(_grammar("json_schema", _schema_text(so.json_, param), param))
+            if so.regex is not None:
+                given.append(_grammar("regex", so.regex, param))
+            if so.choice is not None:
+                if not so.choice or not all(so.choice):
+                    raise bad_request("structured_outputs.choice needs one or more non-empty strings", param)
+                given.append(_grammar("choice", json.dumps(so.choice), param))
+            if so.grammar is not None:
+                given.append(_grammar("grammar", so.grammar, param))
+            if so.json_object:
+                given.append(_grammar("json_object", "", param))
+            if not so.model_fields_set - {"json_object"} and not so.json_object:
+                raise bad_request("structured_outputs needs one of json, regex, choice, grammar, json_object", param)
+        given += self._tool_grammar()
+        if len(given) > 1:
+            raise bad_request(f"one structured-output constraint per request: {given[0].param} and "
+                              f"{given[1].param} were both given", given[1].param)
+        return given[0] if given else None
+
+    def _tool_grammar(self) -> list[GrammarSpec]:
+        """The grammar that forced tool calls need (chat's tool_choice required / named)."""
+        return []
 
     def _logit_bias(self) -> tuple:
         pairs = []
@@ -149,13 +235,16 @@ class CompletionRequest(_SamplingFields):
                                                    f"distribution (before temperature, top-k, top-p).")
     echo: bool = Field(False, description="Put the prompt before each choice's text (with logprobs: the prompt "
                                           "tokens' too, the first one's null).")
-    best_of: int | None = Field(None, description="Not supported.")
-    suffix: str | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Only 1: ranking hidden candidates is not implemented.")
+    suffix: str | None = Field(None, description="Not supported (the models served have no fill-in-the-middle format).")
 
     def prompts(self) -> list[str | list[int]]:
-        if self.best_of not in (None, 1) or self.suffix:
-            raise bad_request("best_of and suffix are not supported by this server",
-                              "suffix" if self.suffix else "best_of")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported by this server: it would generate best_of hidden "
+                              "candidates per choice and rank them by log-probability; ask for n choices with "
+                              "logprobs and rank them yourself", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -166,9 +255,22 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object's text.")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool turn's: the call it answers.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -181,6 +283,30 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(description="The function's name (letters, digits, _ and -).")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON Schema of its arguments (an object).")
+    strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema.")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(description="The conversation, rendered with the model's chat template.")
@@ -190,6 +316,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = Field(False, description="Each output token's log-probability (the model's raw distribution).")
     top_logprobs: int | None = Field(None, description=f"With logprobs: the N (0..{MAX_LOGPROBS}) most likely "
                                                        f"tokens at each place.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call, rendered by the chat template.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none (tools not offered), auto (the default with tools: calls parsed from the output), "
+                          "required or a named function (the call forced by a grammar: arguments valid by schema).")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -200,12 +330,124 @@ class ChatCompletionRequest(_SamplingFields):
     def messages_as_dicts(self) -> list[dict]:
         return messages_as_dicts(self.messages)
 
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools offered), auto, required or named (see tool_choice); a 400 for a
+        tool_choice that names no offered tool, or tools that are malformed."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return "none"
+        names = [t.function.name for t in self.tools]
+        for name in names:
+            if not TOOL_NAME.match(name):
+                raise bad_request(f"tool names are 1-64 letters, digits, _ or -, got {name!r}", "tools")
+        if len(set(names)) < len(names):
+            raise bad_request("tool names must be unique", "tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                  "tool_choice")
+            return "named"
+        return choice or "auto"
+
+    def tools_to_render(self) -> list[dict] | None:
+        """The tools as the chat template takes them (none with tool_choice none)."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_schemas(self) -> dict[str, dict]:
+        return {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or ()}
+
+    def _tool_grammar(self) -> list[GrammarSpec]:
+        mode = self.tool_mode
+        if mode == "named":
+            schema = self.tool_schemas()[self.tool_choice.function.name]
+            return [_grammar("json_schema", json.dumps(schema), "tool_choice")]
+        if mode == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for name, schema in self.tool_schemas().items()]
+            array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            return [_grammar("json_schema", json.dumps(array), "tools")]
+        return []
+
+
+def _grammar(kind: str, value: str, param: str) -> GrammarSpec:
+    try:
+        return GrammarSpec(kind, value, param)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def _schema_text(schema: dict | str, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise bad_request(f"{param} is not JSON", param) from None
+    if not isinstance(schema, dict):
+        raise bad_request(f"{param} must be a JSON Schema (an object)", param)
+    return json.dumps(schema)
+
 
 def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
-    """What the chat template renders; a 400 for an empty conversation."""
+    """What the chat template renders (a tool call's arguments as an object, as Qwen's template
+    writes them); a 400 for an empty conversation or arguments that are not a JSON object."""
     if not messages:
         raise bad_request("messages is empty", "messages")
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    arguments = json.loads(c.function.arguments)
+                except ValueError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise bad_request(f"messages[{i}].tool_calls: arguments must be a JSON object's text",
+                                      f"messages[{i}].tool_calls")
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": arguments}})
+            d["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str, mode: str, named: str | None, tool_names: set[str]) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a chat answer's text (special tokens kept). auto: Qwen's
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the text before the
+    first one the content; required: the JSON array of calls the grammar forced; named: the
+    arguments object the grammar forced. Anything that does not parse stays content, no calls."""
+    def call(name: str, arguments) -> dict:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    try:
+        if mode == "named":
+            arguments = json.loads(text)
+            return (None, [call(named, arguments)]) if isinstance(arguments, dict) else (text, [])
+        if mode == "required":
+            items = json.loads(text)
+        elif mode == "auto" and "<tool_call>" in text:
+            items = [json.loads(b) for b in TOOL_CALL_BLOCK.findall(text)]
+        else:
+            return text, []
+    except ValueError:
+        return text, []
+    if not isinstance(items, list) or not items or not all(
+            isinstance(c, dict) and c.get("name") in tool_names and isinstance(c.get("arguments"), dict) for c in items):
+        return text, []
+    content = text.split("<tool_call>", 1)[0].strip() if mode == "auto" else ""
+    return content or None, [call(c["name"], c["arguments"]) for c in items]
 
 
 class TokenizeRequest(_Strict):
@@ -231,14 +473,19 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def completion_body(request_id: str, model: str, texts: list[str], finish: list[str], usage_: dict,
+def completion_body(request_id: str, model: str, texts: list[str | None], finish: list[str], usage_: dict,
                     chat: bool, token_ids: list[list[int]] | None = None,
-                    prompt_token_ids: list[list[int]] | None = None, logprobs: list[dict] | None = None) -> dict:
+                    prompt_token_ids: list[list[int]] | None = None, logprobs: list[dict] | None = None,
+                    tool_calls: list[list[dict]] | None = None) -> dict:
     """The non-streamed answer; ``token_ids`` / ``prompt_token_ids`` per choice with
-    return_token_ids, ``logprobs`` per choice when asked for."""
+    return_token_ids, ``logprobs`` per choice when asked for, ``tool_calls`` per chat choice
+    (its message's, when it has any)."""
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
                     "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish))]
+        for choice, calls in zip(choices, tool_calls or ()):
+            if calls:
+                choice["message"]["tool_calls"] = calls
     else:
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                    for i, (t, f) in enumerate(zip(texts, finish))]
@@ -301,6 +548,21 @@ def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: 
     if first:
         delta = {"role": "assistant", "content": text or ""}
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def split_at_tool_call(token_ids: list[int], text: str, call_token: int, decode) -> tuple[str, str]:
+    """A streamed step's text split where a tool call starts: (the part before the ``<tool_call>``
+    token, sent as content; the rest, held back). When the text of the tokens before it is not
+    a prefix of the step's text (a character split across steps), all of it is held."""
+    before = decode(token_ids[:token_ids.index(call_token)])
+    if not text.startswith(before):
+        before = ""
+    return before, text[len(before):]
+
+
+def tool_call_deltas(calls: list[dict]) -> list[dict]:
+    """A streamed chat chunk's ``delta.tool_calls``: each call whole, with its index."""
+    return [{"index": k, **c} for k, c in enumerate(calls)]
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -35,6 +35,7 @@ from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_pla
 from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.bundled import resolve_model_dir
 from mtpserve.engine.engine import Engine
+from mtpserve.engine.grammar import GrammarCompiler
 from mtpserve.engine.request import TokenEvent
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.tokenizer import Tokenizer
@@ -70,11 +71,16 @@ class Worker:
             self.loop = EngineProcess(cfg.engine, cfg.max_pending).start()
             self.engine, m = None, self.loop.manifest
             self.tokenizer = Tokenizer(m.path)
+            # the serving edge compiles each grammar once to refuse a bad one with a 400; the engine
+            # process compiles (from its own cache) the ones that pass
+            self.grammar_compiler = GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids)
         else:
             self.engine = Engine(cfg.engine)
             self.loop = EngineLoop(self.engine, cfg.max_pending).start()
             m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
-        self.limits = self.loop.limits
+            self.grammar_compiler = self.engine.grammars.compiler
+        self.grammar_compiler.load()                 # structured output's library, before serving
+        self.manifest, self.limits = m, self.loop.limits
         self.max_drafts = self.loop.max_drafts if self.engine is None else self.engine.max_drafts
         self.model_name = cfg.served_model_name
         self.context_length = m.context_length

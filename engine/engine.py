@@ -28,6 +28,7 @@ import numpy as np
 from mtpserve.engine.admission import RequestLimits, check_request
 from mtpserve.engine.config import EngineConfig, resolve_num_blocks
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftCostModel, DraftPolicy, FixedDraftPolicy
+from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, load_manifest
 from mtpserve.engine.output import OutputProcessor
@@ -103,7 +104,10 @@ class Engine:
                              cuda_graphs=graphs)
         self.kv_pool = KVPool(num_blocks, m.block_size)
         self.head_pool = KVPool(num_blocks, m.block_size) if use_mtp else None
-        self.proposer = MTPProposer(self.runner, self.head_pool, self.xp) if use_mtp else None
+        # structured output: the compiler is shared with the serving edge, which compiles a
+        # request's grammar (off this thread) before it is added, so add_request finds it cached
+        self.grammars = GrammarManager(GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids))
+        self.proposer = MTPProposer(self.runner, self.head_pool, self.xp, grammars=self.grammars) if use_mtp else None
         spec = _fixed_state_spec(m)
         fused = None
         if self._stream is not None and config.fused_replay:
@@ -193,6 +197,8 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.manifest.eos_token_ids))
         req = Request(request_id, ids, params, arrival_index=next(self._arrivals), stop_token_ids=stop_ids)
+        if params.grammar is not None:
+            self.grammars.start(request_id, params.grammar)     # compiles unless cached; ValueError if it cannot
         self.outputs.start(req)
         self.scheduler.add(req)
         return req
@@ -248,6 +254,10 @@ class Engine:
                               self.config.spec.synthetic_acceptance, self._synthetic)
         self._score_prompts(plan, out.logits)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
+        if self.grammars:
+            for u in updates:
+                if u.new_token_ids and u.request.request_id in self.grammars:
+                    self.grammars.advance(u.request.request_id, u.new_token_ids)
         if self.proposer is not None:
             for u, start in zip(updates, plan.layout.row_start):
                 self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
@@ -267,20 +277,23 @@ class Engine:
         return events
 
     def _processed(self, plan: StepPlan, drafts: dict, logits):
-        """The logits the tokens are chosen from: a copy with each request's penalties and its
-        ``min_tokens`` mask (stop ids at -inf before its min_tokens-th token) applied to its target
-        rows, row j with the history it has there (the output so far plus drafts 0..j-1), exactly
-        as plain decoding applies them one token at a time; the logits themselves when no request
-        needs any (and for logprobs, which are the raw distribution's)."""
+        """The logits the tokens are chosen from: a copy with each request's penalties, its
+        ``min_tokens`` mask (stop ids at -inf before its min_tokens-th token) and its grammar's
+        mask (tokens the grammar forbids at -inf) applied to its target rows, row j with the
+        history it has there (the output so far plus drafts 0..j-1), exactly as plain decoding
+        applies them one token at a time; the logits themselves when no request needs any (and
+        for logprobs, which are the raw distribution's)."""
         work = []
+        grammars = self.grammars
         for s, row in zip(plan.scheduled, plan.layout.target_row):
             r, p = s.request, s.request.params
             masked = p.min_tokens > r.num_output_tokens and r.stop_token_ids
-            if s.samples and (masked or p.has_penalties):
+            if s.samples and (masked or p.has_penalties or (grammars and r.request_id in grammars)):
                 work.append((s, row))
         if not work:
             return logits
         xp, out = self.xp, logits.copy()
+        grammar_rows, grammar_work = [], []
         for s, row in work:
             r, p = s.request, s.request.params
             output = r.token_ids[r.num_prompt_tokens:]
@@ -290,6 +303,15 @@ class Engine:
                     out[row + j] = apply_penalties(out[row + j], p, r.prompt_token_ids, output + draft[:j], xp)
                 if r.num_output_tokens + j < p.min_tokens and r.stop_token_ids:
                     out[row + j, xp.asarray(np.asarray(sorted(r.stop_token_ids), np.int64))] = -np.inf
+            if grammars and r.request_id in grammars:
+                grammar_work.append((r.request_id, draft, len(grammar_rows)))
+                grammar_rows.extend(range(row, row + s.num_drafts + 1))
+        if grammar_rows:                  # every constrained row of the step in one bitmask
+            bitmask = grammars.bitmask(len(grammar_rows))
+            for rid, draft, start in grammar_work:
+                grammars.fill_row_masks(rid, draft, bitmask, start)
+            rows = xp.asarray(np.asarray(grammar_rows, np.int64))
+            out[rows] = xp.where(grammars.allowed(bitmask, xp), out[rows], -np.inf)
         return out
 
     def _score_prompts(self, plan: StepPlan, logits) -> None:
@@ -351,6 +373,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
+        self.grammars.forget(req.request_id)
         self.draft_policy.forget(req.request_id)
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
@@ -358,8 +381,11 @@ class Engine:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Pools consistent, every resident request's KV length equals its state length, and no
-        per-request state (the proposer's hidden rows) left behind by finished requests."""
+        per-request state (the proposer's hidden rows, grammar matchers) left behind by finished
+        requests."""
         self.scheduler.check_integrity()
+        assert self.grammars.request_ids <= set(self.scheduler.requests), (
+            "grammar matchers of finished requests are left")
         if self.proposer is not None:
             assert self.proposer.request_ids <= set(self.scheduler.requests), (
                 "the proposer holds hidden rows of finished requests")

@@ -40,9 +40,13 @@ class Drafts:
 class MTPProposer:
     """Drafts with the MTP head; holds each request's pending main-model hidden rows."""
 
-    def __init__(self, runner: Runner, head_pool: KVPool, xp, graphs=None):
-        """graphs: cuda_graphs.HeadGraphs, to draft greedy steps with captured head forwards."""
+    def __init__(self, runner: Runner, head_pool: KVPool, xp, graphs=None, grammars=None):
+        """graphs: cuda_graphs.HeadGraphs, to draft greedy steps with captured head forwards;
+        grammars: the engine's ``grammar.GrammarManager``: a constrained request's drafts are
+        drawn from its grammar's masked head logits (draft i after drafts 0..i-1), and its
+        matcher is back at the committed output on return."""
         self.runner, self.head_pool, self.xp, self.graphs = runner, head_pool, xp, graphs
+        self.grammars = grammars
         # (array, start, count) segments: rows [start, start + count) of a step's [T, H] hidden
         # states, together covering positions [num_head, num_computed) of the request
         self._pending: dict[str, list[tuple[Array, int, int]]] = {}
@@ -79,7 +83,8 @@ class MTPProposer:
             return {}
         rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
                            s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
-        if self.graphs is not None and all(s.request.params.is_greedy for s in drafting):
+        constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
+        if self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting):
             tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
                                        max(s.num_drafts for s in drafting))
             if tokens is not None:
@@ -109,11 +114,13 @@ class MTPProposer:
                                    self.head_pool.block_table(s.request.request_id)) for s in active]
                 out = self.runner.run_head(rows, head_hidden)
                 logits, head_hidden = out.logits, out.hidden
-            tokens, q = self._draft_tokens(active, logits)
+            tokens, q = self._draft_tokens(active, self._constrained(active, logits) if constrained else logits)
             for j, s in enumerate(active):
                 d = result[s.request.request_id]
                 d.tokens.append(int(tokens[j]))
                 d.q.append(None if q is None or s.request.params.is_greedy else q[j])
+                if constrained and s.request.request_id in self.grammars:
+                    self.grammars.speculate(s.request.request_id, int(tokens[j]))
             keep = [j for j, s in enumerate(active) if s.num_drafts > i + 1]
             if not keep:
                 break
@@ -121,7 +128,22 @@ class MTPProposer:
                 active = [active[j] for j in keep]
                 rows_kept = self.xp.asarray(np.array(keep))
                 logits, head_hidden = logits[rows_kept], head_hidden[rows_kept]
+        for rid in constrained:
+            self.grammars.rollback(rid)
         return result
+
+    def _constrained(self, active: list, logits):
+        """A copy of the head's logits with each constrained request's row masked by its grammar."""
+        rows = [j for j, s in enumerate(active) if s.request.request_id in self.grammars]
+        if not rows:
+            return logits
+        bitmask = self.grammars.bitmask(len(rows))
+        for i, j in enumerate(rows):
+            self.grammars.fill_mask(active[j].request.request_id, bitmask, i)
+        allowed = self.grammars.allowed(bitmask, self.xp)
+        out, idx = logits.copy(), self.xp.asarray(np.asarray(rows, np.int64))
+        out[idx] = self.xp.where(allowed, out[idx], -np.inf)
+        return out
 
     def _draft_tokens(self, active: list, logits):
         params = [s.request.params for s in active]

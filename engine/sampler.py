@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtpserve.engine.grammar import GrammarSpec
+
 # Below this temperature a request is sampled greedily (logits / 1e-6 overflow float32).
 MIN_TEMPERATURE = 1e-5
 # Top-p without top-k first looks for the nucleus among this many highest-logit tokens.
@@ -71,6 +73,10 @@ class SamplingParams:
     logprobs: None = off; k in 0..MAX_LOGPROBS = each emitted token's log-probability and the k
     most likely tokens' at its position, from the model's raw distribution (log-softmax of the
     logits, before temperature, top-k and top-p: vLLM's default "raw_logprobs").
+    grammar: structured output (``grammar.GrammarSpec``): every token outside the grammar is
+    masked in every row (plain, draft and verify rows alike); the output ends with a stop id
+    once the grammar is complete. It cannot be combined with ignore_eos or min_tokens (both
+    forbid the stop id that a complete grammar allows alone).
     """
 
     temperature: float = 1.0
@@ -90,6 +96,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -137,6 +144,15 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured output: a complete grammar "
+                                 "allows only the end of the output")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured output: a grammar complete "
+                                 "before min_tokens would allow no token")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):

@@ -55,7 +55,10 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": ..., "template": ...}] form
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+        # as transformers renders templates: JSON as is (jinja's own tojson escapes <, >, & and ')
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         self._chat_template = env.from_string(template)
+        self.renders_tools = "tools" in template
         self.vocab_size = self._tok.get_vocab_size()
         # an upper bound on the UTF-8 bytes one token stands for (4 per character of its longest
         # entry): a text longer than context x this cannot fit, whatever its tokens (a cheap check
@@ -65,15 +68,25 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token spelled ``text`` (an added token such as ``<tool_call>``), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style messages [{"role", "content"}] into the prompt text."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render OpenAI-style messages [{"role", "content", "tool_calls"?, "tool_call_id"?}] into the
+        prompt text; ``tools`` (OpenAI's [{"type": "function", "function": {...}}]) only with a
+        template that renders them (``renders_tools``), else ValueError."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), str):
                 raise ValueError("each message needs a 'role' and a string 'content'")
-        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        if tools and not self.renders_tools:
+            raise ValueError("this model's chat template does not render tools")
+        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          tools=tools or None)
 
 
 class IncrementalDetokenizer:

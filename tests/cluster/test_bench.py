@@ -428,3 +428,18 @@ def test_replica_count_zero_is_the_in_process_baseline_of_what_serving_adds():
     assert r["throughput_ratio"] == 0.75
     assert replicas.scaling([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)]) == []
     assert "+3.50" in replicas.format_http_overhead(rows)
+
+
+def test_grammar_cost_reports_valid_answers_and_acceptance_on_and_off(model_dir, tmp_path):
+    """`python -m mtpserve.cluster.bench.grammar cost`: every constrained answer is JSON, the
+    unconstrained run makes as many tokens, and acceptance is reported both ways for K > 0."""
+    from mtpserve.cluster.bench import grammar as bench_grammar
+    assert bench_grammar.main(["cost", "--model", str(model_dir), "--out", str(tmp_path), "--requests", "4",
+                               "--concurrency", "1,4", "--draft-tokens", "0,2", "--repeats", "1",
+                               "--max-tokens", "80", "--num-threads", "1"]) == 0
+    rows = only_json(tmp_path)["results"]
+    assert [(r["draft_tokens"], r["concurrency"]) for r in rows] == [(0, 1), (0, 4), (2, 1), (2, 4)]
+    for r in rows:
+        assert r["valid_json"] == 4 and r["output_tokens"] > 4 and r["grammar_host_us_per_token"] > 0
+        assert (r["acceptance_on"] is None) == (r["draft_tokens"] == 0) == (r["acceptance_off"] is None)
+        assert r["draft_tokens"] == 0 or 0 < r["acceptance_on"] <= 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -231,8 +232,8 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
-    for field, value in (("guided_json", {}), ("guided_regex", "a+"), ("response_format", {"type": "json_object"}),
-                         ("tools", []), ("top_a", 0.5), ("chat_template", "{{ x }}")):
+    for field, value in (("guided_decoding_backend", "xgrammar"), ("parallel_tool_calls", False),
+                         ("functions", [{"name": "f"}]), ("top_a", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_body={field: value})
@@ -325,7 +326,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_use_it(ser
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
             "stop", "seed", "user", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stop_token_ids", "ignore_eos",
-            "min_tokens", "include_stop_str_in_output", "return_token_ids"}
+            "min_tokens", "include_stop_str_in_output", "return_token_ids", "response_format", "guided_json",
+            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice"}
 COMMON = dict(frequency_penalty=0.5, logit_bias={"5": 1.0}, max_tokens=2, n=2, presence_penalty=0.5, seed=3,
               stop=["\n\n"], stream=False, temperature=0.7, top_p=0.9, user="u1",
               top_k=5, min_p=0.05, repetition_penalty=1.1, length_penalty=1.0, stop_token_ids=[5], ignore_eos=True,
@@ -362,6 +364,138 @@ def test_every_openai_and_vllm_request_field_is_honoured_or_refused_by_name(serv
             if name not in HONOURED:
                 ignored.append(name)
     assert ignored == [], f"answered 200 without honouring: {ignored}"
+
+
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["io", "os", "re"]}, "maxItems": 4},
+                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 999}, "y": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["x", "y"], "additionalProperties": False},
+        "label": {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}]}},
+     "required": ["point", "label"], "additionalProperties": False},
+    {"type": "object", "properties": {"function": {"type": "string", "pattern": "^[a-z_]{1,12}$"},
+                                      "args": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 99},
+                                               "maxItems": 3}}, "required": ["function", "args"], "additionalProperties": False},
+]
+TOPICS = ["a user", "a point", "tags of a module", "a function call", "the os module", "a file", "a loop", "a class",
+          "json", "a test"]
+
+
+def test_json_schema_output_parses_and_validates_for_20_prompts(server):
+    """response_format json_schema through the openai client, streamed and not, greedy and
+    sampled: every answer is JSON that validates against its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client, model = _client(server), server["model"]
+    for i in range(20):
+        schema = JSON_SCHEMAS[i % len(JSON_SCHEMAS)]
+        args = dict(model=model, messages=[{"role": "user", "content": f"Describe {TOPICS[i % 10]} as JSON."}],
+                    max_tokens=160, temperature=0 if i % 2 else 1.2, seed=i,
+                    response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+        if i % 4 == 3:
+            chunks = list(client.chat.completions.create(stream=True, **args))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            choice = client.chat.completions.create(**args).choices[0]
+            text, finish = choice.message.content, choice.finish_reason
+        assert finish == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
+    obj = client.completions.create(model=model, prompt="x = ", max_tokens=80, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+    for extra in ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}):
+        regex = client.completions.create(model=model, prompt="x = ", max_tokens=20, temperature=0,
+                                          extra_body=extra).choices[0].text
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex), extra
+    choice = client.completions.create(model=model, prompt="x = ", max_tokens=20, temperature=1.0, n=4,
+                                       extra_body={"guided_choice": ["True", "False", "None"]})
+    assert {c.text for c in choice.choices} <= {"True", "False", "None"}
+
+
+def test_structured_output_that_cannot_be_met_is_a_400_naming_the_field(server):
+    client, model = _client(server), server["model"]
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                                                        {"type": "objec"}}}},
+                          "response_format"),
+                         ({"guided_json": {"type": "integer", "minimum": 5, "maximum": "x"}}, "guided_json"),
+                         ({"guided_regex": "(ab"}, "guided_regex"), ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+                         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+                         ({"response_format": {"type": "json_schema"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=3, response_format={"type": "text"})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_have_arguments_that_validate_streamed_and_not(server):
+    """tool_choice named or required: the call is forced by a grammar, parsed into
+    message.tool_calls (streamed: delta.tool_calls) with finish_reason tool_calls, and its
+    arguments validate against the tool's schema; the result goes back as a tool message."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client, model = _client(server), server["model"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    msgs = [{"role": "user", "content": "What is the weather in Paris? Then add 2 and 3."}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}},
+                   {"type": "function", "function": {"name": "add"}}, "required"):
+        for temperature in (0, 1.2):
+            args = dict(model=model, messages=msgs, tools=[WEATHER, ADD], tool_choice=choice, max_tokens=120,
+                        temperature=temperature, seed=7)
+            whole = client.chat.completions.create(**args).choices[0]
+            assert whole.finish_reason == "tool_calls" and whole.message.tool_calls, whole
+            chunks = list(client.chat.completions.create(stream=True, **args))
+            streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+            assert [(t.function.name, t.function.arguments) for t in streamed] == [
+                (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+            for call in whole.message.tool_calls:
+                if isinstance(choice, dict):
+                    assert call.function.name == choice["function"]["name"]
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    call = whole.message.tool_calls[0]
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"result": 5}'}]
+    answer = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER, ADD], max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.prompt_tokens > 100
+    tok = server["tokenizer"]
+    rendered = tok.apply_chat_template([*msgs, {"role": "tool", "content": '{"result": 5}'}], tools=[WEATHER])
+    assert "<tools>\n" + json.dumps(WEATHER) in rendered and "<tool_response>\n{\"result\": 5}\n</tool_response>" in rendered
+    none = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert none.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(msgs)))     # tools not offered
+    for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+                          "tool_choice"), ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER, WEATHER]}, "tools")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=4, **extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+
+
+def test_auto_tool_choice_streams_content_until_a_call_starts(server):
+    """With tools offered and no call made, the answer streams step by step (not held to the
+    end) and adds up to the whole answer's content."""
+    client, model = _client(server), server["model"]
+    args = dict(model=model, messages=[{"role": "user", "content": "Write the Python function `main`."}],
+                tools=[WEATHER, ADD], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.message.tool_calls is None and whole.finish_reason == "length"
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **args)
+              if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 5 and "".join(chunks) == whole.message.content
 
 
 def test_models_health_and_metrics(server):

@@ -1,0 +1,124 @@
+"""The OpenAI request models' structured-output and tool rules, and tool-call parsing (no server)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtpserve.actors.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_tool_calls,
+    split_at_tool_call,
+)
+from mtpserve.engine.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NAMES = {"get_weather", "add"}
+
+
+def _chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_auto_parses_qwen_tool_call_blocks_and_keeps_the_text_before_them():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    content, calls = parse_tool_calls(text, "auto", None, NAMES)
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "no call here",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>',     # broken JSON
+    '<tool_call>\n{"name": "delete_all", "arguments": {}}\n</tool_call>',                   # not a tool offered
+    '<tool_call>\n{"name": "add", "arguments": "1, 2"}\n</tool_call>',                      # arguments not an object
+])
+def test_auto_leaves_what_does_not_parse_as_content(text):
+    assert parse_tool_calls(text, "auto", None, NAMES) == (text, [])
+
+
+def test_a_streamed_step_is_split_where_its_tool_call_starts(model_dir):
+    tok = Tokenizer(model_dir)
+    call = tok.token_id("<tool_call>")
+    ids = tok.encode("Sure.") + [call] + tok.encode('\n{"name": "add"')
+    text = tok.decode(ids)                                   # the step's text, <tool_call> skipped
+    assert split_at_tool_call(ids, text, call, tok.decode) == ("Sure.", '\n{"name": "add"')
+    assert split_at_tool_call([call, *ids[-2:]], tok.decode(ids[-2:]), call, tok.decode) == ("", tok.decode(ids[-2:]))
+    assert split_at_tool_call(ids, "\ufffd" + text, call, tok.decode) == ("", "\ufffd" + text)   # not a prefix: all held
+
+
+def test_forced_outputs_parse_as_calls():
+    content, calls = parse_tool_calls('{"city": "Oslo"}', "named", "get_weather", NAMES)
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    content, calls = parse_tool_calls('[{"name": "add", "arguments": {"a": 1}}]', "required", None, NAMES)
+    assert content is None and calls[0]["function"]["name"] == "add"
+    truncated = '[{"name": "add", "argu'                          # cut by max_tokens
+    assert parse_tool_calls(truncated, "required", None, NAMES) == (truncated, [])
+    assert parse_tool_calls("<tool_call>{}</tool_call>", "none", None, NAMES)[1] == []
+
+
+def test_tool_choice_modes_and_their_grammars():
+    assert _chat().tool_mode == "none" and _chat(tools=[WEATHER]).tool_mode == "auto"
+    assert _chat(tools=[WEATHER], tool_choice="none").tools_to_render() is None
+    assert _chat(tools=[WEATHER]).grammar_spec() is None                 # auto: nothing forced
+    named = _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.tool_mode == "named" and json.loads(named.grammar_spec().value) == WEATHER["function"]["parameters"]
+    required = json.loads(_chat(tools=[WEATHER], tool_choice="required").grammar_spec().value)
+    assert required["minItems"] == 1 and required["items"]["properties"]["name"] == {"const": "get_weather"}
+    for kw, param in (({"tool_choice": "required"}, "tool_choice"),
+                      ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+                      ({"tools": [WEATHER, WEATHER]}, "tools"),
+                      ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tools")):
+        with pytest.raises(APIError) as e:
+            _chat(**kw).grammar_spec()
+        assert e.value.param == param, kw
+
+
+def test_structured_output_fields_become_one_grammar_or_a_400_naming_the_field():
+    schema = {"type": "object"}
+    rf = CompletionRequest(prompt="x", response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert rf.grammar_spec().kind == "json_schema" and json.loads(rf.grammar_spec().value) == schema
+    assert CompletionRequest(prompt="x", response_format={"type": "text"}).grammar_spec() is None
+    assert CompletionRequest(prompt="x", guided_json='{"type": "integer"}').grammar_spec().param == "guided_json"
+    assert CompletionRequest(prompt="x", guided_choice=["a", "b"]).grammar_spec().kind == "choice"
+    so = CompletionRequest(prompt="x", structured_outputs={"json": {"type": "object"}}).grammar_spec()
+    assert (so.kind, so.param) == ("json_schema", "structured_outputs")
+    assert CompletionRequest(prompt="x", structured_outputs={"choice": ["a"]}).grammar_spec().kind == "choice"
+    assert CompletionRequest(prompt="x", structured_outputs={"json_object": True}).grammar_spec().kind == "json_object"
+    for kw, param in (({"structured_outputs": {}}, "structured_outputs"),
+                      ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                      ({"guided_json": "not json"}, "guided_json"), ({"guided_json": "[1]"}, "guided_json"),
+                      ({"guided_choice": []}, "guided_choice"), ({"guided_regex": "a", "guided_grammar": "b"}, "guided_grammar"),
+                      ({"response_format": {"type": "json_schema"}}, "response_format"),
+                      ({"guided_regex": "a" * 70000}, "guided_regex")):
+        with pytest.raises(APIError) as e:
+            CompletionRequest(prompt="x", **kw).grammar_spec()
+        assert e.value.status == 400 and e.value.param == param, kw
+
+
+def test_tool_turns_render_through_the_bundled_template(model_dir):
+    tok = Tokenizer(model_dir)
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], tools=[WEATHER])
+    text = tok.apply_chat_template(body.messages_as_dicts(), tools=body.tools_to_render())
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    assert json.dumps(WEATHER) in text
+    plain = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(plain) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+                                            "<|im_start|>assistant\n"
+    bad = ChatCompletionRequest(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
+    with pytest.raises(APIError) as e:
+        bad.messages_as_dicts()
+    assert e.value.param == "messages[0].tool_calls"
