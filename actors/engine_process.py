@@ -318,7 +318,7 @@ def _child_main(fd: int) -> int:
     try:
         from mtpserve.engine.engine import Engine
         engine = Engine(config)
-        engine.grammars.compiler.load()            # structured output's library, before serving
+        engine.grammars.compiler.preload()         # structured output's library, before serving
         loop = _ChildLoop(engine, conn, max_pending, snapshot_interval_s)
     except BaseException as e:
         conn.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))

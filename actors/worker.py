@@ -79,7 +79,7 @@ class Worker:
             self.loop = EngineLoop(self.engine, cfg.max_pending).start()
             m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
             self.grammar_compiler = self.engine.grammars.compiler
-        self.grammar_compiler.load()                 # structured output's library, before serving
+        self.grammar_compiler.preload()              # structured output's library, before serving
         self.manifest, self.limits = m, self.loop.limits
         self.max_drafts = self.loop.max_drafts if self.engine is None else self.engine.max_drafts
         self.model_name = cfg.served_model_name

@@ -69,6 +69,10 @@ def unpack_bitmask(words, vocab_size: int, xp):
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
+NOT_INSTALLED = ("structured output needs xgrammar, which this server's install lacks "
+                 "(pip install 'mtpserve[structured]')")
+
+
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer (xgrammar), thread-safe, cached by spec.
 
@@ -81,12 +85,28 @@ class GrammarCompiler:
         self._compiler = None
         self._cache: dict[GrammarSpec, object] = {}
 
+    @staticmethod
+    def available() -> bool:
+        """Whether xgrammar is installed (the ``structured`` extra)."""
+        import importlib.util
+        return importlib.util.find_spec("xgrammar") is not None
+
+    def preload(self) -> bool:
+        """``load`` at a server's start when xgrammar is installed; False (nothing loaded) if not."""
+        if not self.available():
+            return False
+        self.load()
+        return True
+
     def load(self):
         """Load xgrammar (it imports torch: seconds) and index the vocabulary, once; a server calls
         it at start, so that neither the first constrained request nor the engine thread (the
-        import holds the GIL) pays it mid-traffic. Returns xgrammar's compiler."""
+        import holds the GIL) pays it mid-traffic. Returns xgrammar's compiler; ValueError if
+        xgrammar is not installed (a request asking for structured output then gets a 400)."""
         with self._lock:
             if self._compiler is None:      # xgrammar (and torch) load on the first grammar only
+                if not self.available():
+                    raise ValueError(NOT_INSTALLED)
                 import xgrammar as xgr
                 from tokenizers import Tokenizer
                 tok = Tokenizer.from_file(str(self._tokenizer_json))

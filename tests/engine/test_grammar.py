@@ -195,3 +195,13 @@ def test_requests_without_a_grammar_are_untouched(model_dir):
     tokens, _, _ = run_requests(make_engine(model_dir, k=2), ["def main():\n    ", "x = {"],
                                 [free, _params(SCHEMAS[0], temperature=0)])
     assert tokens["r0"] == alone["r0"]
+
+
+def test_without_xgrammar_a_structured_request_is_refused_by_name(model_dir, monkeypatch):
+    """The plain install has no xgrammar (it pulls torch): a server still starts, and a request
+    asking for structured output gets a ValueError (the HTTP edge's 400) saying what to install."""
+    monkeypatch.setattr(GrammarCompiler, "available", staticmethod(lambda: False))
+    compiler = GrammarCompiler(model_dir / "tokenizer.json", 4000, (0,))
+    assert compiler.preload() is False
+    with pytest.raises(ValueError, match=r"mtpserve\[structured\]"):
+        compiler.compile(GrammarSpec("regex", "[a-z]+", "response_format"))
