@@ -38,6 +38,11 @@ class CacheConfig:
                                         "(exact, with MTP too)")
     prefix_snapshot_gib: float = setting(1.0, "prefix cache: the most GiB its recurrent-state snapshots take")
     prefix_host_gib: float = setting(4.0, "prefix cache: host memory for entries the device evicts (0 = none)")
+    prefix_snapshots: str = setting("all", "prefix cache: which prompt boundaries get a recurrent-state snapshot "
+                                           "(each ends a prompt chunk there): `all` (an exact repeat hits the "
+                                           "second time) or `reused` (only where a prompt's match with an earlier "
+                                           "one ends: a prompt seen once costs nothing, a repeat hits the third "
+                                           "time)")
     prefix_host_policy: str = setting("reused", "prefix cache: what the host tier takes when the device evicts it: "
                                                 "`reused` (prefixes met at least twice: a prompt seen once costs "
                                                 "no copies) or `all`")
@@ -50,6 +55,8 @@ class CacheConfig:
         if self.prefix_snapshot_gib < 0 or self.prefix_host_gib < 0 or (self.snapshot_interval or 1) < 1:
             raise ValueError(f"prefix_snapshot_gib must be >= 0 and snapshot_interval >= 1, got "
                              f"{self.prefix_snapshot_gib} / {self.snapshot_interval}")
+        if self.prefix_snapshots not in ("reused", "all"):
+            raise ValueError(f"prefix_snapshots must be reused or all, got {self.prefix_snapshots!r}")
         if self.prefix_host_policy not in ("reused", "all"):
             raise ValueError(f"prefix_host_policy must be reused or all, got {self.prefix_host_policy!r}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -132,7 +132,8 @@ class Engine:
             self.prefix_cache = PrefixCache(m.block_size, self.kv_pool, self.head_pool, self.state_bank,
                                             interval, self.xp, self.runner.kv.arrays.values(),
                                             head_arrays, int(config.cache.prefix_host_gib * 2**30),
-                                            offload_all=config.cache.prefix_host_policy == "all")
+                                            offload_all=config.cache.prefix_host_policy == "all",
+                                            snapshot_all=config.cache.prefix_snapshots == "all")
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))

@@ -23,10 +23,14 @@ it would have after computing the prefix itself::
     state          '-------------- snapshot of entry b-1 --'-> computed
     head KV        | shared  | shared  | ... | caught up from entry b-1's hidden rows
 
-Snapshots are taken where the scheduler ends a prompt chunk on purpose (``next_boundary``): every
-``snapshot_interval`` tokens, at the prompt's last full block before its final token, and where
+Snapshots are taken where the scheduler ends a prompt chunk on purpose (``next_boundary``): where
 the request's lookup stopped matching (the end of the prefix it shares with an earlier prompt: a
-system prompt seen twice gets a snapshot at its end, so the third request starts there).
+system prompt seen twice gets a snapshot at its end, so the third request starts there), and every
+``snapshot_interval`` tokens and at the prompt's last full block before its final token: all of
+them (``snapshot_all``, the default: an exact repeat hits the second time), or none of them
+(``_plan_snapshots``: a repeat snapshots where its match ends and hits the third time). A chunk that ends on a
+boundary is a step of its own: with fresh 128-token prompts the 1.4 B model's TTFT p50 at C=32
+on the H200 was 245 ms with the cache on vs 38 ms off.
 Entries whose blocks no request holds are evicted least recently used by the KV pools
 (``on_evict``); snapshots have their own slots in the state bank, reclaimed least recently used.
 Head blocks that a hit could not share (the creator never drafted over them) are given fresh
@@ -212,6 +216,7 @@ class _RequestChain:
     matched: int = 0                 # tokens its lookup matched (a snapshot is due there: the end of a shared prefix)
     num_head_registered: int = 0     # head blocks 0.. of this request considered for registration
     stale_head: range = range(0)     # head block indices holding stale contents (never registered)
+    snapshot_at: tuple[int, ...] | None = None   # its prompt boundaries to snapshot (decided at lookup)
 
 
 class PrefixCache:
@@ -219,10 +224,11 @@ class PrefixCache:
 
     def __init__(self, block_size: int, kv_pool: KVPool, head_pool: KVPool | None, bank: StateBank,
                  snapshot_interval: int, xp=np, kv_arrays: Sequence = (), head_arrays: Sequence = (),
-                 host_tier_bytes: int = 0, offload_all: bool = False):
+                 host_tier_bytes: int = 0, offload_all: bool = False, snapshot_all: bool = False):
         """kv_arrays / head_arrays: the pools' ``[num_blocks, block_size, ...]`` arrays, whose
         blocks the host tier copies out and back; host_tier_bytes: its budget (0 = no tier);
-        offload_all: the tier takes every evicted entry, not only those a lookup met again."""
+        offload_all: the tier takes every evicted entry, not only those a lookup met again;
+        snapshot_all: snapshot every boundary of every prompt, not only where a match ends."""
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"snapshot_interval must be a positive multiple of the block size {block_size}, "
                              f"got {snapshot_interval}")
@@ -237,6 +243,7 @@ class PrefixCache:
         self.kv_arrays, self.head_arrays = list(kv_arrays), list(head_arrays)
         self.host = HostTier(host_tier_bytes) if host_tier_bytes and self.kv_arrays else None
         self.offload_all = offload_all
+        self.snapshot_all = snapshot_all
         kv_pool.on_evict = self._block_evicted
         if head_pool is not None:
             head_pool.on_evict = self._head_block_evicted
@@ -257,12 +264,29 @@ class PrefixCache:
         last = self.prompt_boundary(num_prompt_tokens)
         if num_computed >= last:
             return None
+        chain = self._chains.get(request_id)
+        if chain is not None and chain.snapshot_at is not None:
+            return next((b for b in chain.snapshot_at if b > num_computed), None)
         step = self.snapshot_interval
         ahead = [last, (num_computed // step + 1) * step]
-        chain = self._chains.get(request_id)
         if chain is not None and chain.matched > num_computed:
             ahead.append(chain.matched)
         return min(ahead)
+
+    def _plan_snapshots(self, chain: _RequestChain, num_prompt_tokens: int) -> tuple[int, ...]:
+        """The prompt boundaries worth a snapshot (each costs a chunk that ends there, a step of
+        its own): the end of the prefix the lookup matched (shared with an earlier prompt: proven
+        reuse), and with ``snapshot_all`` every interval and the last-block boundary too. Without
+        it a prompt seen once costs nothing; the second to share its prefix snapshots where the
+        match ends (the cached KV blocks remember the first), and the third starts there."""
+        last = self.prompt_boundary(num_prompt_tokens)
+        wanted = {chain.matched} if 0 < chain.matched <= last else set()
+        if self.snapshot_all and last:
+            wanted.update(range(self.snapshot_interval, last, self.snapshot_interval))
+            wanted.add(last)
+        have = {b for b in wanted if (e := self.entries.get(chain.digests[b // self.block_size - 1])) is not None
+                and e.snapshot is not None}
+        return tuple(sorted(wanted - have))
 
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
         """The longest usable prefix of a new request's tokens (``admitted`` counts it), with
@@ -271,6 +295,7 @@ class PrefixCache:
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
+        plan = chain.snapshot_at is None                  # decided at a request's first lookup
         # 1. how far the chain is cached (device or host), and its deepest snapshot: no side effects
         deepest, chain.matched = None, 0
         for k, digest in enumerate(chain.digests[:limit]):
@@ -283,6 +308,8 @@ class PrefixCache:
             chain.matched = (k + 1) * self.block_size
             if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
                 deepest = k
+        if plan:
+            chain.snapshot_at = self._plan_snapshots(chain, len(tokens))
         if deepest is None:
             return None
         # 2. the path to it on the device, then the deepest snapshot on that path
@@ -438,8 +465,11 @@ class PrefixCache:
         if self.head_pool is not None and (chain.num_head_registered + 1) * self.block_size <= num_head:
             self._register_head(request_id, chain, num_head)
         boundary = self.prompt_boundary(num_prompt_tokens)
-        if num_computed and num_computed <= boundary and (num_computed % self.snapshot_interval == 0
-                                                          or num_computed in (boundary, chain.matched)):
+        if chain.snapshot_at is not None:
+            due = num_computed in chain.snapshot_at
+        else:                                     # never looked up (no plan): every boundary
+            due = num_computed % self.snapshot_interval == 0 or num_computed in (boundary, chain.matched)
+        if num_computed and num_computed <= boundary and due:
             entry = self.entries[chain.digests[num_computed // self.block_size - 1]]
             if entry.snapshot is None:
                 hidden = None if pending_rows is None else (

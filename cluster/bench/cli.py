@@ -124,8 +124,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="longest prompt + output the engine serves (default: the model's context)")
     g.add_argument("--max-tokens-per-step", type=int,
                    help="the step's token budget (default: max(512 on the CPU or 2048 on CUDA, rows x (K+1)))")
-    g.add_argument("--prefix-cache", default="on", metavar="on|off|on,off",
-                   help="the engine's prefix cache; on,off runs both and compares them (default on)")
+    g.add_argument("--prefix-cache", default="on", metavar="on|off|reused,...",
+                   help="the engine's prefix cache: on, off, or reused (on with --prefix-snapshots reused); "
+                        "a list runs each and compares them with off (default on)")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
@@ -209,6 +210,16 @@ def _workload(args, tokenizer, vocab_size: int | None, exclude: tuple[int, ...],
     return random_workload(num_requests, args.input_len, vocab_size, args.seed, exclude)
 
 
+def _prefix_mode(text: str) -> str:
+    """--prefix-cache values: on, off (on_off's spellings too), or reused."""
+    if text.strip().lower() == "reused":
+        return "reused"
+    try:
+        return "on" if on_off(text) else "off"
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"--prefix-cache takes on, off or reused, got {text!r}") from None
+
+
 def _bytes(text: str) -> list[int]:
     """Stand-in token count for HTTP runs without a local tokenizer (usage overrides it)."""
     return list(text.encode())
@@ -216,6 +227,7 @@ def _bytes(text: str) -> list[int]:
 
 def _bench(args) -> int:
     loads = _loads(args)
+    parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache")      # a bad value fails now, not after a run
     if args.nodes is not None:
         return _bench_nodes(args)
     if args.soak is not None:
@@ -290,11 +302,12 @@ def _bench(args) -> int:
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
-        for cached in parse_list(args.prefix_cache, on_off, "--prefix-cache"):
+        for mode in parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache"):
             sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
-                                args.warmup_requests, args.timeout_s, args.cuda_graphs, cached)
+                                args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
+                                "reused" if mode == "reused" else "all")
             runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 

@@ -41,9 +41,11 @@ class EngineSweep:
     timeout_s: float = 600.0
     cuda_graphs: bool = True
     prefix_cache: bool = True
+    prefix_snapshots: str = "all"           # the cache's snapshot policy (engine.config CacheConfig)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
+SNAPSHOTS_REUSED = "mtpserve snapshots-reused"   # ... and with it on, snapshots only where a match ends
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
@@ -59,7 +61,7 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
     budget = sweep.max_tokens_per_step or max(default, resident * (most_drafts + 1))
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident,
-                                          prefix_cache=sweep.prefix_cache),
+                                          prefix_cache=sweep.prefix_cache, prefix_snapshots=sweep.prefix_snapshots),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
                         spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs)
@@ -169,7 +171,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshots": engine.prefix_cache.num_snapshots,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
-    system = "mtpserve" if engine.prefix_cache is not None else NO_PREFIX_CACHE
+    system = NO_PREFIX_CACHE if engine.prefix_cache is None else \
+        SNAPSHOTS_REUSED if engine.config.cache.prefix_snapshots == "reused" else "mtpserve"
     return LoadRun(system, k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
                    end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
 

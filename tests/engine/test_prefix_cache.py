@@ -17,12 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16, host_gib=4.0,
-                snapshot_gib=1.0, host_policy="all"):
+                snapshot_gib=1.0, host_policy="all", snapshots="all"):
     return Engine(EngineConfig(str(model_dir), num_threads=2,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=rows,
                                                  prefix_cache=cache, snapshot_interval=interval,
                                                  prefix_host_gib=host_gib, prefix_snapshot_gib=snapshot_gib,
-                                                 prefix_host_policy=host_policy),
+                                                 prefix_host_policy=host_policy, prefix_snapshots=snapshots),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=rows),
                                spec=SpecConfig(draft_tokens=k)))
 
@@ -173,6 +173,29 @@ def test_entries_the_device_evicts_come_back_from_the_host_tier(model_dir, k):
     out_no_tier, cached_no_tier = serve(no_tier, rounds)
     assert out_no_tier == out
     assert sum(cached[2]) > sum(cached_no_tier[2])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_snapshots_reused_a_prompt_seen_once_costs_no_chunk_and_a_repeat_hits_the_third_time(model_dir, k):
+    """prefix_snapshots=reused: a prompt seen once gets no snapshot (and no chunk cut short for
+    one); the second to share its prefix snapshots where the match ends, the third starts there; a
+    shared system prompt still gets its snapshot where two prompts part. Tokens as the cache off."""
+    prompt = SYSTEM * 2 + PROMPTS[4]
+    n = len(Engine(EngineConfig(str(model_dir))).tokenizer.encode(prompt))
+    rounds = [[prompt], [prompt], [prompt], [SYSTEM + PROMPTS[5]], [SYSTEM + PROMPTS[6]], [SYSTEM + PROMPTS[7]]]
+    engine = engine_with(model_dir, True, k, budget=512, interval=512, snapshots="reused")
+    steps = []
+    out, cached = serve(engine, rounds, after_step=lambda e: steps.append(e.last_step.num_main_tokens))
+    assert out == reference(model_dir, rounds, k)
+    assert [c[0] for c in cached[:3]] == [0, 0, (n - 1) // 16 * 16]
+    assert cached[5][0] >= len(engine.tokenizer.encode(SYSTEM)) // 16 * 16 - 16 > 0   # parted at the system prompt
+    stats = engine.prefix_cache.stats
+    assert stats.num_snapshots_taken == 2 + (cached[4][0] == 0)   # round 2, round 4 or 5 at the parting
+    # the first prompt went in one chunk (no cut at its last block); with "all" it is cut there
+    every = engine_with(model_dir, True, k, budget=512, interval=512)
+    every_steps = []
+    serve(every, rounds[:1], after_step=lambda e: every_steps.append(e.last_step.num_main_tokens))
+    assert steps[0] >= n and every_steps[0] == (n - 1) // 16 * 16
 
 
 def test_by_default_the_host_tier_takes_only_prefixes_met_again(model_dir):
