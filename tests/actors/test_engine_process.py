@@ -164,3 +164,29 @@ def test_the_engine_process_ends_when_its_replica_is_killed(model_dir, tmp_path)
             raise AssertionError("the engine process outlived its replica by 30 s")
     finally:
         replica.kill()
+
+
+def test_structured_output_in_the_engine_process_is_valid_and_equals_the_thread(make_process, model_dir):
+    """A grammar travels with its request (SamplingParams is plain data) and is compiled on the
+    engine process's command thread: valid JSON, the same tokens as the engine thread, MTP on."""
+    import json
+
+    from mtpserve.engine.grammar import GrammarSpec
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    params = SamplingParams(temperature=0, max_tokens=80, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    process = make_process(draft_tokens=2)
+    tok = Tokenizer(process.manifest.path)
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    got = _run_all(process, prompts, params)
+    thread = EngineLoop(Engine(EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 8),
+                                            spec=SpecConfig(0)))).start()
+    try:
+        reference = _run_all(thread, prompts, params)
+    finally:
+        thread.stop()
+    assert [t for t, _ in got] == [t for t, _ in reference]
+    for tokens, last in got:
+        value = json.loads(tok.decode(tokens))
+        assert last.finish_reason is FinishReason.STOP and set(value) == {"name", "age"}
+    assert asyncio.run(process.status())["integrity"] == "ok"
