@@ -369,6 +369,8 @@ class OpenAIRoutes:
         named = body.tool_choice.function.name if mode == "named" else None
         raw = self.tokenizer.decode(ids, skip_special_tokens=False)
         content, calls = parse_tool_calls(raw, mode, named, set(body.tool_schemas()))
+        if body.parallel_tool_calls is False:
+            calls = calls[:1]
         if not calls:
             return text, [], finish
         return content, calls, "tool_calls" if finish == "stop" else finish

@@ -320,6 +320,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none (tools not offered), auto (the default with tools: calls parsed from the output), "
                           "required or a named function (the call forced by a grammar: arguments valid by schema).")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call (required forces an array of one; under auto only the "
+                          "first call is returned); true, the default: any number.")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -371,6 +374,8 @@ class ChatCompletionRequest(_SamplingFields):
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for name, schema in self.tool_schemas().items()]
             array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if self.parallel_tool_calls is False:
+                array["maxItems"] = 1
             return [_grammar("json_schema", json.dumps(array), "tools")]
         return []
 

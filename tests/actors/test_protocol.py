@@ -122,3 +122,24 @@ def test_tool_turns_render_through_the_bundled_template(model_dir):
     with pytest.raises(APIError) as e:
         bad.messages_as_dicts()
     assert e.value.param == "messages[0].tool_calls"
+
+
+def test_parallel_tool_calls_false_allows_one_call(model_dir):
+    """parallel_tool_calls false: required's grammar is an array of at most one call, and under
+    auto only the first parsed call is answered (the model cannot be held to one there)."""
+    from types import SimpleNamespace
+
+    from mtpserve.actors.ingress import OpenAIRoutes
+    ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    for parallel, most in ((None, None), (True, None), (False, 1)):
+        array = json.loads(_chat(tools=[WEATHER, ADD], tool_choice="required",
+                                 parallel_tool_calls=parallel).grammar_spec().value)
+        assert array.get("maxItems") == most and array["minItems"] == 1
+    tok = Tokenizer(model_dir)
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    routes = SimpleNamespace(manifest=SimpleNamespace(eos_token_ids=()), tokenizer=tok)
+    for parallel, names in ((None, ["get_weather", "add"]), (False, ["get_weather"])):
+        body = _chat(tools=[WEATHER, ADD], parallel_tool_calls=parallel)
+        _, calls, reason = OpenAIRoutes._tool_answer(routes, body, text, tok.encode(text), "stop")
+        assert [c["function"]["name"] for c in calls] == names and reason == "tool_calls"

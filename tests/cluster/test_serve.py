@@ -238,7 +238,7 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     """An unknown or unsupported field is a 400 naming it (never silently ignored); an explicit
     null is a field not sent; prompt + max_tokens beyond the context is a 400, not a shorter answer."""
     client, model = _client(server), server["model"]
-    for field, value in (("guided_decoding_backend", "xgrammar"), ("parallel_tool_calls", False),
+    for field, value in (("guided_decoding_backend", "xgrammar"),
                          ("functions", [{"name": "f"}]), ("top_a", 0.5), ("chat_template", "{{ x }}")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
@@ -333,7 +333,8 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             "stop", "seed", "user", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stop_token_ids", "ignore_eos",
             "min_tokens", "include_stop_str_in_output", "return_token_ids", "response_format", "guided_json",
-            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice"}
+            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
+            "parallel_tool_calls"}
 COMMON = dict(frequency_penalty=0.5, logit_bias={"5": 1.0}, max_tokens=2, n=2, presence_penalty=0.5, seed=3,
               stop=["\n\n"], stream=False, temperature=0.7, top_p=0.9, user="u1",
               top_k=5, min_p=0.05, repetition_penalty=1.1, length_penalty=1.0, stop_token_ids=[5], ignore_eos=True,
@@ -447,6 +448,23 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
                                      "b": {"type": "integer", "minimum": -99, "maximum": 99}},
     "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_parallel_tool_calls_is_accepted_and_false_answers_one_call(server):
+    """Through the API with the openai client (the rule itself, and its break, in test_protocol:
+    this tiny model makes one call either way)."""
+    client, model = _client(server), server["model"]
+    msgs = [{"role": "user", "content": "Weather in Paris and in Rome, and add 2 and 3."}]
+    counts = {}
+    for parallel in (True, False):
+        for seed in range(4):
+            choice = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, ADD], max_tokens=160,
+                                                    tool_choice="required", temperature=1.0, seed=seed,
+                                                    parallel_tool_calls=parallel).choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            counts.setdefault(parallel, []).append(len(choice.message.tool_calls))
+    assert counts[False] == [1, 1, 1, 1]
+    assert all(n >= 1 for n in counts[True])
 
 
 def test_forced_tool_calls_have_arguments_that_validate_streamed_and_not(server):
