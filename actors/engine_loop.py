@@ -191,7 +191,7 @@ class EngineLoop:
         self.max_pending = max_pending
         self.snapshot_interval_s = snapshot_interval_s
         self.session_ttl_s = session_ttl_s
-        self.limits = engine.limits
+        self.limits, self.manifest, self.max_drafts = engine.limits, engine.manifest, engine.max_drafts
         self.num_usable_blocks = engine.limits.num_usable_blocks
         self.num_rows = engine.state_bank.max_rows
         self.ledger = ReservationLedger(self.num_usable_blocks, self.num_rows)

@@ -46,7 +46,7 @@ from mtpserve.actors.engine_loop import (
     _settle,
     _wake,
 )
-from mtpserve.engine.admission import check_request
+from mtpserve.engine.admission import ReservationLedger, check_request
 from mtpserve.engine.sampler import SamplingParams
 
 
@@ -73,7 +73,7 @@ class EngineProcess:
         self._lock = threading.Lock()             # streams, calls, counts; and one sender at a time
         self._num_submitted = 0
         self._num_dequeued = 0                    # the child's count: admitted or dropped from its queue
-        self._grant = (0, 0)
+        self._grant: ReservationLedger | None = None    # the grant's mirror: what could ever be admitted
         self._stopping = False
         self._conn: Connection | None = None
         self._proc: subprocess.Popen | None = None
@@ -102,7 +102,7 @@ class EngineProcess:
         self.limits, self.max_drafts = info["limits"], info["max_drafts"]
         self.num_usable_blocks, self.num_rows = info["num_usable_blocks"], info["num_rows"]
         self.manifest, self.snapshot = info["manifest"], info["snapshot"]
-        self._grant = (self.num_usable_blocks, self.num_rows)
+        self._grant = ReservationLedger(self.num_usable_blocks, self.num_rows)
         self.policy = _PolicyProxy(self) if info["adaptive"] else None
         self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
         self._reader.start()
@@ -146,8 +146,7 @@ class EngineProcess:
         if self.failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
         footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
-        blocks, rows = self._grant
-        if not all(f.num_blocks <= blocks and f.num_rows <= rows for f in footprints):
+        if not all(self._grant.fits_grant(f) for f in footprints):
             raise Overloaded("this replica is draining or its grant is too small for the request")
         streams = [RequestStream(rid, self) for rid, _, _ in requests]
         with self._lock:
@@ -166,8 +165,9 @@ class EngineProcess:
             pass                                   # the process is gone: nothing left to free
 
     def set_grant(self, num_blocks: int, num_rows: int) -> None:
-        self._grant = (min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows))
-        self._send(("grant", *self._grant))
+        num_blocks, num_rows = min(num_blocks, self.num_usable_blocks), min(num_rows, self.num_rows)
+        self._grant.set_grant(num_blocks, num_rows)
+        self._send(("grant", num_blocks, num_rows))
 
     async def call(self, fn: Callable[[Any], Any]):
         """Run ``fn(engine)`` in the engine process between steps; fn and its result are pickled."""

@@ -80,8 +80,7 @@ class Worker:
             m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
             self.grammar_compiler = self.engine.grammars.compiler
         self.grammar_compiler.preload()              # structured output's library, before serving
-        self.manifest, self.limits = m, self.loop.limits
-        self.max_drafts = self.loop.max_drafts if self.engine is None else self.engine.max_drafts
+        self.manifest, self.limits, self.max_drafts = m, self.loop.limits, self.loop.max_drafts
         self.model_name = cfg.served_model_name
         self.context_length = m.context_length
         self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None

@@ -264,14 +264,15 @@ class PrefixCache:
         last = self.prompt_boundary(num_prompt_tokens)
         if num_computed >= last:
             return None
-        chain = self._chains.get(request_id)
-        if chain is not None and chain.snapshot_at is not None:
-            return next((b for b in chain.snapshot_at if b > num_computed), None)
-        step = self.snapshot_interval
-        ahead = [last, (num_computed // step + 1) * step]
-        if chain is not None and chain.matched > num_computed:
-            ahead.append(chain.matched)
-        return min(ahead)
+        plan = self._planned(self._chains.setdefault(request_id, _RequestChain()), num_prompt_tokens)
+        return next((b for b in plan if b > num_computed), None)
+
+    def _planned(self, chain: _RequestChain, num_prompt_tokens: int) -> tuple[int, ...]:
+        """The request's snapshot plan: made at its first lookup, or here for one never looked up
+        (a prompt that needs every row's logits: nothing matched)."""
+        if chain.snapshot_at is None:
+            chain.snapshot_at = self._plan_snapshots(chain, num_prompt_tokens)
+        return chain.snapshot_at
 
     def _plan_snapshots(self, chain: _RequestChain, num_prompt_tokens: int) -> tuple[int, ...]:
         """The prompt boundaries worth a snapshot (each costs a chunk that ends there, a step of
@@ -284,8 +285,9 @@ class PrefixCache:
         if self.snapshot_all and last:
             wanted.update(range(self.snapshot_interval, last, self.snapshot_interval))
             wanted.add(last)
-        have = {b for b in wanted if (e := self.entries.get(chain.digests[b // self.block_size - 1])) is not None
-                and e.snapshot is not None}
+        known = len(chain.digests) * self.block_size       # digests of blocks beyond it are not made yet
+        have = {b for b in wanted if b <= known and (e := self.entries.get(chain.digests[b // self.block_size - 1]))
+                is not None and e.snapshot is not None}
         return tuple(sorted(wanted - have))
 
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
@@ -295,7 +297,6 @@ class PrefixCache:
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
-        plan = chain.snapshot_at is None                  # decided at a request's first lookup
         # 1. how far the chain is cached (device or host), and its deepest snapshot: no side effects
         deepest, chain.matched = None, 0
         for k, digest in enumerate(chain.digests[:limit]):
@@ -308,8 +309,7 @@ class PrefixCache:
             chain.matched = (k + 1) * self.block_size
             if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
                 deepest = k
-        if plan:
-            chain.snapshot_at = self._plan_snapshots(chain, len(tokens))
+        self._planned(chain, len(tokens))               # (at the first lookup: it needs the match)
         if deepest is None:
             return None
         # 2. the path to it on the device, then the deepest snapshot on that path
@@ -465,11 +465,7 @@ class PrefixCache:
         if self.head_pool is not None and (chain.num_head_registered + 1) * self.block_size <= num_head:
             self._register_head(request_id, chain, num_head)
         boundary = self.prompt_boundary(num_prompt_tokens)
-        if chain.snapshot_at is not None:
-            due = num_computed in chain.snapshot_at
-        else:                                     # never looked up (no plan): every boundary
-            due = num_computed % self.snapshot_interval == 0 or num_computed in (boundary, chain.matched)
-        if num_computed and num_computed <= boundary and due:
+        if num_computed and num_computed <= boundary and num_computed in self._planned(chain, num_prompt_tokens):
             entry = self.entries[chain.digests[num_computed // self.block_size - 1]]
             if entry.snapshot is None:
                 hidden = None if pending_rows is None else (

@@ -127,6 +127,18 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
                    max(finished, default=time.perf_counter() - t0), records, extra={"url": target.url}, error=error)
 
 
+SSE_END = object()      # what ``sse_payload`` returns for ``data: [DONE]``
+
+
+def sse_payload(line: bytes):
+    """An SSE line's parsed ``data:`` JSON, ``SSE_END`` for ``data: [DONE]``, None for any other line."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    return SSE_END if data == b"[DONE]" else json.loads(data)
+
+
 async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:
     num_chunks = 0
     async with session.post(f"{url}/v1/completions", json=payload) as resp:
@@ -135,14 +147,12 @@ async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: floa
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
         async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
+            obj = sse_payload(raw)
+            if obj is None:
                 continue
-            data = line[5:].strip()
             now = time.perf_counter() - t0
-            if data == b"[DONE]":
+            if obj is SSE_END:
                 break
-            obj = json.loads(data)
             if "error" in obj:
                 err = obj["error"]
                 rec.error = (f"stream error event ({err.get('code')}): " + str(err.get("message", err)))[:300]

@@ -37,7 +37,6 @@ or hung, the other replica's requests completed, the replica came back and the p
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -49,6 +48,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from mtpserve.cluster.bench.http_driver import SSE_END, sse_payload
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
 from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster, die_with_parent
 
@@ -86,13 +86,12 @@ def send(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, s
                 return out
             finished = done = False
             for line in r.iter_lines():
-                if not line.startswith(b"data:"):
+                obj = sse_payload(line)
+                if obj is None:
                     continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+                if obj is SSE_END:
                     done = True
                     break
-                obj = json.loads(data)
                 if "error" in obj:
                     out["outcome"] = "clear error"
                     out["error"] = f"SSE error event {obj['error'].get('code')}: {obj['error'].get('message')}"

@@ -32,6 +32,7 @@ import time
 from collections import Counter
 
 from mtpserve.cluster import deploy
+from mtpserve.cluster.bench.http_driver import SSE_END, sse_payload
 from mtpserve.cluster.bench.replicas import APP_NAME, deployed, num_devices, parse_replicas, serve_options
 from mtpserve.cluster.deploy import kill_replica, placement
 
@@ -114,13 +115,12 @@ def _one(session, url: str, model: str, kind: str, rng: random.Random, bad: list
             finished = done = False
             num_chunks, stop_after = 0, rng.randint(1, 8) if kind == "drop" else None
             for line in r.iter_lines():
-                if not line.startswith(b"data:"):
+                obj = sse_payload(line)
+                if obj is None:
                     continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+                if obj is SSE_END:
                     done = True
                     break
-                obj = json.loads(data)
                 if "error" in obj:
                     return "clear error", r.status_code, f"SSE error event: {obj['error'].get('message', '')}"
                 finished = finished or any(c.get("finish_reason") for c in obj.get("choices", []))

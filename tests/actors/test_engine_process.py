@@ -5,6 +5,7 @@ import os
 import signal
 
 import pytest
+from test_engine_loop import _collect
 
 from mtpserve.actors.engine_loop import EngineFailed, EngineLoop, Overloaded
 from mtpserve.actors.engine_process import EngineProcess
@@ -30,14 +31,6 @@ def make_process(model_dir):
     for process in started:
         process.stop()
         assert process._proc.poll() is not None, "the engine process is gone after stop"
-
-
-async def _collect(loop, rid, ids, params):
-    tokens, last = [], None
-    async for event in loop.submit(rid, ids, params):
-        tokens += event.token_ids
-        last = event
-    return tokens, last
 
 
 def _run_all(loop, prompts, params):

@@ -100,15 +100,21 @@ def test_sessions_stick_to_a_replica_and_other_load_spreads(app):
     assert sum(len(e.token_ids) for e in events) == 6 and events[-1].finish_reason.value == "length"
 
 
-def test_greedy_output_over_http_equals_the_in_process_engine(app):
-    engine = Engine(EngineConfig(str(app["model_dir"]), num_threads=1, cache=CacheConfig(64, 4)))
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
+def engine_texts(model_dir, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """{r<i>: text} of greedy answers from an engine in this process (MTP off)."""
+    engine = Engine(EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 4)))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
-    texts = {f"r{i}": "" for i in range(len(PROMPTS))}
+    texts = {f"r{i}": "" for i in range(len(prompts))}
     while engine.has_work:
         for event in engine.step():
             texts[event.request_id] += event.text
+    return texts
+
+
+def test_greedy_output_over_http_equals_the_in_process_engine(app):
+    texts = engine_texts(app["model_dir"], PROMPTS, 24)
     for i, p in enumerate(PROMPTS):
         body, _ = _complete(app, p, temperature=0, max_tokens=24, ignore_eos=True)
         assert body["choices"][0]["text"] == texts[f"r{i}"]

@@ -12,12 +12,11 @@ import pytest
 ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 
+from test_serving import engine_texts  # noqa: E402
+
 from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import replica_statuses  # noqa: E402
 from mtpserve.cluster.deploy import deployed  # noqa: E402
-from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
-from mtpserve.engine.engine import Engine  # noqa: E402
-from mtpserve.engine.sampler import SamplingParams  # noqa: E402
 
 APP = "engineproc"
 PROMPTS = ["def add(a, b):", "import os\nimport"]
@@ -44,14 +43,7 @@ def _only_status() -> dict:
 
 
 def test_greedy_output_over_http_equals_the_engine_in_process(app):
-    engine = Engine(EngineConfig(str(app["model_dir"]), num_threads=1, cache=CacheConfig(64, 4)))    # MTP off
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, params)
-    texts = {f"r{i}": "" for i in range(len(PROMPTS))}
-    while engine.has_work:
-        for event in engine.step():
-            texts[event.request_id] += event.text
+    texts = engine_texts(app["model_dir"], PROMPTS, 24)                 # MTP off, in this process
     for i, p in enumerate(PROMPTS):
         r = _complete(app, p)
         assert r.status_code == 200, r.text

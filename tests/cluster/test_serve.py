@@ -17,6 +17,7 @@ requests = pytest.importorskip("requests")
 
 from serve_process import start_serve  # noqa: E402
 
+from mtpserve.cluster.bench.grammar import COST_SCHEMAS  # noqa: E402
 from mtpserve.engine.tokenizer import Tokenizer  # noqa: E402
 
 APP, KEY = "cli", "test-key"
@@ -373,23 +374,19 @@ def test_every_openai_and_vllm_request_field_is_honoured_or_refused_by_name(serv
     assert ignored == [], f"answered 200 without honouring: {ignored}"
 
 
-JSON_SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["io", "os", "re"]}, "maxItems": 4},
-                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": 0, "maximum": 999}, "y": {"type": "integer", "minimum": 0, "maximum": 999}},
-        "required": ["x", "y"], "additionalProperties": False},
-        "label": {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}]}},
-     "required": ["point", "label"], "additionalProperties": False},
-    {"type": "object", "properties": {"function": {"type": "string", "pattern": "^[a-z_]{1,12}$"},
-                                      "args": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 99},
-                                               "maxItems": 3}}, "required": ["function", "args"], "additionalProperties": False},
-]
+JSON_SCHEMAS = COST_SCHEMAS     # bounded: a small model's answers end
 TOPICS = ["a user", "a point", "tags of a module", "a function call", "the os module", "a file", "a loop", "a class",
           "json", "a test"]
+
+
+def chat_answer(client, args: dict, streamed: bool) -> tuple[str, str]:
+    """(content, finish_reason) of a chat completion, streamed (deltas joined) or not."""
+    if streamed:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        return ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+    choice = client.chat.completions.create(**args).choices[0]
+    return choice.message.content, choice.finish_reason
 
 
 def test_json_schema_output_parses_and_validates_for_20_prompts(server):
@@ -402,13 +399,7 @@ def test_json_schema_output_parses_and_validates_for_20_prompts(server):
         args = dict(model=model, messages=[{"role": "user", "content": f"Describe {TOPICS[i % 10]} as JSON."}],
                     max_tokens=160, temperature=0 if i % 2 else 1.2, seed=i,
                     response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
-        if i % 4 == 3:
-            chunks = list(client.chat.completions.create(stream=True, **args))
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        else:
-            choice = client.chat.completions.create(**args).choices[0]
-            text, finish = choice.message.content, choice.finish_reason
+        text, finish = chat_answer(client, args, streamed=i % 4 == 3)
         assert finish == "stop", (i, text)
         jsonschema.validate(json.loads(text), schema)
     obj = client.completions.create(model=model, prompt="x = ", max_tokens=80, temperature=0,

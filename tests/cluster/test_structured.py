@@ -8,7 +8,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_serve import ADD, JSON_SCHEMAS, TOPICS, WEATHER  # noqa: E402
+from test_serve import ADD, JSON_SCHEMAS, TOPICS, WEATHER, chat_answer  # noqa: E402
 
 from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import replica_statuses  # noqa: E402
@@ -45,13 +45,7 @@ def test_json_schema_output_validates_for_20_prompts_at_k3_and_greedy_matches_mt
         greedy = i % 2 == 1
         args = dict(model=model, messages=_messages(i), max_tokens=160, temperature=0 if greedy else 1.2, seed=i,
                     response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
-        if i % 4 == 3:
-            chunks = list(client.chat.completions.create(stream=True, **args))
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        else:
-            choice = client.chat.completions.create(**args).choices[0]
-            text, finish = choice.message.content, choice.finish_reason
+        text, finish = chat_answer(client, args, streamed=i % 4 == 3)
         assert finish == "stop", (i, text)
         jsonschema.validate(json.loads(text), schema)
         if greedy:
