@@ -325,7 +325,7 @@ class EngineLoop:
             self._dequeued()
             self.ledger.reserve(add.request_id, add.footprint)
             try:
-                self.engine.add_request(add.request_id, add.token_ids, add.params)
+                self.engine.add_request(add.request_id, add.token_ids, add.params, continues=bool(add.session_id))
             except ValueError as e:
                 self._finish_bookkeeping(add.request_id)
                 self._deliver([(add.stream, e)])

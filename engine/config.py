@@ -38,11 +38,12 @@ class CacheConfig:
                                         "(exact, with MTP too)")
     prefix_snapshot_gib: float = setting(1.0, "prefix cache: the most GiB its recurrent-state snapshots take")
     prefix_host_gib: float = setting(4.0, "prefix cache: host memory for entries the device evicts (0 = none)")
-    prefix_snapshots: str = setting("all", "prefix cache: which prompt boundaries get a recurrent-state snapshot "
-                                           "(each ends a prompt chunk there): `all` (an exact repeat hits the "
-                                           "second time) or `reused` (only where a prompt's match with an earlier "
-                                           "one ends: a prompt seen once costs nothing, a repeat hits the third "
-                                           "time)")
+    prefix_snapshots: str = setting("reused", "prefix cache: which prompt boundaries get a recurrent-state snapshot "
+                                           "(each ends a prompt chunk there): `reused` (where a prompt's match with "
+                                           "an earlier one ends, and every boundary of a session's turn: a prompt "
+                                           "seen once costs nothing, a session's next turn hits, a session-less "
+                                           "repeat hits the third time) or `all` (every boundary of every "
+                                           "prompt: a repeat hits the second time)")
     prefix_host_policy: str = setting("reused", "prefix cache: what the host tier takes when the device evicts it: "
                                                 "`reused` (prefixes met at least twice: a prompt seen once costs "
                                                 "no copies) or `all`")

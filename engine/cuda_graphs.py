@@ -185,6 +185,9 @@ class _GraphSet:
         """Capture ``binding`` as the graph of ``shape``: ORT's warm-up runs, then the capture."""
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))   # 0 is ORT's default id
+        # a replay returns once it is queued: everything after it runs on the same stream, and the
+        # host waits only where it reads a result (the step's drafts, its accepted tokens)
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.session.run_with_iobinding(binding.io, options)
         self._graphs[shape] = _Graph(binding, inputs, options, host_arrays)
 
@@ -220,6 +223,7 @@ class StepGraphs(_GraphSet):
         self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
                                      xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
         self.num_eager = 0
+        self.num_device_drafts = 0     # verify steps whose drafts came from the device
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
@@ -255,11 +259,12 @@ class StepGraphs(_GraphSet):
 
     # ------------------------------------------------------------------ a step
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
-            copy_hidden: bool) -> MainOutputs | None:
+            copy_hidden: bool, device_drafts=None) -> MainOutputs | None:
         """Replay the graph of a decode / uniform verify step (rows in the step's order; request
         i feeds ``num_tokens[i]`` new tokens); None if the step has none. ``copy_hidden``: the
         hidden rows are kept past this step (the proposer's catch-up), so they are copied out of
-        the shared buffer."""
+        the shared buffer. ``device_drafts``: ``[B, K]`` on the device, every request's drafts
+        (its rows' draft ids are placeholders then): copied into the input ids on the device."""
         lens = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
         if choice is None:
@@ -274,6 +279,9 @@ class StepGraphs(_GraphSet):
         host = graph.inputs.writable()
         _fill_step(host, rows, n, width)
         graph.inputs.upload()
+        if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
+            graph.inputs.device["input_ids"].reshape(batch, n)[:len(rows), 1:] = device_drafts
+            self.num_device_drafts += 1
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
@@ -407,14 +415,16 @@ class HeadGraphs(_GraphSet):
         T = shape.batch * shape.tokens
         b, inputs, host_arrays = _paged_graph_inputs(r.head_session, r.head_kv, r.head_input_names, shape,
                                                      r.manifest.block_size, self.xp, {},
-                                                     extra={"last_rows": (np.int64, (shape.batch,))})
+                                                     extra={"last_rows": (np.int64, (shape.batch,)),
+                                                            "gather": (np.int64, (2, T))})
         b.bind_at(head.hidden_input, self.hidden_in[:T])
         b.bind_at(head.logits_output, self.logits[:T], output=True)
         b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
         self._add(shape, b, inputs, host_arrays)
 
-    def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int) -> np.ndarray | None:
-        """Greedy drafts ``[B, num_drafts]`` (host int64), or None when no captured shape fits.
+    def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int):
+        """Greedy drafts ``[B, num_drafts]`` (int64, on the device: nothing here waits for the
+        GPU), or None when no captured shape fits.
 
         rows[b]: request b's catch-up rows (the tokens at positions num_head+1 .. num_computed,
         ``past_len`` = num_head, its head block table); hidden[b]: the main model's hidden rows
@@ -439,8 +449,9 @@ class HeadGraphs(_GraphSet):
         _fill_rows(host, rows, R, width)
         host["last_rows"][:] = np.arange(batch) * R
         host["last_rows"][:B] += np.asarray(fed) - 1
+        sources = _gather_plan(hidden, R, host["gather"])
         catch_up.inputs.upload()
-        self._gather_hidden(hidden, R)
+        self._gather_hidden(sources, catch_up.inputs.device["gather"])
         self._replay(catch_up)
         last = catch_up.inputs.device["last_rows"]
         drafts = [self.logits[last].argmax(axis=1)]
@@ -460,21 +471,33 @@ class HeadGraphs(_GraphSet):
                 self._replay(chained)
                 drafts.append(self.logits[:batch].argmax(axis=1))
                 state = self.hidden_out[:batch]
-        return xp.stack(drafts, axis=1)[:B].get()
+        return xp.stack(drafts, axis=1)[:B]
 
-    def _gather_hidden(self, hidden: Sequence[Sequence[tuple]], R: int) -> None:
-        """hidden_in row b*R + i := the i-th pending hidden row of request b."""
-        by_source: dict[int, tuple] = {}
-        for b, segments in enumerate(hidden):
-            at = b * R
-            for arr, start, count in segments:
-                _, dst, src = by_source.setdefault(id(arr), (arr, [], []))
-                dst.extend(range(at, at + count))
-                src.extend(range(start, start + count))
-                at += count
-        for arr, dst, src in by_source.values():
-            index = self.xp.asarray(np.array(dst + src, np.int64))
-            self.hidden_in[index[:len(dst)]] = arr[index[len(dst):]]
+    def _gather_hidden(self, sources: list[tuple], index) -> None:
+        """hidden_in row b*R + i := the i-th pending hidden row of request b: one gather per
+        source array, its (destination, source) rows at ``index[:, lo:hi]`` (on the device)."""
+        for arr, lo, hi in sources:
+            self.hidden_in[index[0, lo:hi]] = arr[index[1, lo:hi]]
+
+
+def _gather_plan(hidden: Sequence[Sequence[tuple]], R: int, index: np.ndarray) -> list[tuple]:
+    """Fill ``index`` [2, rows] (staging: destination rows, source rows) with the catch-up's
+    pending hidden rows grouped by source array; returns ``(array, lo, hi)`` per source."""
+    by_source: dict[int, tuple] = {}
+    for b, segments in enumerate(hidden):
+        at = b * R
+        for arr, start, count in segments:
+            _, dst, src = by_source.setdefault(id(arr), (arr, [], []))
+            dst.extend(range(at, at + count))
+            src.extend(range(start, start + count))
+            at += count
+    sources, lo = [], 0
+    for arr, dst, src in by_source.values():
+        hi = lo + len(dst)
+        index[0, lo:hi], index[1, lo:hi] = dst, src
+        sources.append((arr, lo, hi))
+        lo = hi
+    return sources
 
 
 def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:

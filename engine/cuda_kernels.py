@@ -93,3 +93,30 @@ class FusedRecurrentReplay:
         self.kernel((blocks,), (self.THREADS,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
                                                  np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
                                                  np.int32(Hk), np.int32(Dk)))
+
+
+_MASK_ROWS = None
+
+
+def mask_rows_by_bitmask(logits, packed, num_rows: int, words_per_row: int) -> None:
+    """Set ``logits[rows[r], t] = -inf`` wherever bit ``t`` of bitmask row ``r`` is clear, in
+    place, in one kernel. ``packed``: int32 on the device, ``[rows (num_rows) | bitmask
+    (num_rows x words_per_row)]`` (one host -> device copy carries both); logits [N, V], any
+    float dtype, C-contiguous."""
+    global _MASK_ROWS
+    import cupy
+    if _MASK_ROWS is None:
+        _MASK_ROWS = cupy.ElementwiseKernel(
+            "raw int32 packed, int32 num_rows, int32 words, int32 vocab", "raw T logits",
+            """
+            const long long r = i / vocab;
+            const int t = (int)(i % vocab);
+            const int word = packed[num_rows + r * words + (t >> 5)];
+            if (!((word >> (t & 31)) & 1)) {
+                logits[(long long)packed[r] * vocab + t] = (T)__int_as_float(0xff800000);   // -inf
+            }
+            """, "mtpserve_mask_rows")
+    assert logits.flags.c_contiguous, "contiguous logits"
+    vocab = logits.shape[1]
+    _MASK_ROWS(packed, np.int32(num_rows), np.int32(words_per_row), np.int32(vocab), logits,
+               size=num_rows * vocab)

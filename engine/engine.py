@@ -189,15 +189,19 @@ class Engine:
         return self._stream if self._stream is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Queue a request. Bad input raises ValueError (the serving edge turns it into a 400)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    continues: bool = False) -> Request:
+        """Queue a request. Bad input raises ValueError (the serving edge turns it into a 400).
+        continues: a later request will extend this one (a session's turn): the prefix cache
+        snapshots its prompt's boundaries even under the ``reused`` policy, so the next turn hits."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_request(ids, params.max_tokens, self.limits)
         if any(t >= self.limits.vocab_size for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.limits.vocab_size})")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.manifest.eos_token_ids))
-        req = Request(request_id, ids, params, arrival_index=next(self._arrivals), stop_token_ids=stop_ids)
+        req = Request(request_id, ids, params, arrival_index=next(self._arrivals), stop_token_ids=stop_ids,
+                      continues=continues)
         if params.grammar is not None:
             self.grammars.start(request_id, params.grammar)     # compiles unless cached; ValueError if it cannot
         self.outputs.start(req)
@@ -311,8 +315,7 @@ class Engine:
             bitmask = grammars.bitmask(len(grammar_rows))
             for rid, draft, start in grammar_work:
                 grammars.fill_row_masks(rid, draft, bitmask, start)
-            rows = xp.asarray(np.asarray(grammar_rows, np.int64))
-            out[rows] = xp.where(grammars.allowed(bitmask, xp), out[rows], -np.inf)
+            grammars.mask_rows(out, grammar_rows, bitmask, xp)
         return out
 
     def _score_prompts(self, plan: StepPlan, logits) -> None:
@@ -355,22 +358,49 @@ class Engine:
         return out
 
     def _verify(self, plan: StepPlan, drafts: dict):
-        """One packed forward of the main model over each request's fed tokens and drafts."""
+        """One packed forward of the main model over each request's fed tokens and drafts
+        (drafts still on the device go into a captured step from there: see ``_device_drafts``)."""
+        on_device = self._device_drafts(plan, drafts) if self.graphs is not None else None
+        rows = self._step_rows(plan, drafts, placeholders=on_device is not None)
+        if self.graphs is not None:
+            out = self.graphs.run(plan.request_ids, rows, [s.num_tokens for s in plan.scheduled],
+                                  copy_hidden=self.proposer is not None,
+                                  device_drafts=on_device.array if on_device is not None else None)
+            if out is not None:
+                return out
+            if on_device is not None:          # no graph for this step after all: the host's ids
+                rows = self._step_rows(plan, drafts, placeholders=False)
+        io = self.state_bank.step_buffers(plan.request_ids)
+        capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
+        return self.runner.run_main(rows, io.past, capture, present_into=io.present)
+
+    def _step_rows(self, plan: StepPlan, drafts: dict, placeholders: bool) -> list[PackedRows]:
+        """Each request's fed tokens and drafts (draft ids 0 with ``placeholders``)."""
         rows = []
         for s in plan.scheduled:
             r = s.request
             tokens = r.token_ids[r.num_computed:r.num_computed + s.num_tokens]
             if s.num_drafts:
-                tokens = tokens + drafts[r.request_id].tokens
+                tokens = tokens + ([0] * s.num_drafts if placeholders else drafts[r.request_id].tokens)
             rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_table(r.request_id)))
-        if self.graphs is not None:
-            out = self.graphs.run(plan.request_ids, rows, [s.num_tokens for s in plan.scheduled],
-                                  copy_hidden=self.proposer is not None)
-            if out is not None:
-                return out
-        io = self.state_bank.step_buffers(plan.request_ids)
-        capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
-        return self.runner.run_main(rows, io.past, capture, present_into=io.present)
+        return rows
+
+    @staticmethod
+    def _device_drafts(plan: StepPlan, drafts: dict):
+        """The step's ``DeviceDrafts`` when its drafts can feed a captured verify from the device:
+        every request drafted the same number of tokens, in one device array whose rows are the
+        step's requests in order. None otherwise (the host's ids are used)."""
+        if not plan.scheduled or not drafts:
+            return None
+        first = drafts.get(plan.scheduled[0].request.request_id)
+        shared = first.device if first is not None else None
+        if shared is None or shared.array.shape != (len(plan.scheduled), plan.scheduled[0].num_drafts):
+            return None
+        for b, s in enumerate(plan.scheduled):
+            d = drafts.get(s.request.request_id)
+            if d is None or d.device is not shared or d.row != b or d.count != s.num_drafts or s.num_tokens != 1:
+                return None
+        return shared
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)

@@ -196,6 +196,17 @@ class GrammarManager:
                                  bitorder="little").view(bool)
         return unpack_bitmask(xp.asarray(bitmask), self.compiler.vocab_size, xp)
 
+    def mask_rows(self, logits, rows, bitmask: np.ndarray, xp=None) -> None:
+        """In place: ``logits[rows[i]]`` at -inf wherever bitmask row i forbids the token. On a
+        GPU the row indices and bitmask words go over in one copy and one kernel applies them."""
+        if xp is None or xp is np:
+            idx = np.asarray(rows, np.int64)
+            logits[idx] = np.where(self.allowed(bitmask), logits[idx], -np.inf)
+            return
+        from mtpserve.engine.cuda_kernels import mask_rows_by_bitmask
+        packed = np.concatenate([np.asarray(rows, np.int32), bitmask.reshape(-1)])
+        mask_rows_by_bitmask(logits, xp.asarray(packed), len(rows), bitmask.shape[1])
+
     def _fill(self, matcher, bitmask: np.ndarray, row: int) -> None:
         if matcher.is_terminated():            # nothing may follow the end: only a stop id (again)
             bits = bitmask.view(np.uint32)

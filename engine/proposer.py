@@ -17,7 +17,6 @@ the previous draft as their input id and the head's own ``hidden_states_out`` of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,11 +29,39 @@ from mtpserve.engine.speculative import propose_drafts
 Array = Any   # numpy or cupy ndarray
 
 
-@dataclass
+class DeviceDrafts:
+    """The drafts ``[B, K]`` of one step's requests, drafted with captured head forwards and
+    still on the device: a captured verify step takes them from there (``Engine._verify``), and
+    the one host copy for them all is made when something first reads a request's tokens (the
+    accept, after the verify is queued), so no host round trip sits between drafting and
+    verifying."""
+
+    def __init__(self, array: Array):
+        self.array = array
+        self._host: np.ndarray | None = None
+
+    def row(self, b: int, count: int) -> list[int]:
+        if self._host is None:
+            self._host = to_host(self.array)
+        return self._host[b, :count].tolist()
+
+
 class Drafts:
-    """One request's drafts for this step, and the distributions they were sampled from."""
-    tokens: list[int]
-    q: list  # per draft: [V] probabilities, or None for greedy requests
+    """One request's drafts for this step, and the distributions they were sampled from.
+
+    tokens: the draft ids (read from ``device`` row ``row`` on first use when they were made on
+    the device); q: per draft, the [V] probabilities it was sampled from, or None (greedy)."""
+
+    __slots__ = ("_tokens", "q", "device", "row", "count")
+
+    def __init__(self, tokens: list[int] | None, q: list, device: DeviceDrafts | None = None, row: int = 0):
+        self._tokens, self.q, self.device, self.row, self.count = tokens, q, device, row, len(q)
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self.device.row(self.row, self.count)
+        return self._tokens
 
 
 class MTPProposer:
@@ -87,12 +114,12 @@ class MTPProposer:
         if self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting):
             tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
                                        max(s.num_drafts for s in drafting))
-            if tokens is not None:
-                result = {}
-                for s, row in zip(drafting, tokens.tolist()):
+            if tokens is not None:                 # [B, K] on the device: read when first needed
+                shared, result = DeviceDrafts(tokens), {}
+                for b, s in enumerate(drafting):
                     self._pending.pop(s.request.request_id, None)
                     s.request.num_head = s.request.num_computed
-                    result[s.request.request_id] = Drafts(row[:s.num_drafts], [None] * s.num_drafts)
+                    result[s.request.request_id] = Drafts(None, [None] * s.num_drafts, shared, b)
                 return result
         hidden = [arr[start:start + count] for s in drafting
                   for arr, start, count in self._pending.pop(s.request.request_id, [])]
@@ -140,9 +167,8 @@ class MTPProposer:
         bitmask = self.grammars.bitmask(len(rows))
         for i, j in enumerate(rows):
             self.grammars.fill_mask(active[j].request.request_id, bitmask, i)
-        allowed = self.grammars.allowed(bitmask, self.xp)
-        out, idx = logits.copy(), self.xp.asarray(np.asarray(rows, np.int64))
-        out[idx] = self.xp.where(allowed, out[idx], -np.inf)
+        out = logits.copy()
+        self.grammars.mask_rows(out, rows, bitmask, self.xp)
         return out
 
     def _draft_tokens(self, active: list, logits):

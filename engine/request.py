@@ -67,6 +67,7 @@ class Request:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     rng: np.random.Generator | None = None
     stop_token_ids: frozenset[int] = frozenset()   # ids that end it: params.stop_token_ids, and EOS unless ignored
+    continues: bool = False         # a later request extends this one (a session): the prefix cache snapshots its prompt
     detokenizer: IncrementalDetokenizer | None = None
     num_emitted_text: int = 0              # characters of output text already streamed out
     num_cached_tokens: int = 0             # prompt tokens taken from the prefix cache at admission

@@ -143,6 +143,8 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if req.continues and self.prefix_cache is not None:
+            self.prefix_cache.expect_continuation(req.request_id)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request (done or cancelled): out of the queues, every pool space released."""

@@ -124,8 +124,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="longest prompt + output the engine serves (default: the model's context)")
     g.add_argument("--max-tokens-per-step", type=int,
                    help="the step's token budget (default: max(512 on the CPU or 2048 on CUDA, rows x (K+1)))")
-    g.add_argument("--prefix-cache", default="on", metavar="on|off|reused,...",
-                   help="the engine's prefix cache: on, off, or reused (on with --prefix-snapshots reused); "
+    g.add_argument("--prefix-cache", default="on", metavar="on|off|all,...",
+                   help="the engine's prefix cache: on (its default snapshot policy, reused), off, or all (on with "
+                        "--prefix-snapshots all: every prompt boundary snapshotted); "
                         "a list runs each and compares them with off (default on)")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
@@ -211,13 +212,13 @@ def _workload(args, tokenizer, vocab_size: int | None, exclude: tuple[int, ...],
 
 
 def _prefix_mode(text: str) -> str:
-    """--prefix-cache values: on, off (on_off's spellings too), or reused."""
-    if text.strip().lower() == "reused":
-        return "reused"
+    """--prefix-cache values: on, off (on_off's spellings too), or all."""
+    if text.strip().lower() == "all":
+        return "all"
     try:
         return "on" if on_off(text) else "off"
     except argparse.ArgumentTypeError:
-        raise ValueError(f"--prefix-cache takes on, off or reused, got {text!r}") from None
+        raise ValueError(f"--prefix-cache takes on, off or all, got {text!r}") from None
 
 
 def _bytes(text: str) -> list[int]:
@@ -307,7 +308,7 @@ def _bench(args) -> int:
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
-                                "reused" if mode == "reused" else "all")
+                                "all" if mode == "all" else "reused")
             runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 

@@ -41,11 +41,11 @@ class EngineSweep:
     timeout_s: float = 600.0
     cuda_graphs: bool = True
     prefix_cache: bool = True
-    prefix_snapshots: str = "all"           # the cache's snapshot policy (engine.config CacheConfig)
+    prefix_snapshots: str = "reused"        # the cache's snapshot policy (engine.config CacheConfig)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
-SNAPSHOTS_REUSED = "mtpserve snapshots-reused"   # ... and with it on, snapshots only where a match ends
+SNAPSHOTS_ALL = "mtpserve snapshots-all"   # ... and with it on, every prompt boundary snapshotted
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
@@ -172,7 +172,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
     system = NO_PREFIX_CACHE if engine.prefix_cache is None else \
-        SNAPSHOTS_REUSED if engine.config.cache.prefix_snapshots == "reused" else "mtpserve"
+        SNAPSHOTS_ALL if engine.config.cache.prefix_snapshots == "all" else "mtpserve"
     return LoadRun(system, k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
                    end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
 

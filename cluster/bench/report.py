@@ -244,8 +244,8 @@ def comparisons(summaries: list[dict]) -> list[dict]:
         uncached = by_key.get(("mtpserve no-prefix-cache", k, load))
         if system == "mtpserve" and uncached is not None:
             out.append(_ratio("prefix_cache_on_vs_off", s, uncached))
-        if system == "mtpserve snapshots-reused" and uncached is not None:
-            out.append(_ratio("snapshots_reused_vs_off", s, uncached))
+        if system == "mtpserve snapshots-all" and uncached is not None:
+            out.append(_ratio("snapshots_all_vs_off", s, uncached))
     return out
 
 

@@ -157,14 +157,14 @@ def test_each_load_gets_prompts_of_its_own_so_the_prefix_cache_cannot_answer_it(
 def test_prefix_snapshot_policies_run_side_by_side_with_the_cache_off(tiny_paged_export, tmp_path):
     rc = bench(["--model", str(tiny_paged_export), "--prompts", "random", "--input-len", "40", "--draft-tokens", "0",
                 "--concurrency", "2", "--num-prompts", "3", "--max-tokens", "2", "--warmup-requests", "0",
-                "--prefix-cache", "on,reused,off", "--results-dir", str(tmp_path), "--no-plot"])
+                "--prefix-cache", "on,all,off", "--results-dir", str(tmp_path), "--no-plot"])
     assert rc == 0
     data = only_json(tmp_path)
     systems = {r["system"]: r for r in data["results"]}
-    assert set(systems) == {"mtpserve", "mtpserve snapshots-reused", "mtpserve no-prefix-cache"}
-    assert systems["mtpserve"]["extra"]["prefix_cache"]["snapshots"] == 3        # each prompt's last block
-    assert systems["mtpserve snapshots-reused"]["extra"]["prefix_cache"]["snapshots"] == 0
-    assert {c["kind"] for c in data["comparisons"]} == {"prefix_cache_on_vs_off", "snapshots_reused_vs_off"}
+    assert set(systems) == {"mtpserve", "mtpserve snapshots-all", "mtpserve no-prefix-cache"}
+    assert systems["mtpserve snapshots-all"]["extra"]["prefix_cache"]["snapshots"] == 3   # each prompt's last block
+    assert systems["mtpserve"]["extra"]["prefix_cache"]["snapshots"] == 0        # fresh prompts: none (reused)
+    assert {c["kind"] for c in data["comparisons"]} == {"prefix_cache_on_vs_off", "snapshots_all_vs_off"}
     assert bench(["--model", str(tiny_paged_export), "--prefix-cache", "sometimes"]) == 2
 
 

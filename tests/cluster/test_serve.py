@@ -77,7 +77,7 @@ def test_chat_completions_async_streamed_and_not(server):
     client = openai.AsyncOpenAI(base_url=server["base"], api_key=KEY, max_retries=0, timeout=120)
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop?"}]
     kwargs = dict(model=server["model"], messages=messages, max_tokens=12, temperature=0,
-                  extra_body={"ignore_eos": True})
+                  extra_body={"ignore_eos": True}, extra_headers={"x-session-id": "chat-streamed-and-not"})
 
     async def both():
         whole = await client.chat.completions.create(**kwargs)
@@ -92,7 +92,7 @@ def test_chat_completions_async_streamed_and_not(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     streamed = chunks[-1].usage
     assert (streamed.prompt_tokens, streamed.completion_tokens) == (whole.usage.prompt_tokens, 12)
-    # the same conversation again: its prompt's full blocks come from the prefix cache
+    # the same conversation again in its session: its prompt's full blocks come from the prefix cache
     n = whole.usage.prompt_tokens
     assert whole.usage.prompt_tokens_details.cached_tokens in (0, (n - 1) // 16 * 16)
     assert streamed.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16

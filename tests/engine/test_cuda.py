@@ -126,8 +126,16 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
     assert engine.stats.num_accepted_tokens > 0
     head = engine.proposer.graphs
     print(f"K={k}: {engine.graphs.num_replays} of {engine.num_steps} steps replayed a graph, "
+          f"{engine.graphs.num_device_drafts} took their drafts from the device, "
           f"{head.num_replays} head graph replays ({head.num_graphs} head graphs)")
-    assert engine.graphs.num_replays > 0 and head.num_replays > 0
+    assert engine.graphs.num_replays > 0 and head.num_replays > 0 and engine.graphs.num_device_drafts > 0
+    # drafts that reach the verify from the device are the eager head's drafts: wrong ones would
+    # leave the output as it is (rejected) but lose acceptance
+    eager = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=False)
+    eager_out, _ = run_all(eager, PROMPTS, params)
+    print(f"K={k}: acceptance with graphs {engine.stats.acceptance_rate:.3f}, eager {eager.stats.acceptance_rate:.3f}")
+    assert eager_out == ref
+    assert engine.stats.acceptance_rate >= 0.97 * eager.stats.acceptance_rate
 
 
 @needs_cuda
@@ -148,6 +156,26 @@ def test_cuda_structured_output_is_valid_and_token_identical_mtp_on_and_off(mode
         jsonschema.validate(json.loads(engine.tokenizer.decode(out[f"r{i}"])), schema)
     print(f"K={k} with a grammar: acceptance {engine.stats.acceptance_rate:.3f}")
     assert out == ref and engine.stats.acceptance_rate > 0.6
+
+
+@needs_cuda
+def test_bitmask_kernel_masks_exactly_the_rows_and_tokens_the_host_mask_does():
+    import cupy as cp
+
+    from mtpserve.engine.cuda_kernels import mask_rows_by_bitmask
+    rng = np.random.default_rng(0)
+    vocab, rows = 1000, [5, 0, 7]
+    words = (vocab + 31) // 32
+    bitmask = rng.integers(-2**31, 2**31 - 1, (len(rows), words), dtype=np.int64).astype(np.int32)
+    for dtype in (np.float16, np.float32):
+        logits = rng.standard_normal((9, vocab)).astype(dtype)
+        expected = logits.copy()
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(bool)
+        expected[rows] = np.where(allowed, expected[rows], -np.inf)
+        got = cp.asarray(logits)
+        mask_rows_by_bitmask(got, cp.asarray(np.concatenate([np.asarray(rows, np.int32), bitmask.reshape(-1)])),
+                             len(rows), words)
+        np.testing.assert_array_equal(got.get(), expected)
 
 
 def _graph_share(engine) -> float:

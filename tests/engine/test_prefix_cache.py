@@ -198,6 +198,32 @@ def test_snapshots_reused_a_prompt_seen_once_costs_no_chunk_and_a_repeat_hits_th
     assert steps[0] >= n and every_steps[0] == (n - 1) // 16 * 16
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_snapshots_reused_a_session_turn_is_snapshotted_so_the_next_turn_hits(model_dir, k):
+    """Under the default policy a request that a later one continues (a session's turn:
+    ``continues``) still snapshots its prompt's boundaries, so the next turn, which extends the
+    first turn's prompt and answer, starts from the cache; without it the next turn misses.
+    Tokens as the cache off, both turns."""
+    first = SYSTEM * 2 + PROMPTS[4]
+    for continues in (True, False):
+        engine = engine_with(model_dir, True, k, budget=512, interval=512, snapshots="reused")
+        turns, outputs, cached = [engine.tokenizer.encode(first)], [], []
+        n = len(turns[0])
+        for turn in range(2):
+            req = engine.add_request(f"turn{turn}", turns[-1], GREEDY, continues=continues)
+            got = []
+            while engine.has_work:
+                for ev in engine.step():
+                    got.extend(ev.token_ids)
+                engine.check_integrity()
+            outputs.append(got)
+            cached.append(req.num_cached_tokens)
+            turns.append(turns[-1] + got + engine.tokenizer.encode("\n# next:\n"))
+        assert outputs == [o[0] for o in reference(model_dir, [[turns[0]], [turns[1]]], k)]
+        assert cached == ([0, (n - 1) // 16 * 16] if continues else [0, 0])
+        assert engine.is_idle_and_empty()
+
+
 def test_by_default_the_host_tier_takes_only_prefixes_met_again(model_dir):
     """The default policy (reused): prompts seen once are dropped when the device evicts them (no
     device-to-host copies for one-off traffic); a prefix a later lookup met again is offloaded,
