@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from mtpserve.engine.cuda_kernels import argmax_rows, gather_rows
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -454,7 +455,7 @@ class HeadGraphs(_GraphSet):
         self._gather_hidden(sources, catch_up.inputs.device["gather"])
         self._replay(catch_up)
         last = catch_up.inputs.device["last_rows"]
-        drafts = [self.logits[last].argmax(axis=1)]
+        drafts = [argmax_rows(self.logits, rows=last)]
         state = self.hidden_out[last]
         if num_drafts > 1:
             host = chained.inputs.writable()
@@ -469,7 +470,7 @@ class HeadGraphs(_GraphSet):
                 dev["input_ids"][...] = drafts[-1]
                 self.hidden_in[:batch] = state
                 self._replay(chained)
-                drafts.append(self.logits[:batch].argmax(axis=1))
+                drafts.append(argmax_rows(self.logits, num_rows=batch))
                 state = self.hidden_out[:batch]
         return xp.stack(drafts, axis=1)[:B]
 
@@ -477,7 +478,10 @@ class HeadGraphs(_GraphSet):
         """hidden_in row b*R + i := the i-th pending hidden row of request b: one gather per
         source array, its (destination, source) rows at ``index[:, lo:hi]`` (on the device)."""
         for arr, lo, hi in sources:
-            self.hidden_in[index[0, lo:hi]] = arr[index[1, lo:hi]]
+            if arr.flags.c_contiguous and arr.dtype == self.hidden_in.dtype:
+                gather_rows(self.hidden_in, arr, index, lo, hi)
+            else:
+                self.hidden_in[index[0, lo:hi]] = arr[index[1, lo:hi]]
 
 
 def _gather_plan(hidden: Sequence[Sequence[tuple]], R: int, index: np.ndarray) -> list[tuple]:

@@ -120,3 +120,91 @@ def mask_rows_by_bitmask(logits, packed, num_rows: int, words_per_row: int) -> N
     vocab = logits.shape[1]
     _MASK_ROWS(packed, np.int32(num_rows), np.int32(words_per_row), np.int32(vocab), logits,
                size=num_rows * vocab)
+
+
+_ARGMAX_SOURCE = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ float as_float(const float x) { return x; }
+__device__ __forceinline__ float as_float(const __half x) { return __half2float(x); }
+
+// out[b] = argmax over logits[rows[b]] (rows = null: row b), the lowest id among equal maxima.
+// One block of 256 threads per output row.
+template <typename T>
+__device__ void argmax_rows(const T* __restrict__ logits, const long long* __restrict__ rows, long long vocab,
+                            long long* __restrict__ out) {
+    __shared__ float best[256];
+    __shared__ long long best_id[256];
+    const long long b = blockIdx.x;
+    const T* row = logits + (rows ? rows[b] : b) * vocab;
+    float m = -__int_as_float(0x7f800000);      // -inf
+    long long id = vocab;
+    for (long long t = threadIdx.x; t < vocab; t += blockDim.x) {
+        const float x = as_float(row[t]);
+        if (x > m) { m = x; id = t; }            // t grows: the first maximum this thread sees
+    }
+    best[threadIdx.x] = m;
+    best_id[threadIdx.x] = id;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float o = best[threadIdx.x + s];
+            const long long oid = best_id[threadIdx.x + s];
+            if (o > best[threadIdx.x] || (o == best[threadIdx.x] && oid < best_id[threadIdx.x])) {
+                best[threadIdx.x] = o;
+                best_id[threadIdx.x] = oid;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[b] = best_id[0] < vocab ? best_id[0] : 0;
+}
+
+extern "C" __global__ void argmax_rows_f16(const __half* logits, const long long* rows, long long vocab,
+                                           long long* out) { argmax_rows(logits, rows, vocab, out); }
+extern "C" __global__ void argmax_rows_f32(const float* logits, const long long* rows, long long vocab,
+                                           long long* out) { argmax_rows(logits, rows, vocab, out); }
+"""
+_ARGMAX = {}
+
+
+def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None):
+    """int64 ``[num_rows]``: the argmax of each row of ``logits`` [N, V] (float16 or float32,
+    C-contiguous) or of rows ``rows`` (int64 device indices), lowest id on ties (as numpy and
+    the sampler break them); one kernel launch, where CuPy's reduction costs several."""
+    import cupy
+    if not _ARGMAX:
+        module = cupy.RawModule(code=_ARGMAX_SOURCE, options=("--std=c++14",))
+        _ARGMAX[np.dtype(np.float16)] = module.get_function("argmax_rows_f16")
+        _ARGMAX[np.dtype(np.float32)] = module.get_function("argmax_rows_f32")
+    assert logits.flags.c_contiguous and logits.ndim == 2, "contiguous [N, V] logits"
+    n = int(rows.shape[0]) if rows is not None else (num_rows if num_rows is not None else logits.shape[0])
+    if out is None:
+        out = cupy.empty(n, cupy.int64)
+    if n:
+        _ARGMAX[np.dtype(logits.dtype)]((n,), (256,), (logits, rows if rows is not None else np.uint64(0),
+                                                         np.int64(logits.shape[1]), out))
+    return out
+
+
+_GATHER_ROWS = None
+
+
+def gather_rows(dst, src, index, lo: int, hi: int) -> None:
+    """``dst[index[0, j]] = src[index[1, j]]`` for j in lo..hi-1, whole rows, in one kernel
+    (CuPy's fancy-index assignment costs several launches and index checks). dst, src: [*, H]
+    C-contiguous, one dtype; index: int64 [2, n] on the device."""
+    global _GATHER_ROWS
+    import cupy
+    if _GATHER_ROWS is None:
+        _GATHER_ROWS = cupy.ElementwiseKernel(
+            "raw T src, raw int64 index, int64 lo, int64 stride, int64 width", "raw T dst",
+            """
+            const long long j = lo + i / width;
+            const long long c = i % width;
+            dst[index[j] * width + c] = src[index[stride + j] * width + c];
+            """, "mtpserve_gather_rows")
+    assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and index.ndim == 2
+    width = int(np.prod(dst.shape[1:]))
+    if hi > lo:
+        _GATHER_ROWS(src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), dst,
+                     size=(hi - lo) * width)

@@ -54,6 +54,11 @@ class DraftPolicy:
     def num_drafts(self, request) -> int:
         raise NotImplementedError
 
+    def step_num_drafts(self, wanted: list[int]) -> int:
+        """One draft count for a whole step, from what its requests want (the scheduler asks when
+        every request must carry the same number: captured verify steps): the median."""
+        return sorted(wanted)[len(wanted) // 2]
+
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verified step of a request: ``num_accepted`` of its ``num_drafts`` drafts kept."""
 
@@ -257,6 +262,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
         k = planned if planned is not None else choose_num_drafts(
             track.ema.value, self.load, self.max_drafts, self._step_cost)
         return self._probe(track, min(k, self.max_drafts))
+
+    def step_num_drafts(self, wanted: list[int]) -> int:
+        """The median of the requests' choices; a step whose median is 0 still drafts one token
+        every probe_interval-th step (the per-request probe of a uniform step), so acceptance and
+        the draft cost keep being measured, but never on an exploring step."""
+        k = super().step_num_drafts(wanted)
+        if k == 0 and self.max_drafts > 0 and not self.exploring and self._step_index % self.probe_interval == 0:
+            return 1
+        return k
 
     def _probe(self, track: _Track, k: int) -> int:
         """A request held at K = 0 still drafts one token every probe_interval steps."""

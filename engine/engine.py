@@ -147,6 +147,7 @@ class Engine:
                 c.table_widths, c.block_size, banks=(0,)), self.xp)
         self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length, self.prefix_cache)
+        self.scheduler.uniform_drafts = self.graphs is not None     # a captured verify has one shape
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()

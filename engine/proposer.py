@@ -23,7 +23,7 @@ import numpy as np
 
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import to_host
+from mtpserve.engine.sampler import row_argmax, to_host
 from mtpserve.engine.speculative import propose_drafts
 
 Array = Any   # numpy or cupy ndarray
@@ -174,5 +174,5 @@ class MTPProposer:
     def _draft_tokens(self, active: list, logits):
         params = [s.request.params for s in active]
         if all(p.is_greedy for p in params):
-            return to_host(logits.argmax(axis=1)), None
+            return to_host(row_argmax(logits, self.xp)), None
         return propose_drafts(logits, params, [s.request.rng for s in active], self.xp)

@@ -225,6 +225,14 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(int(seed) % 2**64)
 
 
+def row_argmax(logits, xp=np):
+    """[N] int64: each row's argmax, lowest id on ties (on a GPU one kernel: cuda_kernels)."""
+    if xp is np or logits.ndim != 2 or not logits.flags.c_contiguous or logits.dtype not in (np.float16, np.float32):
+        return logits.argmax(axis=1)
+    from mtpserve.engine.cuda_kernels import argmax_rows
+    return argmax_rows(logits)
+
+
 def to_host(array) -> np.ndarray:
     """A numpy copy of a numpy or cupy array (cupy arrays have ``.get()``)."""
     return array.get() if hasattr(array, "get") else np.asarray(array)
@@ -395,7 +403,7 @@ def sample(
     sampled = [i for i, p in enumerate(row_params) if not p.is_greedy]
     if greedy:
         rows = logits if len(greedy) == num_rows else logits[xp.asarray(greedy)]
-        ids[greedy] = to_host(rows.argmax(axis=1))
+        ids[greedy] = to_host(row_argmax(rows, xp))
     if sampled:
         rows = logits if len(sampled) == num_rows else logits[xp.asarray(sampled)]
         uniforms = [row_rngs[i].random() for i in sampled]

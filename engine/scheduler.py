@@ -21,6 +21,10 @@ drafts:
    batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back.
+4. With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
+   every request) the decoding requests' wishes become one K for the step
+   (``DraftPolicy.step_num_drafts``), before the caps; a seeded sampled request keeps its own
+   (its tokens depend on its K).
 
 Reservations are all-or-nothing per request: main KV for everything the step feeds, the MTP
 head's KV for its catch-up and chained rows. When the pools run out the scheduler first trims
@@ -131,6 +135,7 @@ class Scheduler:
         self.max_drafts = min(MAX_DRAFT_TOKENS, capture_capacity) if head_pool is not None else 0
         self.context_length = context_length
         self.prefix_cache = prefix_cache
+        self.uniform_drafts = False             # one draft count per step (rule 4)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -190,11 +195,12 @@ class Scheduler:
         has_prefill = any(not r.is_decoding for r in running) or (
             bool(waiting) and self.state_bank.can_admit())
         queue = list(running)
+        wanted = self._wanted_drafts(running) if self.max_drafts and not has_prefill else {}
         while queue and budget > 0 and slots > 0:
             req = queue.pop(0)
             if req.is_decoding:
                 num_tokens = 1
-                num_drafts = 0 if has_prefill else self._num_drafts(req, budget - 1)
+                num_drafts = 0 if has_prefill else self._num_drafts(req, wanted.get(req.request_id, 0), budget - 1)
             else:
                 num_tokens, num_drafts = self._chunk(req, budget), 0
             num_drafts = self._reserve_or_preempt(req, num_tokens, num_drafts, queue, plan)
@@ -268,8 +274,23 @@ class Scheduler:
             self.head_pool.free(req.request_id)
         req.num_computed = req.num_head = req.num_cached_tokens = 0
 
-    def _num_drafts(self, req: Request, budget_left: int) -> int:
-        wanted = self.draft_policy.num_drafts(req) if self.max_drafts else 0
+    def _wanted_drafts(self, running: list[Request]) -> dict[str, int]:
+        """Each decoding request's draft count before the caps: its policy's choice, or under
+        ``uniform_drafts`` one count for all of them (seeded sampled requests keep theirs)."""
+        wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in running if r.is_decoding}
+        if self.uniform_drafts and wanted:
+            own = {r.request_id for r in running if r.is_decoding and r.params.seed is not None
+                   and not r.params.is_greedy}
+            free = [k for rid, k in wanted.items() if rid not in own]
+            if free:
+                # the step's budget must hold every decoding request's 1 + K rows, or the last
+                # ones would be cut to fewer drafts
+                fits = self.config.max_tokens_per_step // min(len(wanted), self.config.max_requests_per_step) - 1
+                k = max(0, min(self.draft_policy.step_num_drafts(free), fits))
+                wanted = {rid: (wanted[rid] if rid in own else k) for rid in wanted}
+        return wanted
+
+    def _num_drafts(self, req: Request, wanted: int, budget_left: int) -> int:
         context_left = self.context_length - len(req.token_ids)
         return max(0, min(wanted, self.max_drafts, budget_left, req.max_output_left - 1, context_left))
 

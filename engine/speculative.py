@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, sample, sample_from_probs, to_host
+from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, row_argmax, sample, sample_from_probs, to_host
 
 # The most drafts one request may carry in one step: the paged export captures at most
 # state_update_capacity transitions, and its CUDA kernels are built for at most 8 rows per request.
@@ -254,7 +254,7 @@ def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, l
             (verified if s.num_drafts else plain).append((s, last))
             continue
         if argmax is None:
-            argmax = to_host(logits.argmax(axis=1))
+            argmax = to_host(row_argmax(logits, xp))
         d = drafts[r.request_id].tokens if s.num_drafts else []
         emitted, num_accepted = accept_greedy(argmax[last:last + len(d) + 1], d)
         if synthetic_acceptance is not None and d:

@@ -178,6 +178,31 @@ def test_bitmask_kernel_masks_exactly_the_rows_and_tokens_the_host_mask_does():
         np.testing.assert_array_equal(got.get(), expected)
 
 
+@needs_cuda
+def test_argmax_and_row_gather_kernels_match_numpy():
+    import cupy as cp
+
+    from mtpserve.engine.cuda_kernels import argmax_rows, gather_rows
+    rng = np.random.default_rng(1)
+    for dtype in (np.float16, np.float32):
+        logits = rng.standard_normal((7, 5000)).astype(dtype)
+        logits[2, [17, 4000]] = logits[2].max() + 1          # a tie: the lower id wins
+        logits[5] = 0                                        # all equal: id 0
+        got = argmax_rows(cp.asarray(logits)).get()
+        np.testing.assert_array_equal(got, logits.argmax(axis=1))
+        assert got[2] == 17 and got[5] == 0
+        rows = np.array([6, 2, 2], np.int64)
+        np.testing.assert_array_equal(argmax_rows(cp.asarray(logits), rows=cp.asarray(rows)).get(),
+                                      logits[rows].argmax(axis=1))
+    src, dst = rng.standard_normal((9, 12)).astype(np.float16), np.zeros((8, 12), np.float16)
+    index = np.array([[0, 3, 5, 7], [8, 1, 1, 4]], np.int64)
+    got = cp.asarray(dst)
+    gather_rows(got, cp.asarray(src), cp.asarray(index), 1, 4)
+    expected = dst.copy()
+    expected[index[0, 1:]] = src[index[1, 1:]]
+    np.testing.assert_array_equal(got.get(), expected)
+
+
 def _graph_share(engine) -> float:
     g = engine.graphs
     return g.num_replays / max(1, engine.num_steps)
@@ -209,7 +234,8 @@ def test_cuda_prefix_cache_hits_are_token_identical_to_the_cache_off(model_dir, 
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(prompts)
     cold, _ = run_all(engine_on(model_dir, "cuda", k=k, budget=48, prefix_cache=False), prompts, params)
     engine = engine_on(model_dir, "cuda", k=k, budget=48)
-    run_all(engine, prompts[:1], params[:1])
+    run_all(engine, prompts[:1], params[:1])       # two prompts one after the other: the second
+    run_all(engine, prompts[1:2], params[1:2])     # snapshots where they part (the default policy)
     warm, _ = run_all(engine, prompts, params)
     stats = engine.prefix_cache.stats
     print(f"K={k}: {stats.num_requests_hit} requests hit, {stats.hits} of {stats.queries} prompt tokens cached")

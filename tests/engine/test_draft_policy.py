@@ -162,3 +162,17 @@ def test_fixed_draft_policy():
             FixedDraftPolicy(bad)
     with pytest.raises(NotImplementedError):
         DraftPolicy().num_drafts(None)
+
+
+def test_a_uniform_step_takes_the_median_and_probes_one_draft_when_it_is_zero():
+    """step_num_drafts (one K for a captured step): the median of the requests' wishes; a step
+    whose median is 0 drafts one token every probe_interval-th step, except when exploring."""
+    assert FixedDraftPolicy(2).step_num_drafts([2, 2, 2]) == 2
+    policy = AdaptiveDraftPolicy(4, probe_interval=4, explore_interval=8)
+    assert policy.step_num_drafts([0, 3, 3, 1]) == 3
+    ks = []
+    for _ in range(16):
+        ks.append(policy.step_num_drafts([0, 0, 1]))
+        policy.observe_step(None)
+    # steps are counted from 1: probes on steps 4 and 12; 8 and 16 explore (no probe there)
+    assert [i + 1 for i, k in enumerate(ks) if k] == [4, 12]

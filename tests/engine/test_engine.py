@@ -359,3 +359,32 @@ def test_prompt_logprobs_score_every_prompt_token_like_generation_does(model_dir
         tail = prompt_entries[len(prompt) - 1:]
         for (t, lp, top), (t2, lp2, top2) in zip(tail, entries["r0"]):
             assert t == t2 and abs(lp - lp2) < 1e-4 and [a for a, _ in top] == [a for a, _ in top2]
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_tokens(model_dir, greedy_reference,
+                                                                                         uniform):
+    """The adaptive policy under ``uniform_drafts`` (what the engine sets with CUDA graphs, whose
+    verify steps have one shape): every decode step gives its requests one draft count (the
+    median of their choices), so it can replay a graph; greedy output stays MTP-off's. Without
+    it the same workload has steps whose requests carry different counts."""
+    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
+    engine = make_engine(model_dir, k="auto", budget=48, policy=AdaptiveDraftPolicy(4, prior=0.6, explore_interval=16))
+    engine.scheduler.uniform_drafts = uniform
+    counts = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        plan = original()
+        decoding = [s for s in plan.scheduled if s.num_tokens == 1 and s.request.max_output_left > 4]
+        if decoding and not any(s.num_tokens > 1 for s in plan.scheduled):
+            counts.append({s.num_drafts for s in decoding})
+        return plan
+    engine.scheduler.schedule = schedule
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    assert tokens == greedy_reference
+    mixed = sum(len(c) > 1 for c in counts)
+    drafted = sum(max(c) > 0 for c in counts)
+    print(f"uniform={uniform}: {mixed} of {len(counts)} decode steps mixed draft counts, {drafted} drafted")
+    assert drafted > len(counts) // 2
+    assert (mixed == 0) if uniform else (mixed > 0)
