@@ -24,7 +24,8 @@ drafts:
 4. With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
    every request) the decoding requests' wishes become one K for the step
    (``DraftPolicy.step_num_drafts``), before the caps; a seeded sampled request keeps its own
-   (its tokens depend on its K).
+   (its tokens depend on its K); a decoding request whose 1 + K rows no longer fit the step's
+   budget waits for the next step instead of carrying fewer drafts.
 
 Reservations are all-or-nothing per request: main KV for everything the step feeds, the MTP
 head's KV for its catch-up and chained rows. When the pools run out the scheduler first trims
@@ -200,7 +201,10 @@ class Scheduler:
             req = queue.pop(0)
             if req.is_decoding:
                 num_tokens = 1
-                num_drafts = 0 if has_prefill else self._num_drafts(req, wanted.get(req.request_id, 0), budget - 1)
+                k = wanted.get(req.request_id, 0)
+                if self.uniform_drafts and k and budget < 1 + k:
+                    continue          # rule 4: it waits for the next step rather than carry fewer drafts
+                num_drafts = 0 if has_prefill else self._num_drafts(req, k, budget - 1)
             else:
                 num_tokens, num_drafts = self._chunk(req, budget), 0
             num_drafts = self._reserve_or_preempt(req, num_tokens, num_drafts, queue, plan)
@@ -283,10 +287,7 @@ class Scheduler:
                    and not r.params.is_greedy}
             free = [k for rid, k in wanted.items() if rid not in own]
             if free:
-                # the step's budget must hold every decoding request's 1 + K rows, or the last
-                # ones would be cut to fewer drafts
-                fits = self.config.max_tokens_per_step // min(len(wanted), self.config.max_requests_per_step) - 1
-                k = max(0, min(self.draft_policy.step_num_drafts(free), fits))
+                k = self.draft_policy.step_num_drafts(free)
                 wanted = {rid: (wanted[rid] if rid in own else k) for rid in wanted}
         return wanted
 

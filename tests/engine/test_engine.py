@@ -361,15 +361,16 @@ def test_prompt_logprobs_score_every_prompt_token_like_generation_does(model_dir
             assert t == t2 and abs(lp - lp2) < 1e-4 and [a for a, _ in top] == [a for a, _ in top2]
 
 
-@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("uniform,fixed", [(True, None), (False, None), (True, 3)])
 def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_tokens(model_dir, greedy_reference,
-                                                                                         uniform):
+                                                                                         uniform, fixed):
     """The adaptive policy under ``uniform_drafts`` (what the engine sets with CUDA graphs, whose
     verify steps have one shape): every decode step gives its requests one draft count (the
     median of their choices), so it can replay a graph; greedy output stays MTP-off's. Without
     it the same workload has steps whose requests carry different counts."""
     from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
-    engine = make_engine(model_dir, k="auto", budget=48, policy=AdaptiveDraftPolicy(4, prior=0.6, explore_interval=16))
+    policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.6, explore_interval=16)
+    engine = make_engine(model_dir, k=fixed or "auto", budget=48, policy=policy)
     engine.scheduler.uniform_drafts = uniform
     counts = []
     original = engine.scheduler.schedule
@@ -388,3 +389,5 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
     print(f"uniform={uniform}: {mixed} of {len(counts)} decode steps mixed draft counts, {drafted} drafted")
     assert drafted > len(counts) // 2
     assert (mixed == 0) if uniform else (mixed > 0)
+    if fixed:       # a fixed K stays K (the budget defers the last requests instead of cutting drafts)
+        assert all(c == {fixed} for c in counts)
