@@ -82,6 +82,8 @@ class Engine:
                     self.proposer.graphs.capture_all()
             if self._stream is not None and config.warm_up:
                 self._warm_up_shapes()
+        if self._stream is not None and config.warm_up:
+            self.warm_up_requests()
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -196,6 +198,36 @@ class Engine:
                 self.runner.run_head(rows, xp.zeros((batch * n, self.manifest.hidden_size), self.runner.hidden_dtype))
         logger.info("engine: warmed up decode batch sizes 1..%d and full-budget prompt chunks in %.1f s", largest,
                     time.perf_counter() - started)
+
+    def warm_up_requests(self) -> None:
+        """A few short requests through the whole step path before any user's: one prefilled
+        while another decodes, drafts verified and rolled back (MTP), a greedy and a sampled
+        accept. The first such steps of a process compile CuPy's kernels and load the CUDA
+        modules they use (a 395-444 ms step on the H200 when a live burst met them first);
+        afterwards the engine is idle and empty and its counters are zero again."""
+        started = time.perf_counter()
+        bs, vocab = self.manifest.block_size, self.manifest.vocab_size
+        prompt = [(7 * i + 11) % vocab for i in range(3 * bs + 5)]
+        n = 2 + 2 * self.max_drafts
+        greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0, max_tokens=n, ignore_eos=True)
+        self.add_request("<warm-up-0>", prompt, greedy)
+        self.step()                                              # prefill; then one decodes while
+        self.add_request("<warm-up-1>", prompt[::-1], sampled)   # the next one prefills
+        while self.has_work:
+            self.step()
+        assert self.is_idle_and_empty(), "the warm-up requests left something behind"
+        self.num_steps, self.last_step = 0, None
+        self.scheduler.stats = SpecDecodeStats()
+        self.scheduler.num_preemptions = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats = type(self.prefix_cache.stats)()
+        for graphs in (self.graphs, self.proposer.graphs if self.proposer is not None else None):
+            if graphs is not None:
+                graphs.num_replays = 0
+        if self.graphs is not None:
+            self.graphs.num_eager = self.graphs.num_device_drafts = 0
+        logger.info("engine: warm-up requests in %.2f s", time.perf_counter() - started)
 
     def device_context(self):
         """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""

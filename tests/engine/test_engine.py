@@ -391,3 +391,17 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
     assert (mixed == 0) if uniform else (mixed > 0)
     if fixed:       # a fixed K stays K (the budget defers the last requests instead of cutting drafts)
         assert all(c == {fixed} for c in counts)
+
+
+def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no_output(model_dir, greedy_reference):
+    """What a CUDA engine runs at start (``warm_up_requests``: a prefill beside a decode, MTP
+    verify and rollback, a greedy and a sampled accept) leaves nothing a user would notice:
+    the engine idle and empty, its counters at zero, later output as a fresh engine's."""
+    engine = make_engine(model_dir, k=2, budget=48)
+    engine.warm_up_requests()
+    assert engine.is_idle_and_empty() and engine.num_steps == 0
+    assert engine.stats.num_draft_tokens == 0 and engine.prefix_cache.stats.queries == 0
+    engine.check_integrity()
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    assert tokens == greedy_reference
+    assert engine.stats.num_draft_tokens > 0
