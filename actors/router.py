@@ -3,7 +3,8 @@
 For each request, in order of preference:
 
 1. its session (``x-session-id`` header, or ``handle.options(session_id=...)``) goes to the
-   replica that holds it: the planner's session table, or this router's own recent binding;
+   replica that holds it: the planner's session table, or this router's own recent binding (a
+   new session is placed by the rules below and bound where it lands);
 2. otherwise (prefix-aware routing, on unless ``prefix_routing`` is off) the replica whose
    prefix cache holds the longest prefix of its prompt, unless that replica's load exceeds the
    least-loaded replica's by more than ``prefix_max_imbalance`` (then the longest match among
@@ -98,6 +99,17 @@ def prefer_cached(order: list[str], loads: dict[str, float], matched: dict[str, 
     return [best] + [r for r in order if r != best], "hit"
 
 
+def route(candidates: list[str], loads: dict[str, float], session_owner: str | None, matched: dict[str, int],
+          max_imbalance: float, rng: random.Random = random) -> tuple[list[str], str]:
+    """The whole rule: a live session owner first (decision ``session``), else ``prefer_cached``
+    over the least-loaded order (``prefix_hit`` / ``prefix_overloaded`` / ``prefix_miss``)."""
+    order = rank_replicas(candidates, loads, session_owner, rng)
+    if session_owner in candidates:
+        return order, "session"
+    order, decision = prefer_cached(order, loads, matched, max_imbalance)
+    return order, f"prefix_{decision}"
+
+
 class StateAffinityRouter(RequestRouter):
     """See the module docstring. kwargs (``RequestRouterConfig.request_router_kwargs``):
     ``refresh_interval_s`` (default 0.25), ``max_view_age_s`` (2), ``model_dir`` (the served
@@ -147,30 +159,21 @@ class StateAffinityRouter(RequestRouter):
                                    self._in_flight[uid]) for uid, r in by_id.items()}
         session_id = pending_request.metadata.session_id if pending_request is not None else ""
         owner = self._session_owner(session_id) if session_id else None
-        order = rank_replicas(list(by_id), loads, owner)
-        if session_id:
-            self.counts["session"] += 1
-            if owner != order[0]:
-                self._bind_session(session_id, order[0])
-        else:
-            order = self._decide(order, loads, pending_request)
+        digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request)
+        now = time.monotonic()
+        matched = {}
+        if digests:
+            indexes = {uid: self._indexes[uid][1] for uid in by_id if uid in self._indexes}
+            matched = matched_blocks(digests, indexes, self._recent, now)
+        order, decision = route(list(by_id), loads, owner, matched, self._max_imbalance)
+        self.counts[decision if decision == "session" or digests else "no_prefix"] += 1
+        if digests:
+            self._recent.remember(digests, order[0], now)
+        if session_id and owner != order[0]:
+            self._bind_session(session_id, order[0])
         return [[by_id[uid]] for uid in order]
 
     # ------------------------------------------------------------------ prefixes
-    def _decide(self, order: list[str], loads: dict[str, float], pending_request: PendingRequest | None) -> list[str]:
-        """A request without a session: ``prefer_cached`` when its prompt's digests are known."""
-        digests = self._prompt_digests(pending_request) if self._prefix_routing else []
-        if not digests:
-            self.counts["no_prefix"] += 1
-            return order
-        now = time.monotonic()
-        indexes = {uid: self._indexes[uid][1] for uid in order if uid in self._indexes}
-        order, decision = prefer_cached(order, loads, matched_blocks(digests, indexes, self._recent, now),
-                                        self._max_imbalance)
-        self.counts[f"prefix_{decision}"] += 1
-        self._recent.remember(digests, order[0], now)
-        return order
-
     def _prompt_digests(self, pending_request: PendingRequest | None) -> list[bytes]:
         """The routing digests of the request's prompt; [] if unknown (not loaded yet, no prompt)."""
         if pending_request is None or not pending_request.args:
