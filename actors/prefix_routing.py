@@ -150,13 +150,14 @@ def matched_blocks(digests: list[bytes], indexes: dict[str, frozenset[bytes]], r
 
 
 class RecentPrefixes:
-    """Where this router sent each prefix lately (digest -> replica, for ``ttl_s``, at most
-    ``max_digests``): a burst of requests sharing a new prefix follows the first of them before
-    any replica has reported caching it (its prefill may not even have started)."""
+    """Where this router sent each prefix lately (digest -> {replica: when}, for ``ttl_s``, at most
+    ``max_digests`` digests): a burst of requests sharing a new prefix follows the first of them
+    before any replica has reported caching it (its prefill may not even have started), and once
+    the bound sent some elsewhere, both replicas count as holding it."""
 
     def __init__(self, ttl_s: float = 30.0, max_digests: int = 200_000):
         self.ttl_s, self.max_digests = ttl_s, max_digests
-        self._sent: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._sent: OrderedDict[bytes, dict[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -164,17 +165,18 @@ class RecentPrefixes:
     def remember(self, digests: list[bytes], replica_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for d in digests:
-            self._sent.pop(d, None)
-            self._sent[d] = (replica_id, now)
+            sent = self._sent.pop(d, None) or {}
+            sent[replica_id] = now
+            self._sent[d] = {r: t for r, t in sent.items() if now - t <= self.ttl_s}
         while len(self._sent) > self.max_digests:
             self._sent.popitem(last=False)
 
     def matches(self, digests: list[bytes], now: float | None = None) -> dict[str, int]:
-        """{replica: leading blocks of the prompt last sent there within ttl_s}."""
+        """{replica: leading blocks of the prompt sent there within ttl_s}."""
         now = time.monotonic() if now is None else now
         out: dict[str, int] = {}
         for k, d in enumerate(digests):
-            sent = self._sent.get(d)
-            if sent is not None and now - sent[1] <= self.ttl_s:
-                out[sent[0]] = k + 1
+            for replica_id, t in self._sent.get(d, {}).items():
+                if now - t <= self.ttl_s:
+                    out[replica_id] = k + 1
         return out

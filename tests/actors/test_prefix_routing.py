@@ -147,8 +147,10 @@ def test_recent_sends_remember_the_deepest_replica_per_prefix_and_expire():
     recent.remember(a, "r1", now=0.0)
     recent.remember(b, "r2", now=1.0)        # shares a's first 3 blocks, then diverges
     assert recent.matches(a, now=2.0) == {"r2": 3, "r1": 6}
-    assert recent.matches(b, now=2.0) == {"r2": 6}
+    assert recent.matches(b, now=2.0) == {"r1": 3, "r2": 6}
     assert recent.matches(a, now=10.5) == {"r2": 3}, "r1's send is older than ttl_s"
+    recent.remember(a, "r2", now=11.0)
+    assert recent.matches(a, now=12.0) == {"r2": 6}
     recent.remember([bytes([3, k]) for k in range(120)], "r3", now=3.0)
     assert len(recent) == 100, "bounded"
     indexes = {"r1": frozenset(a[:4]), "r4": frozenset(b)}
