@@ -156,3 +156,18 @@ def test_recent_sends_remember_the_deepest_replica_per_prefix_and_expire():
     indexes = {"r1": frozenset(a[:4]), "r4": frozenset(b)}
     assert matched_blocks(a, indexes, RecentPrefixes(), now=0.0) == {"r1": 4, "r4": 3}
     assert matched_blocks(a, indexes, recent, now=2.0)["r1"] == 4, "the deeper of index and memory"
+
+
+def test_a_cut_text_leaves_out_the_block_its_cut_may_have_changed(model_dir, tokenizer):
+    """A head cut inside a word tokenizes differently at its end: its last block is left out, so
+    every digest it gives is one of the whole prompt's."""
+    digests = PromptDigests(tokenizer, block_size_of(model_dir))
+    full = tokenizer.encode(CODE)
+    whole = digests.of_prompt(CODE)
+    cuts = [c for c in range(200, 1500) if len(ids := tokenizer.encode(CODE[:c])) % 16 == 0
+            and ids[-1] != full[len(ids) - 1]]           # a cut whose last full block ends in a changed token
+    assert cuts, "no cut of the text changes a block's last token: pick another text"
+    for c in cuts[:5]:
+        assert not set(digests.of_prompt(CODE[:c], cut=False)) <= set(whole), "the test's cut changes nothing"
+        got = digests.of_prompt(CODE[:c], cut=True)
+        assert got and got == whole[:len(got)]
