@@ -24,6 +24,7 @@ replicas on it) never takes the planner along; its view sheds the lost replicas 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, D
 NAMESPACE = "mtpserve"
 HEAD_NODE_RESOURCE = "node:__internal_head__"    # Ray gives the head node 1 of it
 SILENT_AFTER_S = 1.0             # a replica this long without a report is checked for liveness
+ROUTER_TTL_S = 86_400.0          # a router silent this long is forgotten (its decision counts too)
 
 
 def planner_name(app_name: str) -> str:
@@ -196,11 +198,11 @@ class PlannerState:
         return PlacementView(replicas, {sid: rid for sid, (rid, _) in self.sessions.items()}, now, indexes)
 
     def note_routing(self, router_id: str, counts: dict[str, int], now: float) -> None:
-        """A router's decision counters so far (``router.RoutingCounts``); routers silent for a day are
-        forgotten (a proxy restarted, its router with it)."""
+        """A router's decision counts so far (``StateAffinityRouter.counts``: totals, not deltas);
+        routers silent for ROUTER_TTL_S are forgotten (a proxy restarted, its router with it)."""
         self.routing[router_id] = (dict(counts), now)
         for rid, (_, seen) in list(self.routing.items()):
-            if now - seen > 86_400:
+            if now - seen > ROUTER_TTL_S:
                 del self.routing[rid]
 
     def routing_counts(self) -> dict[str, int]:
@@ -212,7 +214,9 @@ class PlannerState:
         return total
 
     def metrics(self) -> dict[str, tuple[MetricsSnapshot, LoopSnapshot]]:
-        return {rid: (r.metrics, r.loop) for rid, (r, _) in self.reports.items()}
+        """Every replica's figures for /metrics (its routing index left out: routers' business)."""
+        return {rid: (r.metrics, dataclasses.replace(r.loop, prefix_index=b""))
+                for rid, (r, _) in self.reports.items()}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
