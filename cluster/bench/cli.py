@@ -143,6 +143,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prefix-max-imbalance", type=float, metavar="R",
                    help="with --replicas: the router's load bound for prefix-aware routing (requests; default: the "
                         "server's)")
+    g.add_argument("--prefix-host-gib", type=float, metavar="G",
+                   help="with --replicas: the replicas' host tier for evicted prefixes (default: the server's; 0 = "
+                        "none, so a small --num-blocks makes the cache's size matter)")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")

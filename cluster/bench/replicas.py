@@ -74,7 +74,8 @@ def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool =
         threads = max(1, num_cpus // num_replicas)
     given = {"draft_tokens": args.draft_tokens, "num_blocks": args.num_blocks,
              "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len,
-             "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None)}
+             "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None),
+             "prefix_host_gib": getattr(args, "prefix_host_gib", None)}
     return ServeOptions.from_flat(
         model_dir=args.model, device=args.device, num_replicas=num_replicas, num_threads=threads,
         num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas)) if args.device == "cpu" else 1.0,
