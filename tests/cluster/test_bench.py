@@ -244,6 +244,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--synthetic-acceptance", "0.7", "--temperature", "1", "--results-dir", str(tmp_path)]) == 2
     assert "greedy" in capsys.readouterr().err
     assert bench(["--draft-tokens", "0,x", "--results-dir", str(tmp_path)]) == 2
+    assert bench(["--prefix-routing", "on,maybe", "--results-dir", str(tmp_path)]) == 2
+    assert "--prefix-routing" in capsys.readouterr().err
     assert bench(["--nodes", "2", "--results-dir", str(tmp_path)]) == 2       # no cluster is started for it
     assert "a head and at least two worker nodes" in capsys.readouterr().err
     assert bench(["--nodes", "3", "--replicas", "2", "--results-dir", str(tmp_path)]) == 2
