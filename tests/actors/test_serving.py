@@ -228,7 +228,9 @@ def _routed(app, decision: str) -> float:
 
 def test_requests_sharing_a_prefix_go_where_it_is_cached_over_http_and_a_python_handle(app):
     """No sessions: after the first, every request with the prefix lands on the replica that
-    cached it and is served from its cache; greedy answers equal the in-process engine's."""
+    cached it and, from the third on, is served from its cache (with `--prefix-snapshots reused`
+    the second one's match takes the snapshot the third starts from; with `all` the second hits
+    already); greedy answers equal the in-process engine's."""
     prefix = _module_text(f"p{uuid.uuid4().hex[:6]}")
     prompts = [prefix + f"value_{i} = " for i in range(5)]
     texts = engine_texts(app["model_dir"], prompts, 12)
@@ -238,7 +240,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached_over_http_and_a_python_
     for i, p in enumerate(prompts[1:], 1):
         body, replica = _complete(app, p, temperature=0, max_tokens=12, ignore_eos=True)
         assert replica == home, f"request {i} left the replica that caches its prefix"
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert i < 2 or body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert body["choices"][0]["text"] == texts[f"r{i}"]
     # chat: a long system prompt shared by conversations
     system = [{"role": "system", "content": _module_text(f"s{uuid.uuid4().hex[:6]}")}]
@@ -249,7 +251,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached_over_http_and_a_python_
         assert r.status_code == 200, r.text
         chat_homes.add(r.headers["x-mtpserve-replica"])
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-    assert len(chat_homes) == 1 and all(c > 0 for c in cached[1:]), (chat_homes, cached)
+    assert len(chat_homes) == 1 and all(c > 0 for c in cached[2:]), (chat_homes, cached)
     # a Python handle: routed in this process, by a router that never saw any of these prefixes:
     # where each is cached it learns from the replicas' routing indexes in the planner's view
     # (two prefixes seeded on each replica through sessions, so a lucky guess is 1 in 16)
