@@ -38,6 +38,8 @@ class Overloaded(RuntimeError):
 
 
 MAX_REPORTED_SESSIONS = 10_000      # sessions a replica remembers (and reports) at most, besides active ones
+MAX_ROUTING_DIGESTS = 4096          # prefix-cache digests a replica reports to routers (8 bytes each)
+ROUTING_INDEX_INTERVAL_S = 0.2      # the routing index is rebuilt at most this often (when it changed)
 
 
 class EngineFailed(RuntimeError):
@@ -70,6 +72,8 @@ class LoopSnapshot:
     prefix_cache_hits: int = 0         # of which served from it
     prefix_cache_blocks: int = 0       # KV blocks the cache holds
     prefix_cache_snapshots: int = 0    # state snapshots it holds
+    prefix_index: bytes = b""          # the cache's routing index (``PrefixCache.routing_index``)
+    prefix_index_version: int = 0      # changes whenever prefix_index does
     failed: str | None = None
     taken_at: float = 0.0
 
@@ -206,6 +210,7 @@ class EngineLoop:
         self._step_time_ema = 0.0
         self._failed: BaseException | None = None
         self._published_at = 0.0
+        self._index = (b"", 0, 0.0)                   # (routing index, its cache version, built at)
         self.snapshot = LoopSnapshot()
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
 
@@ -430,7 +435,8 @@ class EngineLoop:
         cache = e.prefix_cache
         prefix = {} if cache is None else dict(
             prefix_cache_queries=cache.stats.queries, prefix_cache_hits=cache.stats.hits,
-            prefix_cache_blocks=e.kv_pool.num_cached_blocks, prefix_cache_snapshots=cache.num_snapshots)
+            prefix_cache_blocks=e.kv_pool.num_cached_blocks, prefix_cache_snapshots=cache.num_snapshots,
+            **self._routing_index(cache, now))
         self.snapshot = LoopSnapshot(
             num_usable_blocks=self.num_usable_blocks, num_free_blocks=e.kv_pool.num_free_blocks,
             num_rows=self.num_rows, num_free_rows=e.state_bank.num_free_rows,
@@ -445,6 +451,15 @@ class EngineLoop:
             step_time_ema_s=self._step_time_ema, **prefix,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())
         self._published_at = now
+
+
+    def _routing_index(self, cache, now: float) -> dict:
+        """The cache's routing index, rebuilt when it changed but at most every ROUTING_INDEX_INTERVAL_S."""
+        index, version, built_at = self._index
+        if cache.routing_version != version and now - built_at >= ROUTING_INDEX_INTERVAL_S:
+            index, version = cache.routing_index(MAX_ROUTING_DIGESTS), cache.routing_version
+            self._index = (index, version, now)
+        return {"prefix_index": index, "prefix_index_version": version}
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -108,16 +108,18 @@ class MetricsRecorder:
             return copy.deepcopy(self._data)
 
 
-def render_metrics(model_name: str, replicas: dict[str, tuple[MetricsSnapshot, object]]) -> bytes:
-    """Prometheus text for {replica id: (MetricsSnapshot, LoopSnapshot)}."""
+def render_metrics(model_name: str, replicas: dict[str, tuple[MetricsSnapshot, object]],
+                   routing: dict[str, int] | None = None) -> bytes:
+    """Prometheus text for {replica id: (MetricsSnapshot, LoopSnapshot)} and the routers' decisions
+    ({decision: requests}, summed over the app's routers: ``router.StateAffinityRouter.counts``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(model_name, replicas))
+    registry.register(_Collector(model_name, replicas, routing or {}))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, model_name: str, replicas: dict):
-        self.model_name, self.replicas = model_name, replicas
+    def __init__(self, model_name: str, replicas: dict, routing: dict[str, int]):
+        self.model_name, self.replicas, self.routing = model_name, replicas, routing
 
     def collect(self):
         labels = ["model_name", "replica"]
@@ -176,4 +178,12 @@ class _Collector:
             fam["pc_hits"].add_metric(lv, loop.prefix_cache_hits)
             fam["pc_blocks"].add_metric(lv, loop.prefix_cache_blocks)
             fam["pc_snapshots"].add_metric(lv, loop.prefix_cache_snapshots)
+        routed = CounterMetricFamily(
+            "mtpserve:router_requests", "Requests routed, by decision: session (its replica), prefix_hit (to the "
+            "replica caching the longest prefix), prefix_overloaded (a match, but beyond the load bound), prefix_miss "
+            "(no replica caches any of it), no_prefix (prompt unknown or prefix routing off).",
+            labels=["model_name", "decision"])
+        for decision, n in sorted(self.routing.items()):
+            routed.add_metric([self.model_name, decision], n)
         yield from fam.values()
+        yield routed

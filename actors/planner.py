@@ -5,7 +5,8 @@ the per-request path either: workers report to it every ``report_interval_s`` an
 plan back in the reply; routers pull its placement view a few times a second.
 
     worker --WorkerReport (full snapshot)--> planner --WorkerPlan--> worker (grant, K per request)
-    router --placement()----------------->  planner --PlacementView--> router (loads, sessions)
+    router --placement(known, counts)---->  planner --PlacementView--> router (loads, sessions,
+                                                       prefix indexes that changed since `known`)
     router --bind_session(sid, replica)-->  planner   (fire and forget)
 
 Reports are full snapshots, never deltas, so the planner's view is rebuilt from scratch by the
@@ -23,6 +24,7 @@ replicas on it) never takes the planner along; its view sheds the lost replicas 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, D
 NAMESPACE = "mtpserve"
 HEAD_NODE_RESOURCE = "node:__internal_head__"    # Ray gives the head node 1 of it
 SILENT_AFTER_S = 1.0             # a replica this long without a report is checked for liveness
+ROUTER_TTL_S = 86_400.0          # a router silent this long is forgotten (its decision counts too)
 
 
 def planner_name(app_name: str) -> str:
@@ -78,6 +81,9 @@ class PlacementView:
     replicas: dict[str, ReplicaLoad]
     sessions: dict[str, str]         # session id -> replica id
     taken_at: float
+    # replica id -> (version, its prefix cache's routing index: 8-byte digests, newest first), for
+    # the replicas whose index changed since the versions the router said it holds
+    prefix_indexes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
 
 class PlannerState:
@@ -97,6 +103,7 @@ class PlannerState:
         self.sessions: dict[str, tuple[str, float]] = {}           # session -> (replica, last seen)
         self.drained: set[str] = set()
         self.plans: dict[str, dict[str, tuple[float, int]]] = {}   # replica -> rid -> (alpha, K)
+        self.routing: dict[str, tuple[dict[str, int], float]] = {}  # router -> (decision counts, seen)
 
     def report(self, report: WorkerReport, now: float) -> WorkerPlan:
         rid = report.replica_id
@@ -173,20 +180,43 @@ class PlannerState:
             if rid == replica_id:
                 del self.sessions[sid]
 
-    def placement(self, now: float) -> PlacementView:
+    def placement(self, now: float, known: dict[str, int] | None = None) -> PlacementView:
+        """Loads and sessions; the prefix index of each replica whose version is not ``known[replica]``
+        (None: every replica's)."""
         self.expire(now)
-        replicas = {}
+        known = known or {}
+        replicas, indexes = {}, {}
         for rid, (r, _) in self.reports.items():
+            if known.get(rid) != r.loop.prefix_index_version:
+                indexes[rid] = (r.loop.prefix_index_version, r.loop.prefix_index)
             s = r.loop
             replicas[rid] = ReplicaLoad(
                 num_running=s.num_running, num_pending=s.num_pending,
                 kv_usage=1 - s.num_free_blocks / max(s.num_usable_blocks, 1),
                 headroom_blocks=(0 if rid in self.drained else s.num_blocks_granted) - s.num_reserved_blocks,
                 drained=rid in self.drained)
-        return PlacementView(replicas, {sid: rid for sid, (rid, _) in self.sessions.items()}, now)
+        return PlacementView(replicas, {sid: rid for sid, (rid, _) in self.sessions.items()}, now, indexes)
+
+    def note_routing(self, router_id: str, counts: dict[str, int], now: float) -> None:
+        """A router's decision counts so far (``StateAffinityRouter.counts``: totals, not deltas);
+        routers silent for ROUTER_TTL_S are forgotten (a proxy restarted, its router with it)."""
+        self.routing[router_id] = (dict(counts), now)
+        for rid, (_, seen) in list(self.routing.items()):
+            if now - seen > ROUTER_TTL_S:
+                del self.routing[rid]
+
+    def routing_counts(self) -> dict[str, int]:
+        """Every router's decisions, summed by reason."""
+        total: dict[str, int] = {}
+        for counts, _ in self.routing.values():
+            for reason, n in counts.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
 
     def metrics(self) -> dict[str, tuple[MetricsSnapshot, LoopSnapshot]]:
-        return {rid: (r.metrics, r.loop) for rid, (r, _) in self.reports.items()}
+        """Every replica's figures for /metrics (its routing index left out: routers' business)."""
+        return {rid: (r.metrics, dataclasses.replace(r.loop, prefix_index=b""))
+                for rid, (r, _) in self.reports.items()}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -203,8 +233,12 @@ class PlannerActor:
     def bind_session(self, session_id: str, replica_id: str) -> str:
         return self.state.bind_session(session_id, replica_id, time.time())
 
-    def placement(self) -> PlacementView:
+    def placement(self, known: dict[str, int] | None = None, router_id: str | None = None,
+                  counts: dict[str, int] | None = None) -> PlacementView:
+        """The view for routers (``PlannerState.placement``); a router also hands in its decision counts."""
         now = time.time()
+        if router_id is not None and counts is not None:
+            self.state.note_routing(router_id, counts, now)
         if now - self._checked_at > SILENT_AFTER_S:
             self._checked_at = now
             silent = [r for r in self.state.silent_replicas(now, SILENT_AFTER_S) if r.actor_name]
@@ -212,10 +246,13 @@ class PlannerActor:
             for report in silent:
                 if report.actor_name not in live:
                     self.state.forget(report.replica_id)
-        return self.state.placement(now)
+        return self.state.placement(now, known)
 
     def metrics(self) -> dict:
         return self.state.metrics()
+
+    def routing_counts(self) -> dict[str, int]:
+        return self.state.routing_counts()
 
     def drain(self, replica_id: str, drained: bool = True) -> None:
         self.state.drain(replica_id, drained)

@@ -1,4 +1,5 @@
-"""What a client sees when its replica dies: an ASGI middleware for Ray Serve's HTTP proxy.
+"""ASGI middlewares for Ray Serve's HTTP proxy: what a client sees when its replica dies, and
+the prompt head that prefix-aware routing reads.
 
 The OpenAI routes run on the replica itself (one hop for tokens), so when a replica's process
 dies its in-flight requests die with it and nothing on the replica can answer them. Ray Serve's
@@ -13,6 +14,15 @@ an incomplete chunked read). In the proxy, this middleware turns both into OpenA
 A 503 before the first token is safe to retry (the OpenAI clients do): the request ran nowhere
 else. Only the generation routes (paths ending in ``/completions``) are touched.
 
+``PromptHeadMiddleware``: the router that picks a replica for an HTTP request runs in this proxy
+but gets the request's ASGI scope, not its body (the body follows to the replica afterwards). For
+``POST .../v1/completions`` and ``.../v1/chat/completions`` with a body of at most
+``MAX_HEAD_BODY_BYTES`` it reads the body, puts the first part of the prompt under
+``scope[prefix_routing.SCOPE_KEY]`` (``prefix_routing.prompt_head``: a few KB at most) and hands
+the replica the same body, byte for byte. Larger bodies, other routes and bodies that are not
+such requests pass untouched (routed by load). The body is read before the replica checks the
+API key, so an unauthenticated client costs the proxy one JSON parse of at most that size.
+
 Serve builds its proxies' middlewares from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in the
 environment of each node's Ray processes: set it to ``PROXY_CALLBACK`` on every node where
 mtpserve is installed (``ray start``, the RayService pods), or call ``install()`` before
@@ -24,10 +34,12 @@ from __future__ import annotations
 import json
 import os
 
+from mtpserve.actors.prefix_routing import SCOPE_KEY, prompt_head
 from mtpserve.actors.protocol import SSE_DONE, APIError
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mtpserve.actors.proxy_middleware:middlewares"
+MAX_HEAD_BODY_BYTES = 1 << 20       # bodies the prompt-head middleware reads (larger ones: routed by load)
 REPLICA_LOST = ("the replica serving this request stopped before it finished; "
                 "other replicas are unaffected, retry the request")
 
@@ -40,7 +52,7 @@ def install(environ=os.environ) -> None:
 def middlewares() -> list:
     """Serve's proxy callback: the middlewares to wrap its ASGI app with."""
     from starlette.middleware import Middleware
-    return [Middleware(ReplicaLossMiddleware)]
+    return [Middleware(ReplicaLossMiddleware), Middleware(PromptHeadMiddleware)]
 
 
 def replica_lost_error() -> APIError:
@@ -78,3 +90,37 @@ class ReplicaLossMiddleware:
         elif state["sse"] and not state["ended"]:
             event = f"data: {json.dumps(replica_lost_error().body())}\n\n{SSE_DONE}"
             await send({"type": "http.response.body", "body": event.encode()})
+
+
+class PromptHeadMiddleware:
+    """Puts a generation request's prompt head in its scope for the router (see the module docstring)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        chat = path.endswith("/v1/chat/completions")
+        if not (chat or path.endswith("/v1/completions")) or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if not length.isdigit() or int(length) > MAX_HEAD_BODY_BYTES:
+            return await self.app(scope, receive, send)
+        chunks, held = [], []              # held: what arrived after the body (a disconnect)
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                held.append(message)
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        head = prompt_head(body, chat) if not held else None
+        if head is not None:
+            scope = {**scope, SCOPE_KEY: head}
+        replay = [{"type": "http.request", "body": body, "more_body": False}, *held]
+
+        async def replayed():
+            return replay.pop(0) if replay else await receive()
+        return await self.app(scope, replayed, send)

@@ -3,33 +3,59 @@
 For each request, in order of preference:
 
 1. its session (``x-session-id`` header, or ``handle.options(session_id=...)``) goes to the
-   replica that holds it: the planner's session table, or this router's own recent binding;
-2. otherwise the least-loaded replica, by the planner's placement view (running + waiting
-   requests, KV usage; drained replicas last), never older than this router's own count of
-   requests in flight (so a burst spreads before the next view arrives).
+   replica that holds it: the planner's session table, or this router's own recent binding (a
+   new session is placed by the rules below and bound where it lands);
+2. otherwise (prefix-aware routing, on unless ``prefix_routing`` is off) the replica whose
+   prefix cache holds the longest prefix of its prompt, unless that replica's load exceeds the
+   least-loaded replica's by more than ``prefix_max_imbalance`` (then the longest match among
+   those within the bound; see ``prefer_cached``);
+3. otherwise (no replica holds any of it) the least-loaded replica, by the planner's placement
+   view (running + waiting requests, KV usage; drained replicas last), never older than this
+   router's own count of requests in flight (so a burst spreads before the next view arrives).
 
 The view is pulled from the planner actor in the background every ``refresh_interval_s``; the
 routing decision itself makes no remote call. A new session is bound to the chosen replica
 locally at once and told to the planner without waiting. Ranks are returned one replica each,
 so Serve tries them in this order and only moves on when a replica is at its queue limit.
+
+Where a prompt's prefix is cached comes from each replica's routing index (its prefix cache's
+digests, in the view, refreshed only when they change) and this router's memory of where it sent
+each prefix lately (``prefix_routing.RecentPrefixes``). The prompt is read from a handle call's
+first argument (``generate`` / ``stream``) or, over HTTP, from the head the proxy's middleware
+put in the ASGI scope (``proxy_middleware.PromptHeadMiddleware``: Serve hands the router the
+scope, pickled, not the body); it is hashed with the served model's tokenizer and chat template
+(``model_dir``), loaded in the background at the first request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import random
+import threading
 import time
-from collections import defaultdict
+import uuid
+from collections import Counter, defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mtpserve.actors.planner import PlacementView, ReplicaLoad, get_planner
+from mtpserve.actors.prefix_routing import (
+    DEFAULT_MAX_IMBALANCE,
+    SCOPE_KEY,
+    PromptDigests,
+    RecentPrefixes,
+    block_size_of,
+    index_set,
+    matched_blocks,
+)
 
 logger = logging.getLogger("ray.serve")
 
 DRAINED_PENALTY = 1e6
 MAX_LOCAL_SESSIONS = 100_000
+PROMPT_METHODS = ("generate", "stream")   # handle methods whose first argument is the prompt
 
 
 def replica_load(view: ReplicaLoad | None, routing_stats: dict, num_in_flight: int) -> float:
@@ -54,8 +80,41 @@ def rank_replicas(candidates: list[str], loads: dict[str, float], session_owner:
     return ordered
 
 
+def prefer_cached(order: list[str], loads: dict[str, float], matched: dict[str, int],
+                  max_imbalance: float) -> tuple[list[str], str]:
+    """The prefix-aware rule, applied to ``rank_replicas``'s least-loaded order (no session owner).
+
+    ``matched``: leading prompt blocks each replica holds. Among replicas with a match whose load
+    is at most ``max_imbalance`` above the least loaded one's, the longest match goes first (ties:
+    the less loaded); the rest keep their order. Returns (order, decision): ``hit`` (a match
+    went first), ``overloaded`` (every match is beyond the bound: least-loaded order) or ``miss``
+    (no replica holds any of the prompt: least-loaded order)."""
+    if not any(matched.get(r, 0) > 0 for r in order):
+        return order, "miss"
+    least = loads.get(order[0], 0.0)
+    within = [r for r in order if matched.get(r, 0) > 0 and loads.get(r, 0.0) - least <= max_imbalance]
+    if not within:
+        return order, "overloaded"
+    best = max(within, key=lambda r: matched[r])       # the first of the longest: the least loaded of them
+    return [best] + [r for r in order if r != best], "hit"
+
+
+def route(candidates: list[str], loads: dict[str, float], session_owner: str | None, matched: dict[str, int],
+          max_imbalance: float, rng: random.Random = random) -> tuple[list[str], str]:
+    """The whole rule: a live session owner first (decision ``session``), else ``prefer_cached``
+    over the least-loaded order (``prefix_hit`` / ``prefix_overloaded`` / ``prefix_miss``)."""
+    order = rank_replicas(candidates, loads, session_owner, rng)
+    if session_owner in candidates:
+        return order, "session"
+    order, decision = prefer_cached(order, loads, matched, max_imbalance)
+    return order, f"prefix_{decision}"
+
+
 class StateAffinityRouter(RequestRouter):
-    """See the module docstring. kwargs: ``refresh_interval_s`` (default 0.25), ``max_view_age_s`` (2)."""
+    """See the module docstring. kwargs (``RequestRouterConfig.request_router_kwargs``):
+    ``refresh_interval_s`` (default 0.25), ``max_view_age_s`` (2), ``model_dir`` (the served
+    export: prefix-aware routing needs its tokenizer; without it, none), ``prefix_routing``
+    (True), ``prefix_max_imbalance`` (DEFAULT_MAX_IMBALANCE requests)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -67,10 +126,26 @@ class StateAffinityRouter(RequestRouter):
         self._in_flight: defaultdict[str, int] = defaultdict(int)
         self._refresh_task: asyncio.Task | None = None
         self._planner = None
+        self._model_dir: str | None = None
+        self._prefix_routing = False
+        self._max_imbalance = DEFAULT_MAX_IMBALANCE
+        self._digests: PromptDigests | None = None      # set by the loader thread
+        self._loader: threading.Thread | None = None
+        self._indexes: dict[str, tuple[int, frozenset[bytes]]] = {}   # replica -> (version, index)
+        self._recent = RecentPrefixes()
+        self.counts: Counter[str] = Counter()            # routing decisions, by kind (see _decide)
+        self._router_id = uuid.uuid4().hex
 
-    def initialize_state(self, refresh_interval_s: float = 0.25, max_view_age_s: float = 2.0, **kwargs):
+    def initialize_state(self, refresh_interval_s: float = 0.25, max_view_age_s: float = 2.0,
+                         model_dir: str | None = None, prefix_routing: bool = True,
+                         prefix_max_imbalance: float = DEFAULT_MAX_IMBALANCE, **kwargs):
         self._refresh_interval_s = refresh_interval_s
         self._max_view_age_s = max_view_age_s
+        self._model_dir = model_dir
+        self._prefix_routing = bool(prefix_routing and model_dir)
+        self._max_imbalance = float(prefix_max_imbalance)
+        if self._prefix_routing:
+            self._start_loading()
 
     # ------------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -84,10 +159,58 @@ class StateAffinityRouter(RequestRouter):
                                    self._in_flight[uid]) for uid, r in by_id.items()}
         session_id = pending_request.metadata.session_id if pending_request is not None else ""
         owner = self._session_owner(session_id) if session_id else None
-        order = rank_replicas(list(by_id), loads, owner)
+        digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request)
+        now = time.monotonic()
+        matched = {}
+        if digests:
+            indexes = {uid: self._indexes[uid][1] for uid in by_id if uid in self._indexes}
+            matched = matched_blocks(digests, indexes, self._recent, now)
+        order, decision = route(list(by_id), loads, owner, matched, self._max_imbalance)
+        self.counts[decision if decision == "session" or digests else "no_prefix"] += 1
+        if digests:
+            self._recent.remember(digests, order[0], now)
         if session_id and owner != order[0]:
             self._bind_session(session_id, order[0])
         return [[by_id[uid]] for uid in order]
+
+    # ------------------------------------------------------------------ prefixes
+    def _prompt_digests(self, pending_request: PendingRequest | None) -> list[bytes]:
+        """The routing digests of the request's prompt; [] if unknown (not loaded yet, no prompt)."""
+        if pending_request is None or not pending_request.args:
+            return []
+        if self._digests is None:
+            self._start_loading()
+            return []
+        try:
+            if pending_request.metadata.is_http_request:
+                arg = pending_request.args[0]
+                scope = pickle.loads(arg).asgi_scope if isinstance(arg, bytes) else getattr(arg, "asgi_scope", {})
+                head = scope.get(SCOPE_KEY)
+                return self._digests.of_head(head) if head else []
+            if pending_request.metadata.call_method in PROMPT_METHODS:
+                prompt = pending_request.args[0]
+                if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+                    return self._digests.of_prompt(prompt)
+        except Exception as e:  # noqa: BLE001 - routing falls back to load; never fail a request here
+            logger.debug(f"prompt digests failed: {e!r}")
+        return []
+
+    def _start_loading(self) -> None:
+        """Load the model's tokenizer on a thread (a large vocabulary takes a second)."""
+        if self._loader is not None:
+            return
+
+        def load():
+            try:
+                from mtpserve.engine.bundled import resolve_model_dir
+                from mtpserve.engine.tokenizer import Tokenizer
+                path = resolve_model_dir(self._model_dir)
+                self._digests = PromptDigests(Tokenizer(path), block_size_of(path))
+            except Exception as e:  # noqa: BLE001 - without it, routing is by load alone
+                logger.warning(f"prefix-aware routing is off: the tokenizer of {self._model_dir} did not load ({e!r})")
+                self._prefix_routing = False
+        self._loader = threading.Thread(target=load, name="mtpserve-router-tokenizer", daemon=True)
+        self._loader.start()
 
     def on_send_request(self, replica_id: ReplicaID):
         super().on_send_request(replica_id)
@@ -120,6 +243,13 @@ class StateAffinityRouter(RequestRouter):
             return None
         return self._view
 
+    def _take_indexes(self, view: PlacementView) -> None:
+        """Keep the routing indexes the view brought (only changed ones), for live replicas."""
+        for rid, (version, index) in view.prefix_indexes.items():   # (off: versions only, not re-sent)
+            self._indexes[rid] = (version, index_set(index) if self._prefix_routing else frozenset())
+        for rid in set(self._indexes) - set(view.replicas):
+            del self._indexes[rid]
+
     def _ensure_refresh_task(self) -> None:
         if self._refresh_task is None or self._refresh_task.done():
             self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
@@ -131,10 +261,13 @@ class StateAffinityRouter(RequestRouter):
                 if self._planner is None:
                     self._planner = get_planner(app_name)
                 if self._planner is not None:
-                    view: PlacementView = await self._planner.placement.remote()
+                    known = {rid: version for rid, (version, _) in self._indexes.items()}
+                    view: PlacementView = await self._planner.placement.remote(known, self._router_id,
+                                                                               dict(self.counts))
                     self._view, self._view_received_at = view, time.monotonic()
                     # the planner's table is authoritative: another router may have won a race
                     self._sessions.update(view.sessions)
+                    self._take_indexes(view)
             except Exception as e:
                 logger.debug(f"placement refresh failed: {e!r}")
                 self._planner = None

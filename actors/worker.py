@@ -43,6 +43,15 @@ from mtpserve.engine.tokenizer import Tokenizer
 logger = logging.getLogger("ray.serve")
 
 ROUTER_CLASS = "mtpserve.actors.router.StateAffinityRouter"
+
+
+def router_config(router_kwargs: dict | None = None) -> RequestRouterConfig:
+    """Serve's routing settings of the deployment: our router (``router_kwargs`` reach its
+    ``initialize_state``: the model, prefix-aware routing on or off), replica stats every 0.5 s."""
+    return RequestRouterConfig(request_router_class=ROUTER_CLASS, request_routing_stats_period_s=0.5,
+                               request_router_kwargs=router_kwargs or {})
+
+
 @dataclass
 class Generation:
     """A finished request, as ``generate`` returns it to Python callers."""
@@ -164,18 +173,18 @@ class Worker:
 
     async def metrics_text(self) -> bytes:
         """Prometheus text for every replica the planner knows, this one fresh."""
-        replicas = {}
+        replicas, routing = {}, {}
         if self._planner is None and self.app_name:
             self._planner = get_planner(self.app_name)
         planner = self._planner
         if planner is not None:
             try:
-                replicas = await planner.metrics.remote()
+                replicas, routing = await planner.metrics.remote(), await planner.routing_counts.remote()
             except Exception as e:
                 logger.warning(f"planner metrics unavailable: {e!r}")
                 self._planner = None
         replicas[self.replica_id] = (self.recorder.snapshot(), self.loop.snapshot)
-        return render_metrics(self.model_name, replicas)
+        return render_metrics(self.model_name, replicas, routing)
 
     # ------------------------------------------------------------------ planner reports
     def _report_loop(self) -> None:
@@ -215,8 +224,7 @@ class Worker:
     max_ongoing_requests=1024,
     health_check_period_s=5,
     ray_actor_options={"num_cpus": 1},
-    request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                              request_routing_stats_period_s=0.5))
+    request_router_config=router_config())
 @serve.ingress(api)
 class LLMServer(OpenAIRoutes, Worker):
     """The deployment: one engine per replica, OpenAI routes on the replica itself."""

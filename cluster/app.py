@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpserve.actors.prefix_routing import DEFAULT_MAX_IMBALANCE
 from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.bundled import BUNDLED_MODEL_REF, MODEL_DIR
 from mtpserve.engine.config import config_fields, from_flat, setting
@@ -36,6 +37,13 @@ class ServeOptions:
                                                  "replica per node (as num_gpus_per_replica 1 places one per GPU)")
     shutdown_grace_s: float = setting(5.0, "seconds a stopping replica lets its in-flight requests run before "
                                            "it is stopped (their streams then end)")
+    prefix_routing: bool = setting(True, "prefix-aware routing: a request without a session goes to the replica "
+                                         "whose prefix cache holds the longest prefix of its prompt, unless that "
+                                         "replica is busier than the least loaded by more than "
+                                         "prefix_max_imbalance; off: to the least loaded")
+    prefix_max_imbalance: float = setting(DEFAULT_MAX_IMBALANCE, "prefix-aware routing: how many more active requests than the least "
+                                               "loaded replica a replica holding the prompt's prefix may have and "
+                                               "still be preferred")
 
     @staticmethod
     def from_flat(**values) -> ServeOptions:
@@ -50,6 +58,8 @@ class ServeOptions:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.prefix_max_imbalance < 0:
+            raise ValueError(f"prefix_max_imbalance must be >= 0, got {self.prefix_max_imbalance}")
         if not (Path(engine.model_dir) / "genai_config.json").is_file():
             raise ValueError(f"{engine.model_dir} is not a model export (no genai_config.json)")
 
@@ -60,7 +70,7 @@ class ServeOptions:
 
 def build_app(options: ServeOptions):
     """The bound deployment for ``serve.run``."""
-    from mtpserve.actors.worker import LLMServer
+    from mtpserve.actors.worker import LLMServer, router_config
     options.validate()
     engine = options.worker.engine
     model_dir = Path(engine.model_dir).resolve()
@@ -75,6 +85,9 @@ def build_app(options: ServeOptions):
         num_replicas=options.num_replicas,
         max_ongoing_requests=engine.cache.max_resident_requests + worker.max_pending,
         graceful_shutdown_timeout_s=options.shutdown_grace_s, graceful_shutdown_wait_loop_s=0.5,
+        request_router_config=router_config({"model_dir": worker.engine.model_dir,
+                                             "prefix_routing": options.prefix_routing,
+                                             "prefix_max_imbalance": options.prefix_max_imbalance}),
         ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus,
                            **({"resources": {options.replica_resource: 1}} if options.replica_resource else {})})
     return deployment.bind(worker.to_dict())

@@ -46,10 +46,18 @@ per 37 MiB snapshot). A later lookup whose chain runs into host records restores
 blocks and one snapshot) before the hit. A record leaves the process serialised with msgpack
 (``pack_record``: each array as raw bytes with its dtype and shape), the format that moves a
 cached prefix between processes.
+
+**Routing index** (``routing_index``): routers across replicas prefer the replica that holds a
+request's longest prefix (``actors/router.py``). The cache keeps, in the order they were last
+used, the digests of its entries within the first ``ROUTED_PREFIX_TOKENS`` tokens of a prompt,
+and hands out the newest ones truncated to ``ROUTING_DIGEST_BYTES``: a compact set in which a
+router looks up the same chain digests of a new prompt's first blocks (a digest names its whole
+prefix, so the deepest one found is the longest cached prefix).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +70,9 @@ from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.state_bank import StateBank
 
 Array = Any
+
+ROUTED_PREFIX_TOKENS = 1024      # how deep routing looks into a prompt (indexed here, hashed by routers)
+ROUTING_DIGEST_BYTES = 8         # a routing index entry: the chain digest's first bytes
 
 
 @dataclass
@@ -240,6 +251,8 @@ class PrefixCache:
         self._by_block: dict[int, bytes] = {}
         self._by_head_block: dict[int, bytes] = {}
         self._chains: dict[str, _RequestChain] = {}
+        self._routable: dict[bytes, None] = {}     # digests within ROUTED_PREFIX_TOKENS, least recently used first
+        self.routing_version = 0                   # bumped whenever _routable gains or loses a digest
         self._clock = 0
         self.stats = PrefixCacheStats()
         self.kv_arrays, self.head_arrays = list(kv_arrays), list(head_arrays)
@@ -343,6 +356,8 @@ class PrefixCache:
         self._clock += 1
         for e in path:
             e.last_used = self._clock
+            if self._routable.pop(e.digest, False) is None:      # most recently used last
+                self._routable[e.digest] = None
         head_blocks = []
         for e in path[1:]:
             if e.head_block is None:
@@ -487,6 +502,9 @@ class PrefixCache:
         self.entries[digest] = CacheEntry(digest, num_tokens, block, last_used=self._clock)
         self._by_block[block] = digest
         self.kv_pool.mark_cached(block)
+        if num_tokens <= ROUTED_PREFIX_TOKENS:
+            self._routable[digest] = None
+            self.routing_version += 1
 
     def _register_head(self, request_id: str, chain: _RequestChain, num_head: int) -> None:
         """Head block j is fixed once num_head >= (j+1)*bs; it is kept under entry j+1."""
@@ -518,6 +536,13 @@ class PrefixCache:
         self.bank.free_snapshot(entry.snapshot)
         entry.snapshot, entry.hidden = None, None
 
+    # ------------------------------------------------------------------ routing
+    def routing_index(self, limit: int) -> bytes:
+        """The ``limit`` most recently used digests within ``ROUTED_PREFIX_TOKENS``, each cut to
+        ``ROUTING_DIGEST_BYTES``, concatenated (newest first): what this cache tells routers."""
+        newest = itertools.islice(reversed(self._routable), limit)
+        return b"".join(d[:ROUTING_DIGEST_BYTES] for d in newest)
+
     # ------------------------------------------------------------------ forgetting
     def forget_request(self, request_id: str) -> None:
         """The request finished: its bookkeeping goes (its blocks stay cached in the pools)."""
@@ -534,6 +559,8 @@ class PrefixCache:
         entry = self.entries.pop(digest, None) if digest is not None else None
         if entry is None:
             return
+        if self._routable.pop(digest, False) is None:
+            self.routing_version += 1
         self._offload(entry, with_blocks=True)
         if entry.snapshot is not None:
             self._drop_snapshot(entry)
@@ -570,6 +597,8 @@ class PrefixCache:
             raise AssertionError(f"host tier holds {self.host.nbytes} bytes, budget {self.host.budget_bytes}")
         if _PIN in self.kv_pool:
             raise AssertionError("a restore's pin table was left behind")
+        if any(d not in self.entries for d in self._routable):
+            raise AssertionError("the routing index names an entry the cache no longer holds")
 
     def check_requests(self, live: set[str]) -> None:
         if not set(self._chains) <= live:

@@ -37,7 +37,14 @@ import time
 from pathlib import Path
 
 from mtpserve.cluster.bench import report
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, Load, Workload, random_workload, text_workload
+from mtpserve.cluster.bench.workload import (
+    BUNDLED_PROMPTS,
+    Load,
+    Workload,
+    random_workload,
+    text_workload,
+    with_shared_prefixes,
+)
 from mtpserve.cluster.flags import on_off
 
 
@@ -96,6 +103,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="bundled code-like prompts of mixed lengths, or random token ids of --input-len")
     g.add_argument("--prompts-file", help="one prompt per line (\\n for newlines); replaces --prompts")
     g.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens")
+    g.add_argument("--prefix-groups", type=int, default=1,
+                   help="with --shared-prefix-len: this many distinct shared prefixes, each request given one at "
+                        "random (seeded)")
     g.add_argument("--shared-prefix-len", type=int, default=0,
                    help="prepend the same N random tokens to every prompt (a shared system prompt)")
     g.add_argument("--vocab-size", type=int, help="random token ids range, for --url without a local --model")
@@ -128,6 +138,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="the engine's prefix cache: on (its default snapshot policy, reused), off, or all (on with "
                         "--prefix-snapshots all: every prompt boundary snapshotted); "
                         "a list runs each and compares them with off (default on)")
+    g.add_argument("--prefix-routing", default="on", metavar="on|off[,...]",
+                   help="with --replicas: the Serve app's prefix-aware routing; on,off deploys each in turn on the "
+                        "same prompts and compares them (cached prompt tokens, TTFT, tokens/s, requests per replica)")
+    g.add_argument("--prefix-max-imbalance", type=float, metavar="R",
+                   help="with --replicas: the router's load bound for prefix-aware routing (requests; default: the "
+                        "server's)")
+    g.add_argument("--prefix-host-gib", type=float, metavar="G",
+                   help="with --replicas: the replicas' host tier for evicted prefixes (default: the server's; 0 = "
+                        "none, so a small --num-blocks makes the cache's size matter)")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
@@ -221,6 +240,13 @@ def _prefix_mode(text: str) -> str:
         raise ValueError(f"--prefix-cache takes on, off or all, got {text!r}") from None
 
 
+def _on_off(text: str) -> bool:
+    try:
+        return on_off(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
+
+
 def _bytes(text: str) -> list[int]:
     """Stand-in token count for HTTP runs without a local tokenizer (usage overrides it)."""
     return list(text.encode())
@@ -229,6 +255,7 @@ def _bytes(text: str) -> list[int]:
 def _bench(args) -> int:
     loads = _loads(args)
     parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache")      # a bad value fails now, not after a run
+    parse_list(args.prefix_routing, _on_off, "--prefix-routing")
     if args.nodes is not None:
         return _bench_nodes(args)
     if args.soak is not None:
@@ -271,10 +298,8 @@ def _bench(args) -> int:
     if args.shared_prefix_len:
         if vocab is None:
             raise ValueError("--shared-prefix-len needs a vocabulary size: give --model DIR or --vocab-size N")
-        prefix = random_workload(1, args.shared_prefix_len, vocab, args.seed + 1, exclude).prompt_ids[0]
-        base = workload
-        workload = Workload([prefix + p for p in base.prompt_ids], None, base.arrivals_s,
-                            fresh=(lambda i: [prefix + p for p in base.fresh(i)]) if base.fresh else None)
+        workload = with_shared_prefixes(workload, args.shared_prefix_len, max(1, args.prefix_groups), vocab,
+                                        args.seed, exclude)
     if synthetic:
         _log(f"SYNTHETIC acceptance: each draft is accepted with probability {a:g}; the outputs are not the model's")
 
@@ -390,10 +415,11 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "serving_overhead")}
     if args.url:
         settings["draft_tokens"] = "the server's"
-    scaling = overhead = None
+    scaling = overhead = routing = None
     if mode == "replicas":
         from mtpserve.cluster.bench import replicas
         scaling, overhead = replicas.scaling(summaries), replicas.http_overhead(summaries)
+        routing = replicas.prefix_routing_effect(summaries)
     payload = {
         "name": name, "created": now.isoformat(timespec="seconds"), "mode": mode,
         "command": sys.argv, "git_commit": _git_commit(),
@@ -412,6 +438,8 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         payload["scaling"] = scaling
     if overhead:
         payload["http_overhead"] = overhead
+    if routing:
+        payload["prefix_routing"] = routing
     if fault is not None:
         payload["fault"] = fault
     if manifest is not None:
@@ -424,6 +452,8 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     title = f"{name}: {mode} on {args.device}" + (f" — SYNTHETIC acceptance a={a:g}" if synthetic else "")
     if args.no_plot or mode == "fault":
         plot_note = None
+    elif routing:
+        plot_note = replicas.plot_prefix_routing(routing, path.with_suffix(".png"), title)
     elif scaling is not None:
         plot_note = replicas.plot_scaling(summaries, scaling, path.with_suffix(".png"), title)
     else:
@@ -440,6 +470,9 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
               f"{100 * bound['fraction_of_bound']:.1f}% of the bound")
     if scaling:
         print("\n" + replicas.format_scaling(scaling))
+    if routing:
+        print("\nprefix-aware routing on vs off (cached: prompt tokens served from the replicas' caches):\n"
+              + replicas.format_prefix_routing(routing))
     if overhead:
         print("\nwhat serving adds (1 replica over HTTP vs the same engine in process):\n"
               + replicas.format_http_overhead(overhead))

@@ -66,6 +66,10 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
             after = await _scrape_metrics(session, target.url)
             run.spec = _spec_delta(before, after)
             run.extra["model"] = model
+            decided = (after or {}).get("router_decisions")
+            if decided:     # as counted by the planner so far (routers report every 0.25 s)
+                old = (before or {}).get("router_decisions") or {}
+                run.extra["router_decisions"] = {k: int(v - old.get(k, 0)) for k, v in decided.items()}
             log(f"http {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
                 f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
             runs.append(run)
@@ -170,6 +174,7 @@ async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: floa
             if usage:
                 rec.num_output_tokens = int(usage.get("completion_tokens", 0))
                 rec.num_prompt_tokens = int(usage.get("prompt_tokens", rec.num_prompt_tokens))
+                rec.num_cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     if rec.finish_s is None and rec.error is None:
         rec.error = "the stream ended without a finish_reason"
     if not rec.num_output_tokens:
@@ -183,10 +188,12 @@ _COUNTERS = {"spec_decode_num_drafts_total": "num_drafts",
              "num_target_forwards_total": "num_target_forwards",
              "generation_tokens_total": "num_emitted_tokens"}
 _PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+_ROUTED = "router_requests_total"          # by decision label: the app's routers (prefix-aware routing)
 
 
 def parse_metrics(text: str) -> dict:
-    """Prometheus text -> our counter names, summed over replicas; per-position as a list."""
+    """Prometheus text -> our counter names, summed over replicas; per-position as a list; the
+    routers' decisions as ``router_decisions`` {decision: requests}."""
     out: dict = {}
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
@@ -197,6 +204,11 @@ def parse_metrics(text: str) -> dict:
         try:
             v = float(value)
         except ValueError:
+            continue
+        if name.endswith(_ROUTED):
+            decision = re.search(r'decision="([^"]+)"', labels or "")
+            if decision:
+                out.setdefault("router_decisions", {})[decision.group(1)] = v
             continue
         if name.endswith(_PER_POSITION):
             pos = re.search(r'position="(\d+)"', labels or "")
@@ -224,6 +236,8 @@ def _spec_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     out = {}
     for key, v in after.items():
+        if key == "router_decisions":
+            continue
         if key == "accepted_per_position":
             old = before.get(key) or []
             out[key] = [int(a - (old[i] if i < len(old) else 0)) for i, a in enumerate(v)]

@@ -3,6 +3,12 @@
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32     CPU replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256     one replica per GPU
 
+With ``--prefix-routing on,off`` every replica count is deployed once per setting of the
+router's prefix-aware routing, on the same prompts (``--shared-prefix-len N --prefix-groups G``:
+G shared prefixes, so that both caching and balancing matter): the ``prefix_routing`` rows compare
+them at each load (prompt tokens served from the replicas' caches, TTFT p50/p99, tokens/s, each
+replica's requests).
+
 Replica count 0 is the baseline: the same engine config a replica builds, driven in this process
 (no Ray Serve, no HTTP), so `--replicas 0,1` shows in one run what serving adds to TTFT and the
 inter-token latency (the ``http_overhead`` rows: added ms at p50 and p99).
@@ -61,54 +67,114 @@ def num_devices(ray, device: str) -> int:
     return int(ray.cluster_resources().get(resource, 0))
 
 
-def serve_options(args, num_replicas: int, num_cpus: int):
+def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool = True):
     from mtpserve.cluster.app import ServeOptions
     threads = args.num_threads
     if args.device == "cpu" and not threads:
         threads = max(1, num_cpus // num_replicas)
     given = {"draft_tokens": args.draft_tokens, "num_blocks": args.num_blocks,
-             "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len}
+             "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len,
+             "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None),
+             "prefix_host_gib": getattr(args, "prefix_host_gib", None)}
     return ServeOptions.from_flat(
         model_dir=args.model, device=args.device, num_replicas=num_replicas, num_threads=threads,
         num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas)) if args.device == "cpu" else 1.0,
-        **{k: v for k, v in given.items() if v is not None})
+        prefix_routing=prefix_routing, **{k: v for k, v in given.items() if v is not None})
 
 
 @contextmanager
-def deployed(options, port: int, log, timeout_s: float = 600.0):
+def deployed(options, port: int, log, timeout_s: float = 600.0, app_name: str = APP_NAME):
     """The Serve app with ``options``, every replica reporting to its planner; yields the base URL."""
     started = time.perf_counter()
     host, port = deploy.start_http(deploy.LOCAL_HOST, port)
-    with deploy.deployed(options, APP_NAME, route_prefix="/", timeout_s=timeout_s):
+    with deploy.deployed(options, app_name, route_prefix="/", timeout_s=timeout_s):
         log(f"{replica_label(options.num_replicas)} up in {time.perf_counter() - started:.1f} s")
         yield deploy.client_url(host, port)       # a cluster's Serve may already listen elsewhere
 
 
 # ---------------------------------------------------------------------------- the sweep
+def routing_modes(args) -> tuple[bool, ...]:
+    """--prefix-routing's settings, in order (on, off, or both)."""
+    from mtpserve.cluster.flags import on_off
+    return tuple(dict.fromkeys(on_off(v) for v in str(getattr(args, "prefix_routing", "on")).split(",") if v.strip()))
+
+
 def run_replica_sweep(args, loads_with_workloads, log) -> list:
-    """LoadRuns of every replica count (--replicas) at every load; ``system`` is the replica label."""
+    """LoadRuns of every replica count (--replicas) at every load, for each --prefix-routing
+    setting; ``system`` is the replica label (and the routing setting, when several are compared)."""
     import ray
 
     from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
     runs = []
+    modes = routing_modes(args)
     with deploy.connected(args.address or None, quiet=True):
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         replica_counts = parse_replicas(args.replicas, args.device, num_devices(ray, args.device))
         log(f"replica counts {replica_counts} on {args.device}; loads {[l.label for l, _ in loads_with_workloads]}")
         for n in replica_counts:
-            options = serve_options(args, max(n, 1), cpus)
             if n == 0:
-                runs += run_in_process(args, options.worker.engine, loads_with_workloads, log)
+                runs += run_in_process(args, serve_options(args, 1, cpus).worker.engine, loads_with_workloads, log)
                 continue
-            with deployed(options, args.port, log) as url:
-                target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
-                                    args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
-                for run in run_http_loads(target, loads_with_workloads, log=lambda m, n=n: log(f"[{n}] {m}")):
-                    run.system = replica_label(n)
-                    run.extra["num_replicas"] = n
-                    run.extra["replica_share"] = replica_share(run.records)
-                    runs.append(run)
+            for routing in modes:
+                options = serve_options(args, n, cpus, prefix_routing=routing)
+                label = replica_label(n) + (f", prefix routing {'on' if routing else 'off'}" if len(modes) > 1 else "")
+                # an app of its own per setting: Ray Serve 2.60's proxies keep a deployment's router
+                # (and the settings its initialize_state got) across a redeploy under the same name
+                app_name = APP_NAME + ("" if routing else "-no-prefix-routing")
+                with deployed(options, args.port, log, app_name=app_name) as url:
+                    target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
+                                        args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
+                    for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}")):
+                        run.system = label
+                        run.extra.update(num_replicas=n, prefix_routing=routing, replica_share=replica_share(run.records),
+                                         prefix_cache=cached_share(run.records))
+                        runs.append(run)
     return runs
+
+
+def cached_share(records) -> dict:
+    """Prompt tokens of the completed requests and how many of them the replicas' caches served."""
+    done = [r for r in records if r.completed]
+    prompt, cached = sum(r.num_prompt_tokens for r in done), sum(r.num_cached_tokens for r in done)
+    return {"prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_fraction": round(cached / prompt, 4) if prompt else None}
+
+
+def prefix_routing_effect(summaries: list[dict]) -> list[dict]:
+    """Prefix-aware routing on against off, per replica count and load (runs of one sweep)."""
+    by_key = {(s["extra"].get("num_replicas"), s["extra"].get("prefix_routing"), s["load"]): s
+              for s in summaries if s["num_completed"] and "prefix_routing" in s["extra"]}
+    out = []
+    for (n, routing, load), on in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1]["concurrency"] or 0)):
+        off = by_key.get((n, False, load))
+        if not routing or off is None:
+            continue
+        row = {"num_replicas": n, "load": load, "concurrency": on["concurrency"]}
+        for name, s in (("on", on), ("off", off)):
+            row[name] = {"cached_fraction": s["extra"]["prefix_cache"]["cached_fraction"],
+                         "ttft_p50_ms": (s.get("ttft_ms") or {}).get("p50"),
+                         "ttft_p99_ms": (s.get("ttft_ms") or {}).get("p99"),
+                         "output_token_throughput": s["output_token_throughput"],
+                         "requests_per_replica": s["extra"]["replica_share"]["requests"],
+                         "replica_max_over_mean": s["extra"]["replica_share"]["max_over_mean"]}
+        row["throughput_ratio"] = round(on["output_token_throughput"] / off["output_token_throughput"], 3)
+        row["ttft_p50_ratio"] = _ratio(on, off, "ttft_ms")
+        out.append(row)
+    return out
+
+
+def format_prefix_routing(rows: list[dict]) -> str:
+    lines = [f"{'replicas':>8} {'load':>6} {'routing':>7} {'cached':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'tok/s':>8}  requests per replica"]
+    for r in rows:
+        for name in ("on", "off"):
+            x = r[name]
+            lines.append(f"{r['num_replicas']:>8} {r['load']:>6} {name:>7} {100 * (x['cached_fraction'] or 0):>6.1f}% "
+                         f"{x['ttft_p50_ms']:>9.1f} {x['ttft_p99_ms']:>9.1f} {x['output_token_throughput']:>8.1f}  "
+                         f"{sorted(x['requests_per_replica'].values(), reverse=True)}")
+        lines.append(f"{'':>8} {'':>6} {'on/off':>7} {'':>7} {_x(r['ttft_p50_ratio']):>9} {'':>9} "
+                     f"{r['throughput_ratio']:>7.2f}x")
+    return "\n".join(lines)
 
 
 def run_in_process(args, config, loads_with_workloads, log) -> list:
@@ -193,14 +259,15 @@ def replica_share(records) -> dict:
 
 def scaling(summaries: list[dict]) -> list[dict]:
     """N-vs-1 replica ratios at each load, for every N > 1 measured alongside 1 replica."""
-    by_key = {(s["extra"]["num_replicas"], s["load"]): s for s in summaries if s["num_completed"]}
+    by_key = {(s["extra"]["num_replicas"], s["extra"].get("prefix_routing", True), s["load"]): s
+              for s in summaries if s["num_completed"]}
     out = []
-    for (n, load), s in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1]["concurrency"] or 0)):
-        base = by_key.get((1, load))
+    for (n, routing, load), s in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1]["concurrency"] or 0)):
+        base = by_key.get((1, routing, load))
         if n <= 1 or base is None:
             continue
         tps, rps = s["output_token_throughput"], s["request_throughput"]
-        out.append({"num_replicas": n, "load": load, "concurrency": s["concurrency"],
+        out.append({"num_replicas": n, "prefix_routing": routing, "load": load, "concurrency": s["concurrency"],
                     "output_token_throughput": tps, "baseline_output_token_throughput": base["output_token_throughput"],
                     "throughput_ratio": round(tps / base["output_token_throughput"], 3),
                     "request_throughput_ratio": round(rps / base["request_throughput"], 3),
@@ -258,4 +325,25 @@ def plot_scaling(summaries: list[dict], rows: list[dict], path: Path, title: str
     ax_ratio.grid(True, alpha=0.3)
     if rows:
         ax_ratio.legend(fontsize=8)
+    return report.save_figure(fig, path, title)
+
+
+def plot_prefix_routing(rows: list[dict], path: Path, title: str) -> str | None:
+    """Prefix-aware routing on vs off at each load: cached prompt tokens, TTFT p50 / p99, tokens/s."""
+    plt = report.pyplot()
+    if plt is None:
+        return report.NO_MATPLOTLIB
+    panels = [("cached_fraction", "prompt tokens from cache", 100.0), ("ttft_p50_ms", "TTFT p50 (ms)", 1.0),
+              ("ttft_p99_ms", "TTFT p99 (ms)", 1.0), ("output_token_throughput", "output tokens/s", 1.0)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    labels = [f"{r['num_replicas']}r {r['load']}" for r in rows]
+    xs = range(len(rows))
+    for ax, (key, name, scale) in zip(axes, panels):
+        for offset, mode in ((-0.2, "on"), (0.2, "off")):
+            ax.bar([x + offset for x in xs], [(r[mode][key] or 0) * scale for r in rows], width=0.4,
+                   label=f"prefix routing {mode}")
+        ax.set_xticks(list(xs), labels)
+        ax.set(title=name + (" (%)" if scale == 100.0 else ""))
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
     return report.save_figure(fig, path, title)

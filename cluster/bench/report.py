@@ -38,6 +38,7 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     replica_id: str | None = None        # the server replica that answered (HTTP header), if any
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache (HTTP usage), if told
 
     def add_chunk(self, t: float, num_tokens: int) -> None:
         self.chunk_times_s.append(t)

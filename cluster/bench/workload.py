@@ -173,6 +173,25 @@ def random_workload(num_requests: int, input_len: int, vocab_size: int, seed: in
     return Workload(prompt_set(0), None, fresh=prompt_set)
 
 
+def with_shared_prefixes(base: Workload, length: int, num_groups: int, vocab: int, seed: int,
+                         exclude: tuple[int, ...]) -> Workload:
+    """``base``'s prompts after one of ``num_groups`` random prefixes of ``length`` tokens, request
+    i of every prompt set in group ``groups[i]`` (drawn at random, seeded). Each further prompt set
+    (``fresh``: one per load) has prefixes of its own, so no load finds another load's prefixes
+    cached; set 0's (the warm-up's) group 0 is the single shared prefix of one-group runs."""
+    groups = np.random.default_rng([seed, 7]).integers(num_groups, size=base.num_requests)
+
+    def prefixes(i: int) -> list[list[int]]:
+        return [random_workload(1, length, vocab, seed + 1 + g if i == 0 else seed + 1000 * i + g,
+                                exclude).prompt_ids[0] for g in range(num_groups)]
+
+    def prefixed(i: int, prompts: list[list[int]]) -> list[list[int]]:
+        shared = prefixes(i)
+        return [shared[g] + p for g, p in zip(groups, prompts)]
+    return Workload(prefixed(0, base.prompt_ids), None, base.arrivals_s,
+                    fresh=(lambda i: prefixed(i, base.fresh(i))) if base.fresh else None)
+
+
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival offsets (s) of a Poisson process of `rate` requests/s; the first arrives at 0."""
     if rate <= 0:

@@ -5,12 +5,14 @@ from mtpserve.actors.planner import PlannerState, WorkerReport
 
 
 def report(replica="r1", incarnation="i1", acceptance=None, sessions=(), running=0, pending=0,
-           reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True, draft_cost=None):
+           reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True, draft_cost=None,
+           prefix_index=b"", prefix_index_version=0):
     loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=100 - reserved_blocks, num_rows=8,
                         num_free_rows=8 - reserved_rows, num_blocks_granted=granted[0],
                         num_rows_granted=granted[1], num_reserved_blocks=reserved_blocks,
                         num_reserved_rows=reserved_rows, num_running=running, num_pending=pending,
-                        sessions=tuple(sessions), acceptance=dict(acceptance or {}), draft_cost=draft_cost)
+                        sessions=tuple(sessions), acceptance=dict(acceptance or {}), draft_cost=draft_cost,
+                        prefix_index=prefix_index, prefix_index_version=prefix_index_version)
     return WorkerReport(replica, incarnation, loop, MetricsSnapshot(), max_drafts, adaptive)
 
 
@@ -121,3 +123,21 @@ def test_the_session_table_is_bounded_by_last_use():
     assert len(planner.sessions) == 1000
     assert "s3999" in planner.sessions and "s0" not in planner.sessions
     assert len(planner.placement(now=5.0).sessions) == 1000
+
+
+def test_the_view_carries_each_replicas_prefix_index_only_when_it_changed():
+    planner = PlannerState()
+    planner.report(report("r1", prefix_index=b"a" * 16, prefix_index_version=3), now=0.0)
+    planner.report(report("r2", incarnation="i2"), now=0.0)
+    assert planner.placement(now=0.1).prefix_indexes == {"r1": (3, b"a" * 16), "r2": (0, b"")}
+    assert planner.placement(now=0.1, known={"r1": 3, "r2": 0}).prefix_indexes == {}
+    planner.report(report("r1", prefix_index=b"b" * 8, prefix_index_version=4), now=0.2)
+    assert planner.placement(now=0.3, known={"r1": 3, "r2": 0}).prefix_indexes == {"r1": (4, b"b" * 8)}
+
+
+def test_routing_decisions_are_summed_over_routers():
+    planner = PlannerState()
+    planner.note_routing("proxy-1", {"prefix_hit": 3, "session": 1}, now=0.0)
+    planner.note_routing("proxy-2", {"prefix_hit": 2, "prefix_miss": 5}, now=0.0)
+    planner.note_routing("proxy-1", {"prefix_hit": 4, "session": 1}, now=1.0)     # its counts so far, not deltas
+    assert planner.routing_counts() == {"prefix_hit": 6, "session": 1, "prefix_miss": 5}

@@ -1,9 +1,10 @@
-"""Replica ranking: sessions stick, everything else goes to the least loaded replica."""
+"""Replica ranking: sessions stick, a cached prefix attracts within a load bound, everything else
+goes to the least loaded replica."""
 import random
 from collections import Counter
 
 from mtpserve.actors.planner import ReplicaLoad
-from mtpserve.actors.router import DRAINED_PENALTY, rank_replicas, replica_load
+from mtpserve.actors.router import DRAINED_PENALTY, prefer_cached, rank_replicas, replica_load, route
 
 
 def test_session_owner_comes_first_even_when_busier():
@@ -27,3 +28,40 @@ def test_load_takes_the_fresher_of_reported_and_in_flight_counts():
     assert replica_load(None, stats, 0) == 1.5, "without a planner view, Serve's routing stats"
     drained = ReplicaLoad(0, 0, 0.0, 0, drained=True)
     assert replica_load(drained, {}, 0) >= DRAINED_PENALTY
+
+
+# ---- the prefix rule: order is rank_replicas's least-loaded order
+def test_the_longest_cached_prefix_wins_over_a_shorter_one_and_over_load():
+    loads = {"a": 0.0, "b": 2.0, "c": 3.0}
+    assert prefer_cached(["a", "b", "c"], loads, {"b": 3, "c": 9}, max_imbalance=4) == (["c", "a", "b"], "hit")
+    assert prefer_cached(["a", "b", "c"], loads, {"a": 3, "b": 9}, max_imbalance=4) == (["b", "a", "c"], "hit")
+    assert prefer_cached(["a", "b", "c"], loads, {"a": 9, "b": 3}, max_imbalance=4) == (["a", "b", "c"], "hit")
+
+
+def test_equal_matches_go_to_the_less_loaded():
+    loads = {"a": 0.0, "b": 1.0, "c": 2.0}
+    assert prefer_cached(["a", "b", "c"], loads, {"b": 5, "c": 5}, max_imbalance=4)[0][0] == "b"
+
+
+def test_a_match_busier_than_the_bound_loses_to_the_least_loaded():
+    loads = {"a": 0.0, "b": 4.0, "c": 5.0}
+    assert prefer_cached(["a", "b", "c"], loads, {"c": 9}, max_imbalance=4) == (["a", "b", "c"], "overloaded")
+    # exactly at the bound still counts as balanced
+    assert prefer_cached(["a", "b", "c"], loads, {"b": 9}, max_imbalance=4) == (["b", "a", "c"], "hit")
+    # the longest match is too busy: the longest one within the bound goes first
+    assert prefer_cached(["a", "b", "c"], loads, {"b": 2, "c": 9}, max_imbalance=4) == (["b", "a", "c"], "hit")
+
+
+def test_no_match_keeps_the_least_loaded_order():
+    loads = {"a": 0.0, "b": 1.0}
+    assert prefer_cached(["a", "b"], loads, {}, max_imbalance=4) == (["a", "b"], "miss")
+    assert prefer_cached(["a", "b"], loads, {"gone": 7}, max_imbalance=4) == (["a", "b"], "miss"), \
+        "a match on a replica that is no candidate (dead, or at its limit) is no match"
+
+
+def test_a_session_keeps_its_replica_over_a_longer_cached_prefix_elsewhere():
+    loads = {"a": 3.0, "b": 0.0}
+    assert route(["a", "b"], loads, "a", {"b": 20}, max_imbalance=4) == (["a", "b"], "session")
+    # a session whose owner is gone (or new) is placed by the prefix rule
+    assert route(["b", "c"], {"b": 1.0, "c": 0.0}, "a", {"b": 20}, max_imbalance=4) == (["b", "c"], "prefix_hit")
+    assert route(["b", "c"], {"b": 1.0, "c": 0.0}, None, {}, max_imbalance=4) == (["c", "b"], "prefix_miss")

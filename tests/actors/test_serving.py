@@ -4,9 +4,11 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import urllib.parse
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -209,6 +211,106 @@ def test_metrics_cover_every_replica(app):
     assert "mtpserve:spec_decode_num_draft_tokens_total" in text
     assert "mtpserve:time_to_first_token_seconds_bucket" in text
     assert requests.get(f"{app['base']}/health", timeout=30).json()["status"] == "ok"
+
+
+def _module_text(tag: str, num_defs: int = 24) -> str:
+    """A few hundred tokens of code no other test sends (a long prefix to share)."""
+    return f"# module {tag}\n" + "".join(f"def {tag}_{i}(x):\n    return x * {i} + len('{tag}')\n\n"
+                                          for i in range(num_defs))
+
+
+def _routed(app, decision: str) -> float:
+    """The app's routers' count of one decision, as /metrics shows it."""
+    text = requests.get(f"{app['base']}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("mtpserve:router_requests_total") and f'decision="{decision}"' in line)
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached_over_http_and_a_python_handle(app):
+    """No sessions: after the first, every request with the prefix lands on the replica that
+    cached it and, from the third on, is served from its cache (with `--prefix-snapshots reused`
+    the second one's match takes the snapshot the third starts from; with `all` the second hits
+    already); greedy answers equal the in-process engine's."""
+    prefix = _module_text(f"p{uuid.uuid4().hex[:6]}")
+    prompts = [prefix + f"value_{i} = " for i in range(5)]
+    texts = engine_texts(app["model_dir"], prompts, 12)
+    hits_before = _routed(app, "prefix_hit")
+    first, home = _complete(app, prompts[0], temperature=0, max_tokens=12, ignore_eos=True)
+    assert first["choices"][0]["text"] == texts["r0"]
+    for i, p in enumerate(prompts[1:], 1):
+        body, replica = _complete(app, p, temperature=0, max_tokens=12, ignore_eos=True)
+        assert replica == home, f"request {i} left the replica that caches its prefix"
+        assert i < 2 or body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert body["choices"][0]["text"] == texts[f"r{i}"]
+    # chat: a long system prompt shared by conversations
+    system = [{"role": "system", "content": _module_text(f"s{uuid.uuid4().hex[:6]}")}]
+    chat_homes, cached = set(), []
+    for i in range(4):
+        r = requests.post(f"{app['base']}/v1/chat/completions", timeout=60, json={
+            "model": app["model"], "max_tokens": 4, "messages": system + [{"role": "user", "content": f"q{i}?"}]})
+        assert r.status_code == 200, r.text
+        chat_homes.add(r.headers["x-mtpserve-replica"])
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(chat_homes) == 1 and all(c > 0 for c in cached[2:]), (chat_homes, cached)
+    # a Python handle: routed in this process, by a router that never saw any of these prefixes:
+    # where each is cached it learns from the replicas' routing indexes in the planner's view
+    # (two prefixes seeded on each replica through sessions, so a lucky guess is 1 in 16)
+    replicas = sorted(_live_placement().replicas)
+    sessions = {r: _session_on(app, r) for r in replicas}
+    homes = {}
+    for i in range(4):
+        seeded = _module_text(f"h{i}{uuid.uuid4().hex[:6]}")
+        homes[seeded] = _complete(app, seeded + "seed = ", session=sessions[replicas[i % 2]], max_tokens=1)[1]
+    assert sorted(homes.values()) == sorted(replicas * 2)
+    client = MTPClient(APP)
+    client.generate("warm = ", max_tokens=1)       # this process's router is up and pulling views
+    time.sleep(1.0)
+    for seeded, where in homes.items():
+        assert client.generate(seeded + "other = ", max_tokens=2).replica_id == where
+    _wait_for(lambda: _routed(app, "prefix_hit") >= hits_before + 5, "/metrics counts the prefix-routed requests")
+
+
+def test_distinct_prefixes_spread_over_both_replicas(app):
+    prompts = [_module_text(f"d{i}{uuid.uuid4().hex[:4]}", num_defs=8) + "x = " for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        replicas = Counter(pool.map(lambda p: _complete(app, p, max_tokens=32, ignore_eos=True)[1], prompts))
+    assert len(replicas) == 2 and max(replicas.values()) <= 6, replicas
+
+
+def test_a_cached_prefix_yields_to_load_beyond_the_bound(app):
+    """The replica caching a prefix is kept busy by streams pinned to it with a session: with 2 of
+    them (within the bound of 4 above the idle replica) a request with the prefix still goes
+    there; with 6 it goes to the other replica."""
+    prefix = _module_text(f"b{uuid.uuid4().hex[:6]}")
+    _, home = _complete(app, prefix + "a = ", max_tokens=2)
+    other = next(r for r in _live_placement().replicas if r != home)
+    session = _session_on(app, home)
+    stop = threading.Event()
+
+    def busy():
+        body = {"model": app["model"], "prompt": "while True:", "max_tokens": 300, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with requests.post(f"{app['base']}/v1/completions", json=body, headers={"x-session-id": session},
+                           stream=True, timeout=60) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    def running_at_home(n):          # running or waiting for admission: the load the router sees
+        _wait_for(lambda: (v := _placement()) is not None and home in v.replicas
+                  and v.replicas[home].num_running + v.replicas[home].num_pending >= n,
+                  f"{n} streams run on the prefix's replica")
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(busy) for _ in range(2)]
+        running_at_home(2)
+        assert _complete(app, prefix + "b = ", max_tokens=2)[1] == home, "within the bound: the cache wins"
+        streams += [pool.submit(busy) for _ in range(4)]
+        running_at_home(6)
+        assert _complete(app, prefix + "c = ", max_tokens=2)[1] == other, "beyond the bound: the load wins"
+        stop.set()
+        for f in streams:
+            f.result()
+    _wait_for(lambda: all(s["idle_and_empty"] for s in _status_of_every_replica().values()), "the streams ended")
 
 
 def test_planner_and_worker_restarts_rebuild_the_view(app):

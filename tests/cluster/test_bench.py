@@ -15,7 +15,13 @@ from mtpserve.cluster.bench import anchor as bench_anchor
 from mtpserve.cluster.bench.cli import add_bench_parser
 from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep, slow_steps
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
-from mtpserve.cluster.bench.workload import Load, Workload, poisson_arrivals, random_workload
+from mtpserve.cluster.bench.workload import (
+    Load,
+    Workload,
+    poisson_arrivals,
+    random_workload,
+    with_shared_prefixes,
+)
 from mtpserve.cluster.checkpoints import MID, TINY, num_parameters, text_config
 
 
@@ -90,6 +96,37 @@ def test_random_prompts_and_poisson_arrivals_are_seeded():
     arrivals = poisson_arrivals(200, rate=50.0, seed=1)
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
     assert 200 / arrivals[-1] == pytest.approx(50.0, rel=0.25)
+
+
+def test_shared_prefix_groups_are_seeded_and_new_for_every_load():
+    base = random_workload(40, 5, 50, seed=3)
+    wl = with_shared_prefixes(base, 32, 4, 50, seed=3, exclude=())
+    heads = [tuple(p[:32]) for p in wl.prompt_ids]
+    assert len(set(heads)) == 4 and all(p[32:] == b for p, b in zip(wl.prompt_ids, base.prompt_ids))
+    assert wl.prompt_ids == with_shared_prefixes(base, 32, 4, 50, seed=3, exclude=()).prompt_ids
+    later = wl.prompt_set(1).prompt_ids
+    assert not {tuple(p[:32]) for p in later} & set(heads), "a load's prefixes are its own"
+    groups = [sorted({i for i, h in enumerate(heads) if h == g}) for g in set(heads)]
+    assert sorted(groups) == sorted(sorted({i for i, p in enumerate(later) if tuple(p[:32]) == g})
+                                    for g in {tuple(p[:32]) for p in later}), "the same grouping of requests"
+    one = with_shared_prefixes(base, 32, 1, 50, seed=3, exclude=())
+    assert one.prompt_ids[0][:32] == random_workload(1, 32, 50, seed=4).prompt_ids[0], "one group: as before"
+
+
+def test_prefix_routing_on_and_off_are_compared_at_each_load():
+    from mtpserve.cluster.bench import replicas
+
+    def summary(routing, cached, ttft, tps, split):
+        return {"extra": {"num_replicas": 2, "prefix_routing": routing,
+                          "prefix_cache": {"cached_fraction": cached},
+                          "replica_share": {"requests": split, "max_over_mean": 1.0}},
+                "load": "C=8", "concurrency": 8, "num_completed": 32, "output_token_throughput": tps,
+                "ttft_ms": {"p50": ttft, "p99": 3 * ttft}}
+    rows = replicas.prefix_routing_effect([summary(True, 0.8, 100.0, 150.0, {"a": 17, "b": 15}),
+                                           summary(False, 0.5, 250.0, 100.0, {"c": 16, "d": 16})])
+    assert len(rows) == 1 and rows[0]["on"]["cached_fraction"] == 0.8 and rows[0]["off"]["ttft_p50_ms"] == 250.0
+    assert rows[0]["throughput_ratio"] == 1.5 and rows[0]["ttft_p50_ratio"] == 0.4
+    assert "80.0%" in replicas.format_prefix_routing(rows)
 
 
 def test_model_shapes():
@@ -207,6 +244,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--synthetic-acceptance", "0.7", "--temperature", "1", "--results-dir", str(tmp_path)]) == 2
     assert "greedy" in capsys.readouterr().err
     assert bench(["--draft-tokens", "0,x", "--results-dir", str(tmp_path)]) == 2
+    assert bench(["--prefix-routing", "on,maybe", "--results-dir", str(tmp_path)]) == 2
+    assert "--prefix-routing" in capsys.readouterr().err
     assert bench(["--nodes", "2", "--results-dir", str(tmp_path)]) == 2       # no cluster is started for it
     assert "a head and at least two worker nodes" in capsys.readouterr().err
     assert bench(["--nodes", "3", "--replicas", "2", "--results-dir", str(tmp_path)]) == 2

@@ -295,3 +295,33 @@ def test_a_packed_array_and_host_record_round_trip_exactly():
 def test_a_snapshot_budget_too_small_for_one_snapshot_is_refused(model_dir):
     with pytest.raises(ValueError, match="holds no state snapshot"):
         engine_with(model_dir, True, snapshot_gib=0)
+
+
+def test_the_routing_index_names_cached_prefixes_within_the_routed_depth_newest_first(model_dir):
+    """What a replica tells routers: its entries' chain digests (cut to ROUTING_DIGEST_BYTES) within
+    the first ROUTED_PREFIX_TOKENS tokens, newest first, bounded; evicted entries leave it."""
+    from mtpserve.engine.prefix_cache import ROUTED_PREFIX_TOKENS, ROUTING_DIGEST_BYTES, chain_digests
+    engine = engine_with(model_dir, cache=True, num_blocks=160)
+    cache, bs, n = engine.prefix_cache, engine.manifest.block_size, ROUTING_DIGEST_BYTES
+
+    def digests(ids):
+        return [d[:n] for d in chain_digests(ids, bs, [])]
+
+    def index(limit=4096):
+        blob = cache.routing_index(limit)
+        return [blob[i:i + n] for i in range(0, len(blob), n)]
+    long_a = [7 + (i * 13) % 400 for i in range(1200)]          # 75 blocks, deeper than routing looks
+    short_b = [11 + (i * 7) % 300 for i in range(100)]
+    serve(engine, [[long_a]], SamplingParams(temperature=0, max_tokens=1))
+    version = cache.routing_version
+    assert index() == digests(long_a)[:ROUTED_PREFIX_TOKENS // bs][::-1]
+    serve(engine, [[short_b]], SamplingParams(temperature=0, max_tokens=1))
+    assert cache.routing_version > version
+    assert index()[:6] == digests(short_b)[::-1] and len(index()) == ROUTED_PREFIX_TOKENS // bs + 6
+    assert index(limit=3) == digests(short_b)[::-1][:3]
+    # a's blocks are reclaimed for two more long prompts: its digests leave the index, b's stay
+    serve(engine, [[[5 + (i * 11) % 350 for i in range(1200)]], [[9 + (i * 3) % 380 for i in range(1200)]]],
+          SamplingParams(temperature=0, max_tokens=1))
+    assert not set(digests(long_a)) & set(index())
+    assert set(digests(short_b)) <= set(index())
+    engine.check_integrity()
