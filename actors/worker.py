@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import threading
 import time
@@ -152,6 +153,19 @@ class Worker:
         streams = self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
         async for _, event in self.run(streams, time.perf_counter()):
             yield event
+
+    async def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:
+        """This replica's cached prefix of ``prompt`` (its longest snapshotted one) as msgpack
+        records (``Engine.export_prefix``) for another replica's ``import_prefix``: what moves a
+        session's cached prefix when the session moves; [] when none is cached here."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return await self.loop.call(operator.methodcaller("export_prefix", ids))
+
+    async def import_prefix(self, records: list[tuple[bytes, bytes]]) -> int:
+        """Another replica's ``export_prefix`` records into this one's prefix cache (its host
+        tier: the next request with that prompt starts from them); the prompt tokens covered.
+        ValueError if they come from another model."""
+        return await self.loop.call(operator.methodcaller("import_prefix", records))
 
     async def engine_status(self) -> dict:
         """Pools, ledger and integrity, checked on the engine's owner thread between steps; the node

@@ -60,6 +60,15 @@ class MTPClient:
         finally:
             gen.cancel()
 
+    def export_prefix(self, prompt: str | list[int], *, session_id: str | None = None) -> list[tuple[bytes, bytes]]:
+        """The cached prefix of ``prompt`` on the replica of ``session_id`` (msgpack records)."""
+        return self._handle(session_id).export_prefix.remote(prompt).result()
+
+    def import_prefix(self, records: list[tuple[bytes, bytes]], *, session_id: str | None = None) -> int:
+        """Records from ``export_prefix`` into the cache of the replica of ``session_id``: a
+        session's cached prefix moved to the replica it now lives on; the prompt tokens covered."""
+        return self._handle(session_id).import_prefix.remote(records).result()
+
     async def agenerate(self, prompt: str | list[int], *, session_id: str | None = None, **sampling) -> Generation:
         return await self._handle(session_id).generate.remote(prompt, sampling, session_id)
 

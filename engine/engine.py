@@ -229,6 +229,20 @@ class Engine:
             self.graphs.num_eager = self.graphs.num_device_drafts = 0
         logger.info("engine: warm-up requests in %.2f s", time.perf_counter() - started)
 
+    def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:
+        """The cached prefix of ``prompt`` as msgpack records another engine of this model can
+        ``import_prefix`` (``PrefixCache.export_records``); [] without a cache or a snapshot."""
+        if self.prefix_cache is None:
+            return []
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        with self.device_context():
+            return self.prefix_cache.export_records(ids)
+
+    def import_prefix(self, records: list[tuple[bytes, bytes]]) -> int:
+        """Another engine's ``export_prefix`` into this cache's host tier (restored by the next
+        lookup of that prompt); the prompt tokens they cover."""
+        return self.prefix_cache.import_records(records) if self.prefix_cache is not None else 0
+
     def device_context(self):
         """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""
         return self._stream if self._stream is not None else contextlib.nullcontext()

@@ -432,19 +432,79 @@ class PrefixCache:
         path: for one-off prompts they cost a 1.4 B model 10x its TTFT on the H200 at C=64)."""
         if self.host is None or not (entry.reused or self.offload_all):
             return
-        parts = {}
-        if with_blocks:
-            parts["kv"] = [_to_host(a[entry.block]) for a in self.kv_arrays]
-            if entry.head_block is not None and self.head_arrays:
-                parts["head"] = [_to_host(a[entry.head_block]) for a in self.head_arrays]
+        parts = self._block_parts(entry) if with_blocks else {}
         if entry.snapshot is not None:
-            conv, recurrent, length = self.bank.snapshot_arrays(entry.snapshot)
-            parts["snapshot"] = (_to_host(conv), _to_host(recurrent), int(length))
-            if entry.hidden is not None:
-                parts["hidden"] = _to_host(entry.hidden)
+            parts.update(self._snapshot_parts(entry))
         if parts:
             self.host.put(entry.digest, parts)
             self.stats.num_offloaded += 1
+
+    # ------------------------------------------------------------------ moving a prefix
+    def export_records(self, tokens) -> list[tuple[bytes, bytes]]:
+        """What another engine of the same model needs to start a request with ``tokens`` from
+        this cache's longest snapshotted prefix of them: ``(digest, pack_record(...))`` for each
+        block of the path, the deepest with its snapshot (and the head's hidden rows). Empty
+        when no snapshot of it is here. Read-only: device parts are copied, nothing moves."""
+        digests = chain_digests(tokens, self.block_size, [])[:self.prompt_boundary(len(tokens)) // self.block_size]
+        path, deepest = [], -1
+        for k, digest in enumerate(digests):
+            entry = self.entries.get(digest)
+            record = self.host.get(digest) if self.host is not None else None
+            blocks = self._block_parts(entry) if entry is not None else (
+                {p: record[p] for p in ("kv", "head") if p in record} if record is not None and "kv" in record else None)
+            if blocks is None:
+                break
+            snapshot = self._snapshot_parts(entry) if entry is not None and entry.snapshot is not None else (
+                {p: record[p] for p in ("snapshot", "hidden") if p in record}
+                if record is not None and "snapshot" in record else None)
+            path.append((digest, blocks, snapshot))
+            if snapshot is not None:
+                deepest = k
+        out = []
+        for k, (digest, blocks, snapshot) in enumerate(path[:deepest + 1]):
+            out.append((digest, pack_record({**blocks, **(snapshot if k == deepest else {})})))
+        return out
+
+    def import_records(self, records: Sequence[tuple[bytes, bytes]]) -> int:
+        """Another engine's ``export_records`` into the host tier: the next lookup of that prompt
+        restores them like entries of its own (marked reused). Returns the prompt tokens they
+        cover (0 without a host tier). ValueError if a record's arrays do not fit this engine's
+        pools (another model)."""
+        if self.host is None or not records:
+            return 0
+        unpacked = [(d, unpack_record(blob)) for d, blob in records]
+        for _, record in unpacked:
+            self._check_record(record)
+        for digest, record in unpacked:
+            entry = self.entries.get(digest)
+            if entry is not None:                 # its blocks are here: at most its snapshot is news
+                record = {p: v for p, v in record.items() if p in ("snapshot", "hidden") and entry.snapshot is None}
+            if record:
+                self.host.put(digest, record)
+        return len(unpacked) * self.block_size
+
+    def _block_parts(self, entry: CacheEntry) -> dict:
+        parts = {"kv": [_to_host(a[entry.block]) for a in self.kv_arrays]}
+        if entry.head_block is not None and self.head_arrays:
+            parts["head"] = [_to_host(a[entry.head_block]) for a in self.head_arrays]
+        return parts
+
+    def _snapshot_parts(self, entry: CacheEntry) -> dict:
+        conv, recurrent, length = self.bank.snapshot_arrays(entry.snapshot)
+        parts = {"snapshot": (_to_host(conv), _to_host(recurrent), int(length))}
+        if entry.hidden is not None:
+            parts["hidden"] = _to_host(entry.hidden)
+        return parts
+
+    def _check_record(self, record: dict) -> None:
+        wanted = {"kv": [a.shape[1:] for a in self.kv_arrays], "head": [a.shape[1:] for a in self.head_arrays]}
+        for part in ("kv", "head"):
+            if part in record and [tuple(a.shape) for a in record[part]] != [tuple(s) for s in wanted[part]]:
+                raise ValueError(f"a prefix record's {part} blocks do not fit this engine's pools (another model?)")
+        if "snapshot" in record:
+            conv, recurrent, _ = record["snapshot"]
+            if conv.shape != self.bank.snapshot_conv.shape[1:] or recurrent.shape != self.bank.snapshot_recurrent.shape[1:]:
+                raise ValueError("a prefix record's state snapshot does not fit this engine's state bank")
 
     def _free_a_snapshot_slot(self, keep: CacheEntry) -> bool:
         victim = min((e for e in self.entries.values() if e.snapshot is not None and e is not keep),

@@ -78,6 +78,7 @@ def _status_of_every_replica() -> dict[str, dict]:
 
 def _session_on(app, replica_id: str) -> str:
     """A fresh session id that the router sends to ``replica_id`` (bound in the planner's table)."""
+    _complete(app, "w = ", max_tokens=1)     # the proxy's router is up and pulling the planner's views
     sid = f"pin-{uuid.uuid4().hex[:8]}"
     ray.get(get_planner(APP).bind_session.remote(sid, replica_id))
     # a request routed before the router's next view refresh would bind the session elsewhere,
@@ -414,3 +415,26 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_serve_replaces_it
     assert set(statuses) == {survivor, new}
     for s in statuses.values():
         assert s["integrity"] == "ok" and s["idle_and_empty"], s
+
+
+def test_a_sessions_cached_prefix_moves_to_another_replica_and_serves_its_next_turn_there(app):
+    """A conversation served on one replica, its cached prefix exported there and imported on the
+    other (``export_prefix`` / ``import_prefix`` through Python handles, msgpack records over
+    Ray): the next turn, sent to the other replica, starts from the moved prefix (cached_tokens)
+    and gives the tokens the engine gives in process."""
+    replicas = sorted(_live_placement().replicas)
+    here, there = (_session_on(app, r) for r in replicas)
+    first = _module_text(f"mv{uuid.uuid4().hex[:6]}") + "result = "
+    done, home = _complete(app, first, session=here, temperature=0, max_tokens=8, ignore_eos=True)
+    assert home == replicas[0]
+    turn2 = first + done["choices"][0]["text"] + "\n# next\nvalue = "
+    client = MTPClient(APP)
+    assert client.export_prefix(turn2, session_id=there) == []          # nothing of it over there yet
+    records = client.export_prefix(turn2, session_id=here)
+    n = done["usage"]["prompt_tokens"]
+    assert len(records) == (n - 1) // 16 > 0
+    assert client.import_prefix(records, session_id=there) == (n - 1) // 16 * 16
+    moved, where = _complete(app, turn2, session=there, temperature=0, max_tokens=8, ignore_eos=True)
+    assert where == replicas[1]
+    assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert moved["choices"][0]["text"] == engine_texts(app["model_dir"], [turn2], 8)["r0"]

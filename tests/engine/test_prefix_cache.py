@@ -325,3 +325,41 @@ def test_the_routing_index_names_cached_prefixes_within_the_routed_depth_newest_
     assert not set(digests(long_a)) & set(index())
     assert set(digests(short_b)) <= set(index())
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_prefix_moved_to_another_engine_gives_it_the_hit_and_the_same_tokens(model_dir, k):
+    """``export_prefix`` on the engine that served a prompt, ``import_prefix`` on another (the
+    msgpack records a replica sends a peer): the second engine starts the next turn from the
+    moved prefix, as the first would have, with the cache-off tokens; a record of another shape
+    is refused."""
+    from mtpserve.engine.prefix_cache import pack_record, unpack_record
+    first = SYSTEM * 2 + PROMPTS[4]
+    source = engine_with(model_dir, True, k, budget=512, interval=512, snapshots="reused")
+    ids = source.tokenizer.encode(first)
+    req = source.add_request("turn0", ids, GREEDY, continues=True)
+    got = []
+    while source.has_work:
+        for ev in source.step():
+            got.extend(ev.token_ids)
+    turn2 = ids + got + source.tokenizer.encode("\n# next:\n")
+    records = source.export_prefix(turn2)
+    boundary = (len(ids) - 1) // 16 * 16
+    assert len(records) == boundary // 16 and req.num_cached_tokens == 0
+    target = engine_with(model_dir, True, k, budget=512, interval=512, snapshots="reused")
+    assert target.export_prefix(turn2) == []
+    assert target.import_prefix(records) == boundary
+    moved = target.add_request("turn1", turn2, GREEDY)
+    out = []
+    while target.has_work:
+        for ev in target.step():
+            out.extend(ev.token_ids)
+        target.check_integrity()
+    assert moved.num_cached_tokens == boundary > 0
+    assert out == reference(model_dir, [[turn2]], k)[0][0]
+    assert target.prefix_cache.stats.num_restored > 0 and target.is_idle_and_empty()
+    digest, blob = records[0]
+    record = unpack_record(blob)
+    record["kv"] = [a[:, :1] for a in record["kv"]]
+    with pytest.raises(ValueError, match="do not fit"):
+        engine_with(model_dir, True, k).import_prefix([(digest, pack_record(record))])
