@@ -22,6 +22,7 @@ the engine process stops on its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -208,7 +209,10 @@ class EngineProcess:
             if kind == "events":
                 self._dispatch(message[1], message[2])
             elif kind == "snapshot":
-                self.snapshot, self._num_dequeued = message[1], message[2]
+                snapshot = message[1]
+                if snapshot.prefix_index_version == self.snapshot.prefix_index_version:   # sent only when changed
+                    snapshot = dataclasses.replace(snapshot, prefix_index=self.snapshot.prefix_index)
+                self.snapshot, self._num_dequeued = snapshot, message[2]
             elif kind == "reply":
                 with self._lock:
                     loop, future = self._calls.pop(message[1], (None, None))
@@ -275,6 +279,7 @@ class _ChildLoop(EngineLoop):
         self._conn = conn
         self._send_lock = threading.Lock()
         self.num_dequeued = 0
+        self._index_version_sent = -1        # the routing index goes to the replica only when it changed
         super().__init__(engine, max_pending, snapshot_interval_s)
 
     def send(self, message) -> None:
@@ -309,7 +314,11 @@ class _ChildLoop(EngineLoop):
 
     def _publish(self) -> None:
         super()._publish()
-        self.send(("snapshot", self.snapshot, self.num_dequeued))
+        snapshot = self.snapshot
+        if snapshot.prefix_index_version == self._index_version_sent:     # the replica has this index
+            snapshot = dataclasses.replace(snapshot, prefix_index=b"")
+        self._index_version_sent = self.snapshot.prefix_index_version
+        self.send(("snapshot", snapshot, self.num_dequeued))
 
 
 def _child_main(fd: int) -> int:

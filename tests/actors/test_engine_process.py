@@ -3,6 +3,7 @@ engine's own thread, aborts free, refusals come first, and a dead engine process
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 from test_engine_loop import _collect
@@ -33,6 +34,10 @@ def make_process(model_dir):
         assert process._proc.poll() is not None, "the engine process is gone after stop"
 
 
+def _routing_index(engine) -> bytes:
+    return engine.prefix_cache.routing_index(4096)
+
+
 def _run_all(loop, prompts, params):
     async def go():
         return await asyncio.gather(*[_collect(loop, f"r{i}", p, params) for i, p in enumerate(prompts)])
@@ -57,6 +62,15 @@ def test_greedy_output_and_logprobs_equal_the_engine_thread_with_mtp_on(make_pro
     assert status["integrity"] == "ok" and status["idle_and_empty"] and status["engine_pid"] == process.pid
     assert status["spec"]["num_draft_tokens"] > 0, "MTP drafted in the engine process"
     assert process.snapshot.num_steps > 0 and process.snapshot.spec.num_emitted_tokens == 4 * 32
+    # the prefix cache's routing index crosses the pipe only when it changed, and the replica
+    # keeps it between those snapshots: it is the child's index, also after later snapshots
+    child_index = asyncio.run(process.call(_routing_index))
+    assert child_index and process.snapshot.prefix_index == child_index
+    seen = process.snapshot.taken_at
+    deadline = time.monotonic() + 10
+    while process.snapshot.taken_at == seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.snapshot.taken_at != seen and process.snapshot.prefix_index == child_index
 
 
 def test_closing_streams_aborts_running_and_waiting_requests_in_the_engine_process(make_process):
