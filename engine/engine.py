@@ -173,10 +173,11 @@ class Engine:
 
     def _warm_up_shapes(self) -> None:
         """One eager decode-shaped forward (one token per request, on the scratch block, states
-        zero) of the main model and the head at every batch size a step can have, and prompt
-        chunks that fill the budget at the largest batches: ORT's PagedAttention pays 45-85 ms on
-        the first call of each decode shape, and the process its first large prefill, which would
-        otherwise land on live steps (with CUDA graphs, on the steps that cannot replay one)."""
+        zero) of the main model and the head at every batch size a step can have: ORT's
+        PagedAttention pays 45-85 ms on the first call of each shape, which would otherwise land
+        on live steps (with CUDA graphs, on the decode steps that cannot replay one). (Eager
+        prompt chunks of the largest batch at the full budget were tried here too: they did not
+        remove the first burst's slow step; ``warm_up_requests`` is the attempt now.)"""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
@@ -186,25 +187,16 @@ class Engine:
             self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
-        # Prompt chunks of the largest batches at the whole budget: the first such step of a
-        # process cost 444 ms on the H200 (32 prompts x 64 tokens, the 1.4 B model; 37 ms after),
-        # a TTFT spike for the first burst a new server sees
-        budget = self.config.scheduler.max_tokens_per_step
-        for batch in sorted({b for b in (largest, largest // 2, largest // 4) if b and budget // b}):
-            n = budget // batch
-            rows = [PackedRows([0] * n, 0, []) for _ in range(batch)]
-            self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
-            if self.runner.head_session is not None:
-                self.runner.run_head(rows, xp.zeros((batch * n, self.manifest.hidden_size), self.runner.hidden_dtype))
-        logger.info("engine: warmed up decode batch sizes 1..%d and full-budget prompt chunks in %.1f s", largest,
-                    time.perf_counter() - started)
+        logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def warm_up_requests(self) -> None:
         """A few short requests through the whole step path before any user's: one prefilled
         while another decodes, drafts verified and rolled back (MTP), a greedy and a sampled
-        accept. The first such steps of a process compile CuPy's kernels and load the CUDA
-        modules they use (a 395-444 ms step on the H200 when a live burst met them first);
-        afterwards the engine is idle and empty and its counters are zero again."""
+        accept. The first engine of a process paid one 395-444 ms step on the H200 (the 1.4 B
+        model, 32 requests, 2048 tokens; 37 ms in later engines), not an input-shape first call;
+        compiling CuPy's kernels and loading CUDA modules on first use is the suspect these steps
+        pay for ahead (not yet measured on the device). Afterwards the engine is idle and empty
+        and its counters are zero again."""
         started = time.perf_counter()
         bs, vocab = self.manifest.block_size, self.manifest.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(3 * bs + 5)]
