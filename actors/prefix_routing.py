@@ -36,6 +36,18 @@ DEFAULT_MAX_IMBALANCE = 4.0          # requests: how much busier a cache match m
 
 # ---------------------------------------------------------------------------- the proxy's part
 def prompt_head(body: bytes, chat: bool) -> dict | None:
+    """``_prompt_head`` when the head can travel in the request's scope (valid UTF-8 text: a lone
+    surrogate in the body would make the proxy fail the request with a 500), else None."""
+    try:
+        head = _prompt_head(body, chat)
+        if head is not None:
+            json.dumps(head, ensure_ascii=False).encode("utf-8")
+        return head
+    except (ValueError, TypeError, RecursionError):    # the replica answers such a body itself (400)
+        return None
+
+
+def _prompt_head(body: bytes, chat: bool) -> dict | None:
     """What routing needs of a /v1/completions (``chat`` False) or /v1/chat/completions body:
     ``{"prompt": text or ids, "cut": bool}`` (a batch of prompts: the first) or ``{"messages":
     [...], "tools"?, "tool_choice"?, "cut": bool}`` (messages kept whole within HEAD_CHARS of

@@ -171,3 +171,13 @@ def test_a_cut_text_leaves_out_the_block_its_cut_may_have_changed(model_dir, tok
         assert not set(digests.of_prompt(CODE[:c], cut=False)) <= set(whole), "the test's cut changes nothing"
         got = digests.of_prompt(CODE[:c], cut=True)
         assert got and got == whole[:len(got)]
+
+
+def test_a_head_that_cannot_travel_in_the_scope_is_left_out():
+    """A lone surrogate in the prompt (json allows it, UTF-8 does not: the proxy would fail the
+    request with a 500 carrying it in the scope) or nesting too deep to parse: no head, the
+    request goes on to the replica, which answers it with a 400."""
+    assert prompt_head(b'{"prompt": "\\udc00x", "model": "m"}', chat=False) is None
+    assert prompt_head(b'{"messages": [{"role": "user", "content": "\\udc00"}]}', chat=True) is None
+    assert prompt_head(b"[" * 50_000 + b"]" * 50_000, chat=False) is None
+    assert prompt_head(b'{"prompt": "ok"}', chat=False) == {"prompt": "ok", "cut": False}
