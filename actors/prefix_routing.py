@@ -53,10 +53,7 @@ def _prompt_head(body: bytes, chat: bool) -> dict | None:
     [...], "tools"?, "tool_choice"?, "cut": bool}`` (messages kept whole within HEAD_CHARS of
     content; the one crossing it cut and ended with CUT_MARK; later ones dropped). None for a
     body that is not such a request (the replica answers it with its own error)."""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
+    request = json.loads(body)            # a body that does not parse: prompt_head says None
     if not isinstance(request, dict):
         return None
     if not chat:

@@ -61,14 +61,6 @@ def _xgrammar_message(e: Exception) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(e).strip()).strip() or type(e).__name__
 
 
-def unpack_bitmask(words, vocab_size: int, xp):
-    """bool [rows, vocab_size] of int32 bitmask words [rows, ceil(V / 32)] on any array module:
-    token t is bit t % 32 of word t // 32."""
-    shifts = xp.arange(32, dtype=xp.int32)
-    bits = (words[:, :, None] >> shifts) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
-
-
 NOT_INSTALLED = ("structured output needs xgrammar, which this server's install lacks "
                  "(pip install 'mtpserve[structured]')")
 
@@ -187,14 +179,11 @@ class GrammarManager:
         """An int32 bitmask [num_rows, ceil(V / 32)] to fill (bit t of a row: token t allowed)."""
         return np.empty((num_rows, (self.compiler.vocab_size + 31) // 32), np.int32)
 
-    def allowed(self, bitmask: np.ndarray, xp=None):
-        """bool [rows, V] of a filled bitmask, on ``xp``'s device (one unpack for a whole step's
-        rows): numpy unpacks on the host; on a GPU the int32 words travel (V / 8 bytes a row, not
-        V) and are unpacked there."""
-        if xp is None or xp is np:
-            return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.compiler.vocab_size,
-                                 bitorder="little").view(bool)
-        return unpack_bitmask(xp.asarray(bitmask), self.compiler.vocab_size, xp)
+    def allowed(self, bitmask: np.ndarray) -> np.ndarray:
+        """bool [rows, V] of a filled bitmask, on the host (a GPU applies the words themselves:
+        ``mask_rows``)."""
+        return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.compiler.vocab_size,
+                             bitorder="little").view(bool)
 
     def mask_rows(self, logits, rows, bitmask: np.ndarray, xp=None) -> None:
         """In place: ``logits[rows[i]]`` at -inf wherever bitmask row i forbids the token. On a

@@ -311,6 +311,21 @@ class PrefixCache:
         every boundary of its prompt, so that turn starts from the cache under either policy."""
         self._chains.setdefault(request_id, _RequestChain()).every_boundary = True
 
+    def _cached_path(self, digests: Sequence[bytes]) -> tuple[list[tuple], int | None]:
+        """How far a chain is cached, on the device or in the host tier: ``(entry or None, host
+        record or None)`` per block from the first, and the index of the deepest one with a
+        snapshot (None: none). Reads only."""
+        found, deepest = [], None
+        for k, digest in enumerate(digests):
+            entry = self.entries.get(digest)
+            record = self.host.get(digest) if self.host is not None else None
+            if entry is None and (record is None or "kv" not in record):
+                break
+            found.append((entry, record))
+            if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
+                deepest = k
+        return found, deepest
+
     def lookup(self, request_id: str, tokens) -> PrefixHit | None:
         """The longest usable prefix of a new request's tokens (``admitted`` counts it), with
         what it needs restored from the host tier: the path's blocks that are there, and one
@@ -318,18 +333,12 @@ class PrefixCache:
         chain = self._chains.setdefault(request_id, _RequestChain())
         chain_digests(tokens, self.block_size, chain.digests)
         limit = self.prompt_boundary(len(tokens)) // self.block_size
-        # 1. how far the chain is cached (device or host), and its deepest snapshot: no side effects
-        deepest, chain.matched = None, 0
-        for k, digest in enumerate(chain.digests[:limit]):
-            entry = self.entries.get(digest)
-            record = self.host.get(digest) if self.host is not None else None
-            if entry is None and (record is None or "kv" not in record):
-                break
+        # 1. how far the chain is cached (device or host), and its deepest snapshot
+        found, deepest = self._cached_path(chain.digests[:limit])
+        chain.matched = len(found) * self.block_size
+        for entry, _ in found:
             if entry is not None:
                 entry.reused = True
-            chain.matched = (k + 1) * self.block_size
-            if (entry is not None and entry.snapshot is not None) or (record is not None and "snapshot" in record):
-                deepest = k
         self._planned(chain, len(tokens))               # (at the first lookup: it needs the match)
         if deepest is None:
             return None
@@ -446,23 +455,17 @@ class PrefixCache:
         block of the path, the deepest with its snapshot (and the head's hidden rows). Empty
         when no snapshot of it is here. Read-only: device parts are copied, nothing moves."""
         digests = chain_digests(tokens, self.block_size, [])[:self.prompt_boundary(len(tokens)) // self.block_size]
-        path, deepest = [], -1
-        for k, digest in enumerate(digests):
-            entry = self.entries.get(digest)
-            record = self.host.get(digest) if self.host is not None else None
-            blocks = self._block_parts(entry) if entry is not None else (
-                {p: record[p] for p in ("kv", "head") if p in record} if record is not None and "kv" in record else None)
-            if blocks is None:
-                break
-            snapshot = self._snapshot_parts(entry) if entry is not None and entry.snapshot is not None else (
-                {p: record[p] for p in ("snapshot", "hidden") if p in record}
-                if record is not None and "snapshot" in record else None)
-            path.append((digest, blocks, snapshot))
-            if snapshot is not None:
-                deepest = k
-        out = []
-        for k, (digest, blocks, snapshot) in enumerate(path[:deepest + 1]):
-            out.append((digest, pack_record({**blocks, **(snapshot if k == deepest else {})})))
+        found, deepest = self._cached_path(digests)
+        if deepest is None:
+            return []
+        out = []                  # parts copied for the path up to the deepest snapshot only
+        for k, (digest, (entry, record)) in enumerate(zip(digests, found[:deepest + 1])):
+            parts = self._block_parts(entry) if entry is not None else {
+                p: record[p] for p in ("kv", "head") if p in record}
+            if k == deepest:
+                parts.update(self._snapshot_parts(entry) if entry is not None and entry.snapshot is not None else {
+                    p: record[p] for p in ("snapshot", "hidden") if p in record})
+            out.append((digest, pack_record(parts)))
         return out
 
     def import_records(self, records: Sequence[tuple[bytes, bytes]]) -> int:

@@ -143,6 +143,17 @@ def sse_payload(line: bytes):
     return SSE_END if data == b"[DONE]" else json.loads(data)
 
 
+def sse_objects(lines):
+    """The parsed ``data:`` objects of an SSE stream's lines, ending with ``SSE_END`` if the
+    stream said ``[DONE]`` (nothing after it is read)."""
+    for line in lines:
+        obj = sse_payload(line)
+        if obj is not None:
+            yield obj
+            if obj is SSE_END:
+                return
+
+
 async def _stream(session, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:
     num_chunks = 0
     async with session.post(f"{url}/v1/completions", json=payload) as resp:

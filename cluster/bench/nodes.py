@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mtpserve.cluster.bench.http_driver import SSE_END, sse_payload
+from mtpserve.cluster.bench.http_driver import SSE_END, sse_objects
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
 from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster, die_with_parent
 
@@ -85,10 +85,7 @@ def send(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, s
                     out["outcome"], out["error"] = "unclear", f"HTTP {r.status_code}: {r.text[:160]}"
                 return out
             finished = done = False
-            for line in r.iter_lines():
-                obj = sse_payload(line)
-                if obj is None:
-                    continue
+            for obj in sse_objects(r.iter_lines()):
                 if obj is SSE_END:
                     done = True
                     break

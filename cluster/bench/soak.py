@@ -32,7 +32,7 @@ import time
 from collections import Counter
 
 from mtpserve.cluster import deploy
-from mtpserve.cluster.bench.http_driver import SSE_END, sse_payload
+from mtpserve.cluster.bench.http_driver import SSE_END, sse_objects
 from mtpserve.cluster.bench.replicas import APP_NAME, deployed, num_devices, parse_replicas, serve_options
 from mtpserve.cluster.deploy import kill_replica, placement
 
@@ -114,10 +114,7 @@ def _one(session, url: str, model: str, kind: str, rng: random.Random, bad: list
                 return _judged(r, None)
             finished = done = False
             num_chunks, stop_after = 0, rng.randint(1, 8) if kind == "drop" else None
-            for line in r.iter_lines():
-                obj = sse_payload(line)
-                if obj is None:
-                    continue
+            for obj in sse_objects(r.iter_lines()):
                 if obj is SSE_END:
                     done = True
                     break

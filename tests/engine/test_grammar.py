@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from mtpserve.engine.grammar import GrammarCompiler, GrammarManager, GrammarSpec, unpack_bitmask
+from mtpserve.engine.grammar import GrammarCompiler, GrammarManager, GrammarSpec
 from mtpserve.engine.sampler import SamplingParams
 
 from test_engine import make_engine, run_all, run_requests
@@ -135,9 +135,10 @@ def test_matcher_masks_follow_drafts_and_roll_back(model_dir):
     assert not manager.request_ids
 
 
-def test_the_device_unpacking_of_a_bitmask_is_the_host_one(model_dir):
-    """The GPU path unpacks int32 words with shifts (any array module); it must agree with the
-    host's unpackbits, bit 31 (the sign) and a vocabulary that ends inside a word included."""
+def test_a_bitmask_unpacks_bit_for_bit_and_masks_exactly_its_rows(model_dir):
+    """The host's unpacking of xgrammar's int32 words (bit 31, the sign, included) and
+    ``mask_rows``: -inf exactly where a row's bit is clear, other rows untouched. (On a GPU one
+    kernel applies the words: test_cuda checks it against this unpacking.)"""
     engine = make_engine(model_dir, k=0)
     manager = GrammarManager(engine.grammars.compiler)
     rng = np.random.default_rng(0)
@@ -147,10 +148,13 @@ def test_the_device_unpacking_of_a_bitmask_is_the_host_one(model_dir):
     bitmask[1] = 0
     host = manager.allowed(bitmask)
     assert host.shape == (5, engine.grammars.compiler.vocab_size) and host[0].all() and not host[1].any()
-    assert (unpack_bitmask(bitmask, host.shape[1], np) == host).all()
     assert host[2, 31] == bool(bitmask[2, 0] < 0)
-    cut = np.unpackbits(bitmask.view(np.uint8), axis=1, count=3990, bitorder="little").view(bool)
-    assert (unpack_bitmask(bitmask, 3990, np) == cut).all()
+    logits = rng.standard_normal((7, host.shape[1])).astype(np.float32)
+    masked = logits.copy()
+    manager.mask_rows(masked, [4, 0, 6, 1, 2], bitmask)
+    for i, row in enumerate([4, 0, 6, 1, 2]):
+        np.testing.assert_array_equal(masked[row], np.where(host[i], logits[row], -np.inf))
+    np.testing.assert_array_equal(masked[[3, 5]], logits[[3, 5]])
 
 
 def test_bad_grammars_are_value_errors_naming_the_field_and_leave_nothing(model_dir):
