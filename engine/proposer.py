@@ -52,10 +52,15 @@ class Drafts:
     tokens: the draft ids (read from ``device`` row ``row`` on first use when they were made on
     the device); q: per draft, the [V] probabilities it was sampled from, or None (greedy)."""
 
-    __slots__ = ("_tokens", "q", "device", "row", "count")
+    __slots__ = ("_tokens", "q", "device", "row")
 
     def __init__(self, tokens: list[int] | None, q: list, device: DeviceDrafts | None = None, row: int = 0):
-        self._tokens, self.q, self.device, self.row, self.count = tokens, q, device, row, len(q)
+        self._tokens, self.q, self.device, self.row = tokens, q, device, row
+
+    @property
+    def count(self) -> int:
+        """How many drafts (one q entry each, None for greedy)."""
+        return len(self.q)
 
     @property
     def tokens(self) -> list[int]:
