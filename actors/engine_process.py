@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import os
 import subprocess
@@ -329,6 +330,7 @@ def _child_main(fd: int) -> int:
         engine = Engine(config)
         engine.grammars.compiler.preload()         # structured output's library, before serving
         loop = _ChildLoop(engine, conn, max_pending, snapshot_interval_s)
+        gc.freeze()           # what start-up built lives as long as the process: no collection rescans it
     except BaseException as e:
         conn.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))
         return 1

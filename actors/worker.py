@@ -15,6 +15,7 @@ One replica per GPU (``num_gpus=1``) or N CPU replicas. The replica
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import operator
 import os
@@ -90,6 +91,7 @@ class Worker:
             m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
             self.grammar_compiler = self.engine.grammars.compiler
         self.grammar_compiler.preload()              # structured output's library, before serving
+        gc.freeze()      # what start-up built lives as long as the replica: no collection rescans it
         self.manifest, self.limits, self.max_drafts = m, self.loop.limits, self.loop.max_drafts
         self.model_name = cfg.served_model_name
         self.context_length = m.context_length

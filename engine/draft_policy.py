@@ -65,6 +65,10 @@ class DraftPolicy:
     def observe_step(self, timing) -> None:
         """One engine step ran (an ``engine.StepTiming``)."""
 
+    def reset_step_costs(self) -> None:
+        """Forget the step times measured so far (the engine's start-up steps, which pay one-time
+        costs no later step pays)."""
+
     def forget(self, request_id: str) -> None:
         """The request ended (finished, cancelled)."""
 
@@ -107,12 +111,24 @@ class StepCostEstimator:
     K drafts each add B main-model rows and K head forwards, so the marginal cost of one draft
     level relative to a plain decode step is ``(b*B + c) / (a + b*B)``: what ``draft_cost()``
     returns, or None until enough steps with different draft counts were seen.
+
+    One-off stalls are left out of the fit: once it has coefficients, a step that took more than
+    ``outlier_factor`` times its prediction (a garbage collection, a first call of some kernel,
+    the host descheduled) is counted in ``num_outliers`` and skipped, unless it is the
+    ``max_outliers_in_a_row``-th such step in a row: then the costs really changed, and it and
+    the ones after it are fitted until a step is within the bound again. (One 0.4 s step among 1.5 ms ones had put a = 0.33 s into the fit on the H200 for
+    hundreds of steps: every draft looked as dear as a whole step.)
     """
 
-    def __init__(self, halflife_steps: float = 200.0, min_steps: int = 32):
+    def __init__(self, halflife_steps: float = 200.0, min_steps: int = 32,
+                 outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8):
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self.min_steps = min_steps
+        self.outlier_factor = outlier_factor
+        self.max_outliers_in_a_row = max_outliers_in_a_row
         self.num_steps = 0
+        self.num_outliers = 0
+        self._outliers_in_a_row = 0
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
         self._batch = 0.0
@@ -123,6 +139,14 @@ class StepCostEstimator:
         if timing is None or timing.has_prefill or timing.num_requests == 0:
             return
         x = np.array([1.0, timing.num_main_tokens, timing.num_head_forwards])
+        coef = self.coefficients()
+        if coef is not None and timing.seconds > self.outlier_factor * float(np.dot(coef, x)):
+            self._outliers_in_a_row += 1
+            if self._outliers_in_a_row < self.max_outliers_in_a_row:
+                self.num_outliers += 1
+                return
+        else:
+            self._outliers_in_a_row = 0
         self._xx = self._decay * self._xx + np.outer(x, x)
         self._xy = self._decay * self._xy + x * timing.seconds
         w = 0.0 if self.num_steps else 1.0
@@ -234,6 +258,11 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.estimator.observe(timing)
         self._step_index += 1
         self._step_cost = self.estimator.cost_model(self.cost)
+
+    def reset_step_costs(self) -> None:
+        self.estimator = StepCostEstimator()
+        self._step_cost = self.cost
+        self._step_index = 1
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self._track(request_id).ema.observe_step(num_drafts, num_accepted)

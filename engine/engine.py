@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -86,6 +87,10 @@ class Engine:
             self.warm_up_requests()
         if self._stream is not None:
             self._stream.synchronize()
+        # Start-up leaves many new long-lived objects behind (ORT sessions, captured graphs, warm-up
+        # requests): collected now, the full collection they are owed does not fall on the first
+        # burst of requests instead (suspected of the first engine's one 0.3-0.4 s step on the H200).
+        gc.collect()
 
     def _build(self, config: EngineConfig, draft_policy: DraftPolicy | None) -> None:
         if config.max_model_len is not None:
@@ -192,11 +197,14 @@ class Engine:
     def warm_up_requests(self) -> None:
         """A few short requests through the whole step path before any user's: one prefilled
         while another decodes, drafts verified and rolled back (MTP), a greedy and a sampled
-        accept. The first engine of a process paid one 395-444 ms step on the H200 (the 1.4 B
-        model, 32 requests, 2048 tokens; 37 ms in later engines), not an input-shape first call;
-        compiling CuPy's kernels and loading CUDA modules on first use is the suspect these steps
-        pay for ahead (not yet measured on the device). Afterwards the engine is idle and empty
-        and its counters are zero again."""
+        accept. Afterwards the engine is idle and empty, its counters are zero again, and the
+        draft policy has forgotten these steps' times.
+
+        They do not remove the first burst's one slow step on the H200 (the 1.4 B model: 287-303
+        ms for a step of 32 requests and 2048 tokens that takes 36 ms in a later engine of the
+        same process). In a probe that step went away with CUDA_MODULE_LOADING=EAGER, with ORT's
+        profiler on, and after a first burst of the same shape; a full garbage collection owed
+        by start-up is the suspect the ``gc.collect()`` at the end of start-up answers."""
         started = time.perf_counter()
         bs, vocab = self.manifest.block_size, self.manifest.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(3 * bs + 5)]
@@ -209,6 +217,7 @@ class Engine:
         while self.has_work:
             self.step()
         assert self.is_idle_and_empty(), "the warm-up requests left something behind"
+        self.draft_policy.reset_step_costs()
         self.num_steps, self.last_step = 0, None
         self.scheduler.stats = SpecDecodeStats()
         self.scheduler.num_preemptions = 0

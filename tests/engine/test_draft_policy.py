@@ -1,6 +1,7 @@
 """The draft-count policy: K falls for a request whose drafts are rejected, rises when accepted."""
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from mtpserve.engine.draft_policy import (
@@ -114,6 +115,32 @@ def test_step_cost_estimator_needs_steps_with_different_draft_counts_and_skips_p
     assert est.draft_cost() is None
     est.observe(StepTiming(8, 8, 0, False, 0.004))
     assert est.num_steps == 51
+
+
+def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
+    """A 0.4 s step among ~1 ms ones (the first burst's stall on the H200) once made every draft
+    look as dear as a whole step for hundreds of steps; a cost that really changed is adopted."""
+    est = StepCostEstimator(min_steps=10)
+    feed(est, a=1e-3, b=3e-4, c=6e-4)
+    before = est.draft_cost()
+    est.observe(StepTiming(8, 24, 2, False, 0.4))
+    assert est.num_outliers == 1
+    assert est.draft_cost() == pytest.approx(before, rel=1e-6)
+    feed(est, a=1e-3, b=3e-4, c=6e-4, steps=20, seed=1)
+    predict = lambda: float(np.dot(est.coefficients(), [1.0, 24, 2]))
+    old = predict()
+    feed(est, a=1e-2, b=3e-3, c=6e-3, steps=50, seed=2)   # every step now costs 10x: the costs changed
+    assert predict() > 2 * old, "a lasting change of the step costs must reach the fit"
+
+
+def test_reset_step_costs_forgets_the_start_up_steps():
+    policy = AdaptiveDraftPolicy(4, prior=0.85, explore_interval=0)
+    feed(policy.estimator, a=0.0, b=1e-3, c=0.0)
+    policy.observe_step(None)
+    assert policy.num_drafts(_request()) == 0              # measured: drafts cost whole steps
+    policy.reset_step_costs()
+    assert policy.estimator.num_steps == 0 and policy.estimator.draft_cost() is None
+    assert policy.num_drafts(_request("b")) == choose_num_drafts(0.85, 0.0, 4)   # the static guess again
 
 
 def test_measured_expensive_drafts_turn_drafting_off_and_cheap_ones_on():

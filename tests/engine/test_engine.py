@@ -405,3 +405,6 @@ def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no
     tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
     assert tokens == greedy_reference
     assert engine.stats.num_draft_tokens > 0
+    auto = make_engine(model_dir, k="auto", budget=48)
+    auto.warm_up_requests()      # its steps pay one-time costs: --draft-tokens auto must not fit them
+    assert auto.draft_policy.estimator.num_steps == 0
