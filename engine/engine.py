@@ -87,9 +87,9 @@ class Engine:
             self.warm_up_requests()
         if self._stream is not None:
             self._stream.synchronize()
-        # Start-up leaves many new long-lived objects behind (ORT sessions, captured graphs, warm-up
-        # requests): collected now, the full collection they are owed does not fall on the first
-        # burst of requests instead (suspected of the first engine's one 0.3-0.4 s step on the H200).
+        # start-up leaves many new long-lived objects behind (ORT sessions, captured graphs, the
+        # warm-up's requests): collected now, the full collection they are owed (tens of ms on
+        # these hosts) does not fall on a live step
         gc.collect()
 
     def _build(self, config: EngineConfig, draft_policy: DraftPolicy | None) -> None:
@@ -195,26 +195,31 @@ class Engine:
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def warm_up_requests(self) -> None:
-        """A few short requests through the whole step path before any user's: one prefilled
-        while another decodes, drafts verified and rolled back (MTP), a greedy and a sampled
-        accept. Afterwards the engine is idle and empty, its counters are zero again, and the
-        draft policy has forgotten these steps' times.
+        """A few short requests through the whole step path before any user's, in two waves of
+        two (a greedy and a sampled one each): the second wave prefills while the first decodes,
+        so a step carries several decode rows beside several prompt chunks, drafts are verified
+        and rolled back (MTP), and greedy and sampled accepts run at batch sizes above one.
+        Afterwards the engine is idle and empty, its counters are zero again, and the draft
+        policy has forgotten these steps' times.
 
-        They do not remove the first burst's one slow step on the H200 (the 1.4 B model: 287-303
-        ms for a step of 32 requests and 2048 tokens that takes 36 ms in a later engine of the
-        same process). In a probe that step went away with CUDA_MODULE_LOADING=EAGER, with ORT's
-        profiler on, and after a first burst of the same shape; a full garbage collection owed
-        by start-up is the suspect the ``gc.collect()`` at the end of start-up answers."""
+        Why several rows of each kind: the first engine of a process on the H200 paid one
+        287-303 ms step (the 1.4 B model, 16 requests decoding beside 16 prompt chunks, 2048
+        tokens; 36 ms in a later engine of the same process) after one prefill beside one decode
+        had run here, and later processes on the same machine did not pay it: the signature of
+        a GPU kernel built (and cached on disk) on its first use for a new arrangement of the
+        step's arrays, which a single row of each kind does not reach."""
         started = time.perf_counter()
         bs, vocab = self.manifest.block_size, self.manifest.vocab_size
-        prompt = [(7 * i + 11) % vocab for i in range(3 * bs + 5)]
         n = 2 + 2 * self.max_drafts
         greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0, max_tokens=n, ignore_eos=True)
-        self.add_request("<warm-up-0>", prompt, greedy)
-        self.step()                                              # prefill; then one decodes while
-        self.add_request("<warm-up-1>", prompt[::-1], sampled)   # the next one prefills
-        while self.has_work:
+        for wave in range(2):
+            for i, params in enumerate((greedy, sampled)):
+                offset = 2 * wave + i                             # distinct prompts: no prefix hits
+                prompt = [(7 * t + 11 + 13 * offset) % vocab for t in range(3 * bs + 5)]
+                self.add_request(f"<warm-up-{offset}>", prompt, params)
+            self.step()                      # the first wave's prompts; then it decodes while the
+        while self.has_work:                 # second wave's prompts go in beside it
             self.step()
         assert self.is_idle_and_empty(), "the warm-up requests left something behind"
         self.draft_policy.reset_step_costs()
