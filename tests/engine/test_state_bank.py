@@ -448,3 +448,20 @@ def test_padded_in_place_binds_rows_from_zero_only_when_padding_is_harmless():
     assert bank.padded_in_place(["a", "b"], 4) is None
     assert bank.padded_in_place(["a", "b"], 2) is not None
     assert bank.padded_in_place(["a", "b", "c"], 4) is None          # banks differ within the step
+
+
+def test_warm_up_kernels_changes_no_row():
+    """Start-up runs the multi-row gather and scatter once (their first use on the GPU builds a
+    kernel): every row, resident or not, in both banks, keeps its state."""
+    bank = StateBank(SPEC, max_rows=4)
+    rng = np.random.default_rng(5)
+    for r in "ab":
+        bank.admit(r)
+    toks = {r: {s.layer_id: random_tokens(rng, s, 3) for s in LAYERS} for r in "ab"}
+    present, caps = run_step(bank, list("ab"), toks)
+    bank.commit_step(list("ab"), present, [3, 3], [3, 1], caps)
+    conv, rec = bank._conv_flat.copy(), bank._rec_flat.copy()
+    bank.warm_up_kernels()
+    np.testing.assert_array_equal(bank._conv_flat, conv)
+    np.testing.assert_array_equal(bank._rec_flat, rec)
+    bank.check_integrity()
