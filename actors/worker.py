@@ -303,9 +303,9 @@ class Worker:
 
     def shutdown(self) -> None:
         """Stop: the reports end, the sessions are handed over (in Serve, unless
-        ``session_handover_gib`` is 0 or the engine failed), the engine stops. Serve calls this through ``__del__`` when
-        it stops the replica gracefully (scale-down, redeploy, deletion), after its drain; a
-        crashed or killed replica hands nothing over."""
+        ``session_handover_gib`` is 0 or the engine failed), the engine stops. Serve calls this
+        through ``__del__`` when it stops the replica gracefully (scale-down, redeploy, deletion,
+        a replacement), after its drain; a crashed or killed replica hands nothing over."""
         if self._stopping.is_set():
             return
         self._stopping.set()
