@@ -4,6 +4,8 @@
     ---------------------------------         -------------------------------------------------
     submit(rid, ids, params) ---- inbox --->  pending FIFO --(ledger fits?)--> engine.add_request
     abort(rid) / set_grant / call(fn) ---->   applied between steps
+    export_sessions(max_bytes, s) -------->   between steps: the cached prefix of each session's
+                                              last token sequence (``sessions.SessionTable``)
     RequestStream (asyncio.Queue)  <-------   engine.step() events, one call_soon_threadsafe per
                                               event loop per step
     snapshot (a frozen dataclass)  <-------   published every snapshot_interval_s
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtpserve.actors.handover import Records, records_size
+from mtpserve.actors.sessions import SessionTable
 from mtpserve.engine.admission import Footprint, ReservationLedger, check_request
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
 from mtpserve.engine.request import FinishReason, TokenEvent
@@ -37,7 +41,6 @@ class Overloaded(RuntimeError):
     """Too many requests are already waiting on this replica (HTTP 429)."""
 
 
-MAX_REPORTED_SESSIONS = 10_000      # sessions a replica remembers (and reports) at most, besides active ones
 MAX_ROUTING_DIGESTS = 4096          # prefix-cache digests a replica reports to routers (8 bytes each)
 ROUTING_INDEX_INTERVAL_S = 0.2      # the routing index is rebuilt at most this often (when it changed)
 
@@ -194,7 +197,6 @@ class EngineLoop:
         self.policy = policy if isinstance(policy, AdaptiveDraftPolicy) else None   # reported to the planner
         self.max_pending = max_pending
         self.snapshot_interval_s = snapshot_interval_s
-        self.session_ttl_s = session_ttl_s
         self.limits, self.manifest, self.max_drafts = engine.limits, engine.manifest, engine.max_drafts
         self.num_usable_blocks = engine.limits.num_usable_blocks
         self.num_rows = engine.state_bank.max_rows
@@ -202,8 +204,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[_Add] = deque()
         self._streams: dict[str, RequestStream] = {}
-        self._sessions: dict[str, float] = {}         # session id -> last seen (monotonic)
-        self._request_session: dict[str, str] = {}
+        self.sessions = SessionTable(session_ttl_s)
         self._num_queued = 0                          # submitted, not yet admitted or dropped
         self._queued_lock = threading.Lock()
         self._max_pending_seen = 0
@@ -269,6 +270,10 @@ class EngineLoop:
         """Integrity of the pools and the ledger, checked between steps, and their figures."""
         return await self.call(lambda _: self.status_now())
 
+    async def export_sessions(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:
+        """The sessions' cached prefixes, for a hand-over (``export_sessions_now``, between steps)."""
+        return await self.call(lambda _: self.export_sessions_now(max_bytes, budget_s))
+
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
         while True:
@@ -311,8 +316,7 @@ class EngineLoop:
             self._pending.append(command)
             self._max_pending_seen = max(self._max_pending_seen, len(self._pending))
             if command.session_id:
-                self._sessions[command.session_id] = time.monotonic()
-                self._request_session[command.request_id] = command.session_id
+                self.sessions.start(command.request_id, command.session_id, command.token_ids, time.monotonic())
         elif isinstance(command, _Call):
             try:
                 result, error = command.fn(self.engine), None
@@ -354,6 +358,7 @@ class EngineLoop:
         items = []
         for event in events:
             stream = self._streams.get(event.request_id)
+            self.sessions.extend(event.request_id, event.token_ids)
             if event.finish_reason is not None:
                 self._streams.pop(event.request_id, None)
                 self._finish_bookkeeping(event.request_id)
@@ -377,7 +382,7 @@ class EngineLoop:
 
     def _finish_bookkeeping(self, request_id: str) -> None:
         self.ledger.release(request_id)
-        self._request_session.pop(request_id, None)
+        self.sessions.finish(request_id)
 
     def _dequeued(self) -> None:
         with self._queued_lock:
@@ -416,6 +421,22 @@ class EngineLoop:
                 "max_pending_seen": self._max_pending_seen, "num_pending": len(self._pending),
                 "spec": asdict(engine.stats)}
 
+    def export_sessions_now(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:
+        """On the owner thread: (session, ``Engine.export_prefix`` of its last token sequence), the
+        most recently used session first, those with a cached prefix only, at most ``max_bytes`` of
+        records in all (a session that does not fit is skipped), until ``budget_s`` has passed."""
+        deadline = time.monotonic() + budget_s
+        out, num_bytes = [], 0
+        for session_id, tokens in self.sessions.last_sequences():
+            if time.monotonic() > deadline:
+                break
+            records = self.engine.export_prefix(tokens)
+            size = records_size(records)
+            if records and num_bytes + size <= max_bytes:
+                out.append((session_id, records))
+                num_bytes += size
+        return out
+
     def _deliver(self, items: list) -> None:
         """Hand (stream, event-or-exception) pairs to their readers: one wake-up per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -426,11 +447,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         now = time.monotonic()
-        active = set(self._request_session.values())
-        self._sessions = {s: t for s, t in self._sessions.items() if now - t < self.session_ttl_s or s in active}
-        if len(self._sessions) > MAX_REPORTED_SESSIONS:         # the newest ones, and every active one
-            newest = sorted(self._sessions, key=self._sessions.get)[-MAX_REPORTED_SESSIONS:]
-            self._sessions = {s: self._sessions[s] for s in set(newest) | (active & set(self._sessions))}
+        self.sessions.prune(now)
         e, ledger = self.engine, self.ledger
         cache = e.prefix_cache
         prefix = {} if cache is None else dict(
@@ -444,7 +461,7 @@ class EngineLoop:
             num_reserved_blocks=ledger.num_reserved_blocks, num_reserved_rows=ledger.num_reserved_rows,
             peak_reserved_blocks=ledger.peak_reserved_blocks, peak_reserved_rows=ledger.peak_reserved_rows,
             num_running=len(e.scheduler.requests), num_pending=len(self._pending),
-            max_pending_seen=self._max_pending_seen, sessions=tuple(self._sessions),
+            max_pending_seen=self._max_pending_seen, sessions=self.sessions.session_ids,
             acceptance=self.policy.acceptance() if self.policy is not None else {},
             draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
             spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,

@@ -3,7 +3,8 @@
     replica process (HTTP, Serve, asyncio)             engine process (python -m ...engine_process)
     ------------------------------------------         ------------------------------------------------
     EngineProcess.submit_all / abort / set_grant ----> command thread -> EngineLoop inbox (unchanged)
-    call(fn) / status() / policy.set_plan ---------->  applied between steps
+    call(fn) / status() / export_sessions /
+      policy.set_plan ------------------------------>  applied between steps
     RequestStream (asyncio.Queue) <--- reader  <-----  one message per step: every request's events,
       thread: one wake-up per event loop per message   then snapshots, call replies, the dequeued count
 
@@ -48,6 +49,7 @@ from mtpserve.actors.engine_loop import (
     _settle,
     _wake,
 )
+from mtpserve.actors.handover import Records
 from mtpserve.engine.admission import ReservationLedger, check_request
 from mtpserve.engine.sampler import SamplingParams
 
@@ -178,6 +180,10 @@ class EngineProcess:
     async def status(self) -> dict:
         """``EngineLoop.status`` of the engine process, plus its pid."""
         return {**await self._ask("status", None), "engine_pid": self.pid}
+
+    async def export_sessions(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:
+        """``EngineLoop.export_sessions`` in the engine process (the records come back pickled)."""
+        return await self._ask("export_sessions", (max_bytes, budget_s))
 
     async def _ask(self, kind: str, payload):
         loop = asyncio.get_running_loop()
@@ -322,6 +328,16 @@ class _ChildLoop(EngineLoop):
         self.send(("snapshot", snapshot, self.num_dequeued))
 
 
+def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
+    """What a call message runs on the owner thread: its fn(engine), the status, or a session export."""
+    if kind == "call":
+        return payload
+    if kind == "status":
+        return lambda _: loop.status_now()
+    max_bytes, budget_s = payload
+    return lambda _: loop.export_sessions_now(max_bytes, budget_s)
+
+
 def _child_main(fd: int) -> int:
     conn = Connection(fd)
     _, config, max_pending, snapshot_interval_s = conn.recv()
@@ -350,10 +366,10 @@ def _child_main(fd: int) -> int:
             loop.abort(message[1])
         elif kind == "grant":
             loop.set_grant(message[1], message[2])
-        elif kind in ("call", "status"):
-            call_id, fn = message[1], message[2]
+        elif kind in ("call", "status", "export_sessions"):
+            call_id = message[1]
             reply = (lambda cid: lambda result, error: loop.send(("reply", cid, result, error)))(call_id)
-            loop._inbox.put(_Call(fn if kind == "call" else (lambda _: loop.status_now()), reply))
+            loop._inbox.put(_Call(_owner_call(loop, kind, message[2]), reply))
         elif kind == "policy":
             if loop.policy is not None:
                 getattr(loop.policy, message[1])(*message[2])

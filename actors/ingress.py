@@ -436,7 +436,7 @@ class OpenAIRoutes:
             raise APIError(400, f"{SESSION_HEADER} is longer than {MAX_SESSION_ID_LENGTH} characters",
                            param=SESSION_HEADER)
         try:
-            streams = self.open(request_id, prompts, params, session_id)
+            streams = await self.open(request_id, prompts, params, session_id)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt" if not chat else "messages") from None
         except Overloaded as e:

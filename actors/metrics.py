@@ -13,6 +13,8 @@ follow vLLM's (``vllm:`` -> ``mtpserve:``) so existing dashboards need only a pr
     mtpserve:spec_decode_num_draft_tokens_total           mtpserve:spec_decode_num_accepted_tokens_total
     mtpserve:spec_decode_num_accepted_tokens_per_pos_total{position}
     mtpserve:num_target_forwards_total                    mtpserve:request_errors_total{status}
+    mtpserve:session_handover_sessions_total{event}       mtpserve:session_handover_bytes_total{event}
+    mtpserve:session_handover_held_bytes                  (the planner's, ``actors/handover.py``)
 
 Inter-token latency is measured between the streamed events of a request; with speculative
 decoding one event may carry several tokens (as in vLLM, one observation per engine step).
@@ -109,17 +111,18 @@ class MetricsRecorder:
 
 
 def render_metrics(model_name: str, replicas: dict[str, tuple[MetricsSnapshot, object]],
-                   routing: dict[str, int] | None = None) -> bytes:
-    """Prometheus text for {replica id: (MetricsSnapshot, LoopSnapshot)} and the routers' decisions
-    ({decision: requests}, summed over the app's routers: ``router.StateAffinityRouter.counts``)."""
+                   routing: dict[str, int] | None = None, handover=None) -> bytes:
+    """Prometheus text for {replica id: (MetricsSnapshot, LoopSnapshot)}, the routers' decisions
+    ({decision: requests}, summed over the app's routers: ``router.StateAffinityRouter.counts``) and
+    the planner's session hand-overs (a ``handover.HandoverCounts``, or None)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(model_name, replicas, routing or {}))
+    registry.register(_Collector(model_name, replicas, routing or {}, handover))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, model_name: str, replicas: dict, routing: dict[str, int]):
-        self.model_name, self.replicas, self.routing = model_name, replicas, routing
+    def __init__(self, model_name: str, replicas: dict, routing: dict[str, int], handover):
+        self.model_name, self.replicas, self.routing, self.handover = model_name, replicas, routing, handover
 
     def collect(self):
         labels = ["model_name", "replica"]
@@ -187,3 +190,21 @@ class _Collector:
             routed.add_metric([self.model_name, decision], n)
         yield from fam.values()
         yield routed
+        if self.handover is not None:
+            yield from self._handover_families()
+
+    def _handover_families(self):
+        h, labels = self.handover, ["model_name", "event"]
+        sessions = CounterMetricFamily(
+            "mtpserve:session_handover_sessions", "Sessions' cached prefixes handed over by stopping replicas, by "
+            "event: handed_over (to the planner), taken (by the session's next replica), dropped (over the budget "
+            "or replaced), expired.", labels=labels)
+        size = CounterMetricFamily("mtpserve:session_handover_bytes", "Bytes of those records, by event.",
+                                   labels=labels)
+        for family, counts in ((sessions, h.sessions), (size, h.bytes)):
+            for event, n in sorted(counts.items()):
+                family.add_metric([self.model_name, event], n)
+        held = GaugeMetricFamily("mtpserve:session_handover_held_bytes", "Bytes of handed-over records the "
+                                 "planner holds.", labels=["model_name"])
+        held.add_metric([self.model_name], h.num_held_bytes)
+        yield from (sessions, size, held)

@@ -8,6 +8,8 @@ plan back in the reply; routers pull its placement view a few times a second.
     router --placement(known, counts)---->  planner --PlacementView--> router (loads, sessions,
                                                        prefix indexes that changed since `known`)
     router --bind_session(sid, replica)-->  planner   (fire and forget)
+    stopping worker --hand_over(replica, {sid: records})--> planner   (HandoverStore; ids in WorkerPlans)
+    worker --take_handover(sid)---------->  planner --records--> worker  (a listed session's first request)
 
 Reports are full snapshots, never deltas, so the planner's view is rebuilt from scratch by the
 next round of reports: after a worker restart (the new replica reports under a new id, the old
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import ray
 
 from mtpserve.actors.engine_loop import LoopSnapshot
+from mtpserve.actors.handover import DEFAULT_HANDOVER_GIB, HandoverCounts, HandoverStore, Records
 from mtpserve.actors.metrics import MetricsSnapshot
 from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
 
@@ -55,6 +58,7 @@ class WorkerReport:
     max_drafts: int                  # the replica's cap on drafts per step (0 = MTP off)
     adaptive: bool                   # whether the replica follows planned draft counts
     actor_name: str | None = None    # the replica's named Ray actor, for liveness checks
+    handover_version: tuple | None = None   # the version of the handed-over session ids it holds
 
 
 @dataclass
@@ -64,6 +68,10 @@ class WorkerPlan:
     num_rows_granted: int
     num_drafts: dict[str, int] = field(default_factory=dict)   # request id -> K
     prior_acceptance: float = PRIOR_ACCEPTANCE                  # for requests not planned yet
+    # the sessions whose cached prefixes a stopped replica handed over (``handover``), sent only
+    # when they changed since the report's handover_version (None: unchanged); and their version
+    handover_sessions: frozenset[str] | None = None
+    handover_version: tuple | None = None
 
 
 @dataclass
@@ -91,9 +99,10 @@ class PlannerState:
 
     def __init__(self, cost: DraftCostModel = DraftCostModel(), replica_ttl_s: float = 15.0,
                  session_ttl_s: float = 600.0, prior_acceptance: float = PRIOR_ACCEPTANCE,
-                 max_sessions: int = 100_000):
+                 max_sessions: int = 100_000, handover_max_bytes: int = int(DEFAULT_HANDOVER_GIB * 2**30)):
         """max_sessions: the session table's bound (least recently seen dropped first): a client
-        inventing session ids cannot grow the planner without limit."""
+        inventing session ids cannot grow the planner without limit. handover_max_bytes: the most
+        handed-over records held (``HandoverStore``; they expire after ``session_ttl_s`` too)."""
         self.cost = cost
         self.replica_ttl_s = replica_ttl_s
         self.session_ttl_s = session_ttl_s
@@ -104,6 +113,7 @@ class PlannerState:
         self.drained: set[str] = set()
         self.plans: dict[str, dict[str, tuple[float, int]]] = {}   # replica -> rid -> (alpha, K)
         self.routing: dict[str, tuple[dict[str, int], float]] = {}  # router -> (decision counts, seen)
+        self.handovers = HandoverStore(handover_max_bytes, session_ttl_s)
 
     def report(self, report: WorkerReport, now: float) -> WorkerPlan:
         rid = report.replica_id
@@ -118,7 +128,9 @@ class PlannerState:
         loop = report.loop
         plan = WorkerPlan(0 if rid in self.drained else loop.num_usable_blocks,
                           0 if rid in self.drained else loop.num_rows,
-                          prior_acceptance=self.prior_acceptance)
+                          prior_acceptance=self.prior_acceptance, handover_version=self.handovers.version)
+        if report.handover_version != self.handovers.version:
+            plan.handover_sessions = self.handovers.session_ids()
         planned = {}
         if report.adaptive and report.max_drafts > 0:
             cost = self.cost if loop.draft_cost is None else DraftCostModel(loop.draft_cost, scale_with_load=False)
@@ -147,6 +159,21 @@ class PlannerState:
             self._bound_sessions()
         return replica_id
 
+    def hand_over(self, replica_id: str, sessions: dict[str, Records], now: float) -> int:
+        """A stopping replica's sessions' cached prefixes (``HandoverStore.put``); each of them is
+        unbound from it, so its next request is placed afresh. Returns how many were kept."""
+        kept = 0
+        for session_id, records in sessions.items():
+            kept += self.handovers.put(session_id, records, now)
+            owner = self.sessions.get(session_id)
+            if owner is not None and owner[0] == replica_id:
+                del self.sessions[session_id]
+        return kept
+
+    def take_handover(self, session_id: str) -> Records | None:
+        """The records handed over for a session, removed (None if none are held)."""
+        return self.handovers.take(session_id)
+
     def drain(self, replica_id: str, drained: bool = True) -> None:
         """A drained replica gets a zero grant: running requests finish, new ones go elsewhere."""
         (self.drained.add if drained else self.drained.discard)(replica_id)
@@ -159,6 +186,7 @@ class PlannerState:
             if now - seen > self.session_ttl_s or rid not in self.reports:
                 del self.sessions[sid]
         self._bound_sessions()
+        self.handovers.expire(now)
 
     def _bound_sessions(self) -> None:
         if len(self.sessions) > self.max_sessions:
@@ -213,6 +241,9 @@ class PlannerState:
                 total[reason] = total.get(reason, 0) + n
         return total
 
+    def handover_counts(self) -> HandoverCounts:
+        return self.handovers.counts()
+
     def metrics(self) -> dict[str, tuple[MetricsSnapshot, LoopSnapshot]]:
         """Every replica's figures for /metrics (its routing index left out: routers' business)."""
         return {rid: (r.metrics, dataclasses.replace(r.loop, prefix_index=b""))
@@ -223,8 +254,10 @@ class PlannerState:
 class PlannerActor:
     """The Ray face of ``PlannerState``; every method is a few dict operations."""
 
-    def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST):
-        self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s)
+    def __init__(self, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST,
+                 handover_max_bytes: int = int(DEFAULT_HANDOVER_GIB * 2**30)):
+        self.state = PlannerState(DraftCostModel(draft_cost), replica_ttl_s=replica_ttl_s,
+                                  handover_max_bytes=handover_max_bytes)
         self._checked_at = 0.0
 
     def report(self, report: WorkerReport) -> WorkerPlan:
@@ -254,6 +287,17 @@ class PlannerActor:
     def routing_counts(self) -> dict[str, int]:
         return self.state.routing_counts()
 
+    def hand_over(self, replica_id: str, sessions: dict[str, Records]) -> int:
+        """A stopping replica's sessions' records, sent by value (bytes in the call: objects the
+        replica put in the object store would die with it); ``PlannerState.hand_over``."""
+        return self.state.hand_over(replica_id, sessions, time.time())
+
+    def take_handover(self, session_id: str) -> Records | None:
+        return self.state.take_handover(session_id)
+
+    def handover_counts(self) -> HandoverCounts:
+        return self.state.handover_counts()
+
     def drain(self, replica_id: str, drained: bool = True) -> None:
         self.state.drain(replica_id, drained)
 
@@ -273,12 +317,13 @@ def _live_actor_names() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST):
+def get_or_create_planner(app_name: str, replica_ttl_s: float = 15.0, draft_cost: float = DEFAULT_DRAFT_COST,
+                          handover_max_bytes: int = int(DEFAULT_HANDOVER_GIB * 2**30)):
     """The application's planner actor, created (detached, restartable, on the head node) by the
-    first caller."""
+    first caller (whose arguments it keeps)."""
     return PlannerActor.options(name=planner_name(app_name), namespace=NAMESPACE, lifetime="detached",
                                 get_if_exists=True, resources={HEAD_NODE_RESOURCE: 0.001}
-                                ).remote(replica_ttl_s, draft_cost)
+                                ).remote(replica_ttl_s, draft_cost, handover_max_bytes)
 
 
 def get_planner(app_name: str):

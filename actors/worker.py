@@ -9,11 +9,15 @@ One replica per GPU (``num_gpus=1``) or N CPU replicas. The replica
 - reports a full snapshot to the planner actor every ``report_interval_s`` from a thread of its
   own and applies the plan in the reply (grant, per-request draft counts);
 - answers Serve's ``record_routing_stats`` (free blocks and rows, queue, sessions) for routers
-  and ``check_health`` (a failed engine restarts the replica).
+  and ``check_health`` (a failed engine restarts the replica);
+- when Serve stops it gracefully (``__del__``, after the drain), hands its sessions' cached
+  prefixes to the planner, and imports those a stopped replica handed over for a session before
+  that session's first request here (``actors/handover.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -31,6 +35,7 @@ from ray.serve.config import RequestRouterConfig
 
 from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
 from mtpserve.actors.engine_process import EngineProcess
+from mtpserve.actors.handover import Records, records_size
 from mtpserve.actors.ingress import OpenAIRoutes, api, guard
 from mtpserve.actors.metrics import MetricsRecorder, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
@@ -45,6 +50,8 @@ from mtpserve.engine.tokenizer import Tokenizer
 logger = logging.getLogger("ray.serve")
 
 ROUTER_CLASS = "mtpserve.actors.router.StateAffinityRouter"
+HANDOVER_CALL_BYTES = 64 << 20      # records per hand_over call at most (a larger session goes alone)
+TAKE_TIMEOUT_S = 10.0               # the longest a request waits for its session's handed-over records
 
 
 def router_config(router_kwargs: dict | None = None) -> RequestRouterConfig:
@@ -103,14 +110,19 @@ class Worker:
         self._planner = None                     # the planner actor's handle, once known
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None
+        self._handed_over: frozenset[str] = frozenset()   # sessions the planner holds records of (its plan)
+        self._handover_version = None
         if self.app_name is not None:
             self._reporter = threading.Thread(target=self._report_loop, name="mtpserve-report", daemon=True)
             self._reporter.start()
 
     # ------------------------------------------------------------------ requests
-    def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
-             session_id: str | None = None) -> list[RequestStream]:
-        """Submit every (prompt, choice) as one engine request, all or none (errors propagate)."""
+    async def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
+                   session_id: str | None = None) -> list[RequestStream]:
+        """Submit every (prompt, choice) as one engine request, all or none (errors propagate). A
+        session whose cached prefix a stopped replica handed over gets it first (``take_handover``)."""
+        if session_id and session_id in self._handed_over:
+            await self.take_handover(session_id)
         return self.loop.submit_all([(f"{request_id}-{p}-{c}", ids, sp)
                                      for p, (ids, choice_params) in enumerate(zip(prompts, params))
                                      for c, sp in enumerate(choice_params)], session_id)
@@ -152,7 +164,7 @@ class Worker:
         """Yield the request's TokenEvents; closing the generator aborts the request."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = SamplingParams(**(sampling or {}))
-        streams = self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
+        streams = await self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
         async for _, event in self.run(streams, time.perf_counter()):
             yield event
 
@@ -186,21 +198,24 @@ class Worker:
     def check_health(self) -> None:
         if self.loop.failed is not None:
             raise RuntimeError(f"engine failed: {self.loop.failed!r}")
+        if self._stopping.is_set():
+            raise RuntimeError("the replica has shut down")
 
     async def metrics_text(self) -> bytes:
         """Prometheus text for every replica the planner knows, this one fresh."""
-        replicas, routing = {}, {}
+        replicas, routing, handover = {}, {}, None
         if self._planner is None and self.app_name:
             self._planner = get_planner(self.app_name)
         planner = self._planner
         if planner is not None:
             try:
-                replicas, routing = await planner.metrics.remote(), await planner.routing_counts.remote()
+                replicas, routing, handover = await asyncio.gather(
+                    planner.metrics.remote(), planner.routing_counts.remote(), planner.handover_counts.remote())
             except Exception as e:
                 logger.warning(f"planner metrics unavailable: {e!r}")
                 self._planner = None
         replicas[self.replica_id] = (self.recorder.snapshot(), self.loop.snapshot)
-        return render_metrics(self.model_name, replicas, routing)
+        return render_metrics(self.model_name, replicas, routing, handover)
 
     # ------------------------------------------------------------------ planner reports
     def _report_loop(self) -> None:
@@ -209,16 +224,20 @@ class Worker:
         while not self._stopping.wait(self.config.report_interval_s):
             try:
                 if planner is None:
-                    planner = self._planner = get_or_create_planner(self.app_name,
-                                                                    draft_cost=self.config.engine.spec.draft_cost)
+                    planner = self._planner = get_or_create_planner(
+                        self.app_name, draft_cost=self.config.engine.spec.draft_cost,
+                        handover_max_bytes=int(self.config.session_handover_gib * 2**30))
                 snapshot = self.loop.snapshot
                 report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.recorder.snapshot(),
-                                      self.max_drafts, adaptive=self.policy is not None, actor_name=self._actor_name)
+                                      self.max_drafts, adaptive=self.policy is not None, actor_name=self._actor_name,
+                                      handover_version=self._handover_version)
                 plan = ray.get(planner.report.remote(report), timeout=10)
             except Exception as e:
                 logger.warning(f"report to the planner failed ({e!r}); retrying")
                 planner = self._planner = None
                 continue
+            if plan.handover_sessions is not None:
+                self._handed_over, self._handover_version = plan.handover_sessions, plan.handover_version
             if (plan.num_blocks_granted, plan.num_rows_granted) != granted:
                 granted = (plan.num_blocks_granted, plan.num_rows_granted)
                 self.loop.set_grant(*granted)
@@ -226,14 +245,95 @@ class Worker:
                 self.policy.set_plan(plan.num_drafts, plan.prior_acceptance)
                 self.policy.set_load(snapshot.load)
 
+    # ------------------------------------------------------------------ session hand-over
+    async def take_handover(self, session_id: str) -> int:
+        """Import the cached prefix a stopped replica handed over for ``session_id`` (one planner
+        call, which removes it there); the prompt tokens it covers. Never raises: a failure is
+        logged and the request recomputes its prefix."""
+        self._handed_over = self._handed_over - {session_id}     # one request of the session asks
+        try:
+            planner = self._planner or get_planner(self.app_name)
+            records = await asyncio.wait_for(planner.take_handover.remote(session_id), TAKE_TIMEOUT_S) \
+                if planner is not None else None
+            if not records:
+                return 0
+            num_tokens = await self.loop.call(operator.methodcaller("import_prefix", records))
+            logger.info(f"session {session_id}: imported its handed-over prefix ({num_tokens} tokens, "
+                        f"{records_size(records) / 2**20:.1f} MiB)")
+            return num_tokens
+        except Exception as e:  # noqa: BLE001 - a cache: the request goes on without it
+            logger.warning(f"session {session_id}: its handed-over prefix was not imported ({e!r})")
+            return 0
+
+    def hand_over_sessions(self) -> dict:
+        """Export each session's cached prefix (``EngineLoop.export_sessions``: most recently used
+        first, at most ``session_handover_gib``) and push the records to the planner by value, in
+        calls of at most HANDOVER_CALL_BYTES, each waited for (the planner holds its own copy
+        before this replica exits). Half of ``session_handover_timeout_s`` goes to the export, the
+        whole of it bounds everything: it runs on a thread of its own with an event loop of its
+        own, joined with that deadline, so a stop never hangs here. Errors are logged, never
+        raised. Returns {"sessions", "bytes", "seconds"} handed over."""
+        timeout_s = self.config.session_handover_timeout_s
+        done = {"sessions": 0, "bytes": 0, "seconds": 0.0}
+        started = time.monotonic()
+
+        async def hand_over():
+            sessions = await self.loop.export_sessions(int(self.config.session_handover_gib * 2**30), timeout_s / 2)
+            planner = (self._planner or get_planner(self.app_name)) if sessions else None
+            if planner is None:
+                return
+            for batch in _batches(sessions, HANDOVER_CALL_BYTES):
+                await planner.hand_over.remote(self.replica_id, dict(batch))
+                done["sessions"] += len(batch)
+                done["bytes"] += sum(records_size(records) for _, records in batch)
+
+        def run():
+            try:
+                asyncio.run(asyncio.wait_for(hand_over(), timeout_s))
+            except Exception as e:  # noqa: BLE001 - a cache: losing it costs recompute, never a stop
+                done["error"] = e
+        thread = threading.Thread(target=run, name="mtpserve-handover", daemon=True)
+        thread.start()
+        thread.join(timeout_s + 1.0)
+        done["seconds"] = time.monotonic() - started
+        summary = f"handed over {done['sessions']} sessions, {done['bytes'] / 2**20:.1f} MiB in {done['seconds']:.2f} s"
+        if "error" in done or thread.is_alive():
+            logger.warning(f"{summary}; the rest was not ({done.get('error', 'still running')!r})")
+        else:
+            logger.info(summary)
+        return {k: done[k] for k in ("sessions", "bytes", "seconds")}
+
     def shutdown(self) -> None:
+        """Stop: the reports end, the sessions are handed over (in Serve, unless
+        ``session_handover_gib`` is 0 or the engine failed), the engine stops. Serve calls this
+        through ``__del__`` when it stops the replica gracefully (scale-down, redeploy, deletion,
+        a replacement), after its drain; a crashed or killed replica hands nothing over."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
+        if self._reporter is not None:
+            self._reporter.join(1.0)        # a report sent after the hand-over would bind its sessions here again
+        if self.app_name is not None and self.config.session_handover_gib > 0 and self.loop.failed is None:
+            self.hand_over_sessions()       # (a failed engine's cache is not to be trusted)
         self.loop.stop()
 
     def __del__(self):
         stopping = getattr(self, "_stopping", None)
         if stopping is not None and not stopping.is_set():
             self.shutdown()
+
+
+def _batches(sessions: list[tuple[str, Records]], max_bytes: int) -> list[list[tuple[str, Records]]]:
+    """Consecutive runs of ``sessions`` of at most ``max_bytes`` of records each (a larger one alone)."""
+    batches, size = [], 0
+    for item in sessions:
+        n = records_size(item[1])
+        if not batches or size + n > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += n
+    return batches
 
 
 @serve.deployment(

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpserve.actors.handover import DEFAULT_HANDOVER_GIB
 from mtpserve.engine.bundled import MODEL_DIR
 from mtpserve.engine.config import EngineConfig, SpecConfig, from_flat, setting
 
@@ -39,6 +40,14 @@ class WorkerConfig:
                                                 "(* for any); default none (no CORS headers, preflights 405)")
     max_request_bytes: int = setting(8 << 20, "the largest request body a replica reads (HTTP 413 above it; "
                                               "checked, with the API key, before the body is parsed)")
+
+    session_handover_gib: float = setting(DEFAULT_HANDOVER_GIB, "a replica that stops gracefully (scale-down, "
+                                          "redeploy) hands its sessions' cached prefixes, the most recently used "
+                                          "first, up to this many GiB, to the planner, and the replica that serves "
+                                          "each session next starts from them; the planner holds at most this much "
+                                          "(the oldest dropped); 0 = off")
+    session_handover_timeout_s: float = setting(10.0, "the longest a stopping replica spends handing its sessions "
+                                                      "over (Serve's stop deadline is shutdown_grace_s plus this)")
 
     engine_process: bool | None = setting(None, "run the engine in a process of its own, so the replica's HTTP "
                                                 "serving and the engine's steps do not share one GIL (default: "

@@ -36,7 +36,9 @@ class ServeOptions:
                                                  "node `ray start --resources '{\"NAME\": 1}'` to place one "
                                                  "replica per node (as num_gpus_per_replica 1 places one per GPU)")
     shutdown_grace_s: float = setting(5.0, "seconds a stopping replica lets its in-flight requests run before "
-                                           "it is stopped (their streams then end)")
+                                           "it is stopped (their streams then end); with session hand-over on, "
+                                           "Serve's deadline is this plus session_handover_timeout_s, and requests "
+                                           "still running at that deadline leave no time for the hand-over")
     prefix_routing: bool = setting(True, "prefix-aware routing: a request without a session goes to the replica "
                                          "whose prefix cache holds the longest prefix of its prompt, unless that "
                                          "replica is busier than the least loaded by more than "
@@ -58,6 +60,9 @@ class ServeOptions:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.worker.session_handover_gib < 0 or self.worker.session_handover_timeout_s <= 0:
+            raise ValueError(f"session_handover_gib must be >= 0 and session_handover_timeout_s > 0, got "
+                             f"{self.worker.session_handover_gib} / {self.worker.session_handover_timeout_s}")
         if self.prefix_max_imbalance < 0:
             raise ValueError(f"prefix_max_imbalance must be >= 0, got {self.prefix_max_imbalance}")
         if not (Path(engine.model_dir) / "genai_config.json").is_file():
@@ -78,13 +83,16 @@ def build_app(options: ServeOptions):
     worker = dataclasses.replace(
         options.worker, model_name=options.served_model_name,
         engine=dataclasses.replace(engine, model_dir=BUNDLED_MODEL_REF if model_dir == MODEL_DIR else str(model_dir)))
+    # Serve force-kills a stopping replica this long after asking it to stop: its drain (in-flight
+    # requests) and then its __del__, which hands the sessions over (Worker.shutdown)
+    stop_deadline_s = options.shutdown_grace_s + (worker.session_handover_timeout_s if worker.session_handover_gib else 0)
     num_gpus = options.num_gpus_per_replica
     if num_gpus is None:
         num_gpus = 1 if engine.device == "cuda" else 0
     deployment = LLMServer.options(
         num_replicas=options.num_replicas,
         max_ongoing_requests=engine.cache.max_resident_requests + worker.max_pending,
-        graceful_shutdown_timeout_s=options.shutdown_grace_s, graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=stop_deadline_s, graceful_shutdown_wait_loop_s=0.5,
         request_router_config=router_config({"model_dir": worker.engine.model_dir,
                                              "prefix_routing": options.prefix_routing,
                                              "prefix_max_imbalance": options.prefix_max_imbalance}),

@@ -11,8 +11,8 @@ or, as context managers, ``with connected(address) as started:`` (Ray for a bloc
 deployed(options, app_name) as view:`` (the app, every replica reporting to its planner, deleted
 afterwards). A local Ray's proxies answer requests whose replica died with OpenAI errors
 (``actors/proxy_middleware.py``); on a cluster, that module's environment variable is set on the
-nodes. The replica helpers at the end (actor names, ``kill_replica``, Serve's RUNNING count)
-serve the fault benchmark and the tests.
+nodes. The replica helpers at the end (actor names, ``kill_replica``, ``stop_replica``, Serve's
+RUNNING count) serve the fault benchmark and the tests.
 """
 
 from __future__ import annotations
@@ -246,6 +246,18 @@ def kill_replica(app_name: str, replica_id: str) -> str:
         return f"SIGKILL pid {pid}"
     ray.kill(actor, no_restart=False)
     return "ray.kill"
+
+
+def stop_replica(app_name: str, replica_id: str, timeout_s: float = 60.0) -> None:
+    """Stop one chosen replica as Serve's controller stops one it scales down or replaces: its
+    graceful shutdown (Serve's drain, then the deployment's ``__del__``, which hands its sessions
+    over), waited for, then its actor killed; Serve then starts a replacement (the deployment's
+    replica count is unchanged). Serve has no public call that stops a chosen replica: this calls
+    the replica actor's ``perform_graceful_shutdown``, the method the controller calls (Ray 2.60)."""
+    import ray
+    actor = ray.get_actor(replica_actor_name(app_name, replica_id), namespace="serve")
+    ray.get(actor.perform_graceful_shutdown.remote(), timeout=timeout_s)
+    ray.kill(actor, no_restart=True)
 
 
 def serve_replica_ids(app_name: str) -> set[str]:

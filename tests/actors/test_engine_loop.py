@@ -181,3 +181,35 @@ def test_an_error_behind_waiting_events_comes_after_them():
         with pytest.raises(EngineFailed):
             await stream.__anext__()
     asyncio.run(scenario())
+
+
+def test_export_sessions_gives_each_sessions_cached_prefix_most_recent_first_within_the_budget(make_loop):
+    """Two sessions' first turns; the export brings the most recent first and skips what does not
+    fit; imported into another engine, the other session's next turn starts from its prefix and
+    gives the tokens that engine computes without it."""
+    loop, other = make_loop(), make_loop()
+    tok = loop.engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = {s: tok.encode("".join(f"{s}_{i} = {s}_{i - 1} * {i}\n" for i in range(1, 12))) for s in ("a", "b")}
+
+    async def turn(target, rid, ids, session):
+        tokens, last = [], None
+        async for event in target.submit(rid, ids, params, session):
+            tokens, last = tokens + event.token_ids, event
+        return tokens, last
+    outputs = {s: asyncio.run(turn(loop, f"{s}1", prompts[s], s))[0] for s in ("a", "b")}    # b finishes last
+    everything = asyncio.run(loop.export_sessions(1 << 30, 10.0))
+    assert [s for s, _ in everything] == ["b", "a"]
+    sizes = {s: sum(len(d) + len(b) for d, b in r) for s, r in everything}
+    only_b = asyncio.run(loop.export_sessions(sizes["b"], 10.0))
+    assert [s for s, _ in only_b] == ["b"], "a no longer fits beside b"
+    assert asyncio.run(loop.export_sessions(0, 10.0)) == []
+
+    records = dict(everything)["a"]
+    n = len(prompts["a"])
+    assert asyncio.run(other.call(lambda engine: engine.import_prefix(records))) == (n - 1) // 16 * 16
+    nxt = prompts["a"] + outputs["a"] + tok.encode("\nc = a_3\n")
+    moved, event = asyncio.run(turn(other, "a2", nxt, "a"))
+    assert event.num_cached_tokens == (n - 1) // 16 * 16 > 0
+    assert moved == asyncio.run(turn(make_loop(), "fresh", nxt, None))[0]
+    assert _status(other)["idle_and_empty"]

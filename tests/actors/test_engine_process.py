@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import time
+from operator import methodcaller
 
 import pytest
 from test_engine_loop import _collect
@@ -197,3 +198,17 @@ def test_structured_output_in_the_engine_process_is_valid_and_equals_the_thread(
         value = json.loads(tok.decode(tokens))
         assert last.finish_reason is FinishReason.STOP and set(value) == {"name", "age"}
     assert asyncio.run(process.status())["integrity"] == "ok"
+
+
+def test_export_sessions_in_the_engine_process_gives_the_sessions_prefix(make_process):
+    process = make_process()
+    tok = Tokenizer(process.manifest.path)
+    ids = tok.encode("".join(f"v{i} = v{i - 1} + {i}\n" for i in range(1, 12)))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def turn():
+        return [t async for event in process.submit("s1", ids, params, "sess") for t in event.token_ids]
+    output = asyncio.run(turn())
+    ((session, records),) = asyncio.run(process.export_sessions(1 << 30, 10.0))
+    assert session == "sess" and len(records) == (len(ids) - 1) // 16 > 0
+    assert records == asyncio.run(process.call(methodcaller("export_prefix", ids + output)))

@@ -35,3 +35,15 @@ def test_render_labels_each_replica_and_counts_match_what_was_recorded():
     assert get("mtpserve:spec_decode_num_accepted_tokens_total") == 2
     assert get("mtpserve:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
     assert get("mtpserve:time_to_first_token_seconds_count", replica="r2") == 0
+
+
+def test_the_planners_session_hand_overs_are_rendered_by_event():
+    from mtpserve.actors.handover import HandoverCounts
+    counts = HandoverCounts({"handed_over": 3, "taken": 2}, {"handed_over": 3000, "taken": 2000}, 1, 1000)
+    text = render_metrics("m", {}, None, counts).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("mtpserve:session_handover_sessions_total", (("event", "taken"), ("model_name", "m")))] == 2
+    assert samples[("mtpserve:session_handover_bytes_total", (("event", "handed_over"), ("model_name", "m")))] == 3000
+    assert samples[("mtpserve:session_handover_held_bytes", (("model_name", "m"),))] == 1000
+    assert "session_handover" not in render_metrics("m", {}).decode()

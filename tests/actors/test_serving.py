@@ -22,7 +22,7 @@ from mtpserve.actors.metrics import MetricsSnapshot  # noqa: E402
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner, shutdown_planner  # noqa: E402
 from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import MTPClient, replica_statuses  # noqa: E402
-from mtpserve.cluster.deploy import deployed, kill_replica, placement, replica_actor_name  # noqa: E402
+from mtpserve.cluster.deploy import deployed, kill_replica, placement, replica_actor_name, stop_replica  # noqa: E402
 from mtpserve.engine.config import CacheConfig, EngineConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 from mtpserve.engine.manifest import load_manifest  # noqa: E402
@@ -438,3 +438,35 @@ def test_a_sessions_cached_prefix_moves_to_another_replica_and_serves_its_next_t
     assert where == replicas[1]
     assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
     assert moved["choices"][0]["text"] == engine_texts(app["model_dir"], [turn2], 8)["r0"]
+
+
+def test_a_replica_that_stops_gracefully_hands_its_sessions_prefixes_to_their_next_replica(app):
+    """A session's first turn on one replica; that replica stops gracefully (``stop_replica``: what
+    Serve's controller does to a replica it scales down, for a replica chosen here) and hands the
+    session's cached prefix to the planner; the next turn lands on another replica, which takes
+    the records before the request runs: its cached_tokens cover the prefix and its text is the
+    in-process engine's. Serve replaces the stopped replica, so the module keeps two."""
+    planner = get_planner(APP)
+    victim = sorted(_live_placement().replicas)[0]
+    session = _session_on(app, victim)
+    first = _module_text(f"ho{uuid.uuid4().hex[:6]}") + "result = "
+    done, home = _complete(app, first, session=session, temperature=0, max_tokens=8, ignore_eos=True)
+    assert home == victim
+    turn2 = first + done["choices"][0]["text"] + "\n# next\nvalue = "
+    n = done["usage"]["prompt_tokens"]
+    before = ray.get(planner.handover_counts.remote())
+    stop_replica(APP, victim)
+    after = ray.get(planner.handover_counts.remote())
+    assert after.sessions.get("handed_over", 0) > before.sessions.get("handed_over", 0), "nothing handed over"
+    _wait_for(lambda: (v := _placement()) is not None and victim not in v.replicas and len(v.replicas) == 2,
+              "Serve replaced the stopped replica in the planner's view", timeout=90)
+    moved, where = _complete(app, turn2, session=session, temperature=0, max_tokens=8, ignore_eos=True)
+    assert where != victim
+    assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
+    assert moved["choices"][0]["text"] == engine_texts(app["model_dir"], [turn2], 8)["r0"]
+    assert ray.get(planner.handover_counts.remote()).sessions.get("taken", 0) > before.sessions.get("taken", 0)
+    metrics = requests.get(f"{app['base']}/metrics", timeout=30).text.splitlines()
+    assert any(line.startswith("mtpserve:session_handover_sessions_total") and 'event="taken"' in line
+               for line in metrics)
+    for status in _status_of_every_replica().values():
+        assert status["integrity"] == "ok" and status["idle_and_empty"], status

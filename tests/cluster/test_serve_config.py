@@ -57,6 +57,28 @@ def test_a_replica_resource_pins_each_replica_and_the_bundled_model_travels_by_r
     assert "resources" not in plain.ray_actor_options
 
 
+def test_session_handover_flags_reach_the_worker_and_serves_stop_deadline():
+    """`mtpserve serve --session-handover-gib/-timeout-s` reach each replica's config; Serve's
+    force-kill deadline leaves the hand-over its time after the drain (none when it is off)."""
+    import argparse
+
+    from mtpserve.cluster.serve import add_serve_parser, options_from_args
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--session-handover-gib", "0.5", "--session-handover-timeout-s", "3",
+                              "--shutdown-grace-s", "2"])
+    options = options_from_args(args)
+    assert (options.worker.session_handover_gib, options.worker.session_handover_timeout_s) == (0.5, 3.0)
+    deployment = build_app(options)._bound_deployment
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == 5.0
+    assert deployment.init_args[0]["session_handover_gib"] == 0.5
+    off = build_app(ServeOptions.from_flat(session_handover_gib=0, shutdown_grace_s=2))._bound_deployment
+    assert off._deployment_config.graceful_shutdown_timeout_s == 2.0
+    for bad in ({"session_handover_gib": -1}, {"session_handover_timeout_s": 0}):
+        with pytest.raises(ValueError, match="session_handover"):
+            ServeOptions.from_flat(**bad).validate()
+
+
 def test_the_cpu_config_deploys_with_serve_run_and_answers(ray_cluster, model_dir, tmp_path):
     from ray import serve
 
