@@ -116,7 +116,8 @@ class StepCostEstimator:
     ``outlier_factor`` times its prediction (a garbage collection, a first call of some kernel,
     the host descheduled) is counted in ``num_outliers`` and skipped, unless it is the
     ``max_outliers_in_a_row``-th such step in a row: then the costs really changed, and it and
-    the ones after it are fitted until a step is within the bound again. (One 0.4 s step among 1.5 ms ones had put a = 0.33 s into the fit on the H200 for
+    the ones after it are fitted until a step is within the bound again. (Start-up steps that
+    paid one-time costs had put a = 0.33 s into the fit on the H200, against ~1.5 ms steps, for
     hundreds of steps: every draft looked as dear as a whole step.)
     """
 

@@ -127,7 +127,9 @@ def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
     assert est.num_outliers == 1
     assert est.draft_cost() == pytest.approx(before, rel=1e-6)
     feed(est, a=1e-3, b=3e-4, c=6e-4, steps=20, seed=1)
-    predict = lambda: float(np.dot(est.coefficients(), [1.0, 24, 2]))
+
+    def predict():
+        return float(np.dot(est.coefficients(), [1.0, 24, 2]))
     old = predict()
     feed(est, a=1e-2, b=3e-3, c=6e-3, steps=50, seed=2)   # every step now costs 10x: the costs changed
     assert predict() > 2 * old, "a lasting change of the step costs must reach the fit"
