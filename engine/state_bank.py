@@ -431,14 +431,17 @@ class StateBank:
         return StepBuffers(self._gather(rows), None)
 
     def warm_up_kernels(self) -> None:
-        """Run a step's gather and its commit's scatter over one row and over two, writing back
-        what was read (no row changes). CuPy builds an indexing kernel on its first use for each
-        arrangement of the arrays, and a multi-row gather (a step whose rows are not consecutive
-        in one bank: decode rows beside new prompts) has another arrangement than one row: on
-        the H200 its first use cost a live step 300-400 ms (the 1.4 B model, 32 requests; the
-        kernels cupy_take and cupy_scatter_update built in that step). Call it at start-up."""
-        for n in (1, 2):
-            rows = np.arange(min(n, self.max_rows))
+        """Run a step's gather and its commit's scatter over one row, two and every row, writing
+        back what was read (no row changes). CuPy builds an indexing kernel on its first use for
+        each arrangement of the arrays (their number of dimensions once merged, and whether
+        offsets fit 32 bits, which depends on the sizes), and a multi-row gather (a step whose
+        rows are not consecutive in one bank: decode rows beside new prompts) has another than
+        one row: on the H200 such a first use cost a live step 300-400 ms (the 1.4 B model, 32
+        requests; cupy_take and cupy_scatter_update over float32 rows were built in that step).
+        Over one and two rows alone this did not prevent it there; the full-size pass is meant
+        to. Call it at start-up."""
+        for n in sorted({1, min(2, self.max_rows), self.max_rows}):
+            rows = np.arange(n)
             states = self._gather(rows)
             dst = self.xp.asarray(self._active_flat(rows))
             self._conv_flat[:, dst] = states.conv
