@@ -91,8 +91,10 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
             run_load(engine, sweep, warm, Load(concurrency=n), k, tag=f"warmup{k}", max_tokens=min(16, sweep.max_tokens))
         for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
             run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}")
+            slow = run.extra.get("slow_steps") or []
             log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
-                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
+                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else "")
+                + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else ""))
             runs.append(run)
         del engine
     return runs
@@ -182,18 +184,38 @@ SLOW_STEP_FACTOR = 3.0
 
 def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float = SLOW_STEP_FACTOR,
                min_count: int = 5) -> list[dict]:
-    """Steps longer than ``factor`` x the median of steps of the same shape (requests, rows,
-    prefill or not, graphed or not), among shapes seen at least ``min_count`` times: a first-call
-    cost or a stall that landed on live traffic. Empty is the goal."""
+    """Steps longer than ``factor`` x the median of their peers: a first-call cost or a stall
+    that landed on live traffic. Empty is the goal.
+
+    A step's shape is (requests, rows, prefill or not, graphed or not). Its peers are the steps
+    of its own shape when there are at least ``min_count`` of them (``median_of: "shape"``);
+    else the steps of its kind (prefill or not, graphed or not) with between half and twice its
+    rows, when there are that many (``"similar"``: a burst's one slow step has a shape of its
+    own, and was missed by the own-shape median alone); else it is not judged."""
     by_shape: dict[tuple, list[float]] = {}
     for t, shape in zip(seconds, shapes):
         if shape is not None:
             by_shape.setdefault(shape, []).append(t)
     medians = {k: sorted(v)[len(v) // 2] for k, v in by_shape.items() if len(v) >= min_count}
-    return [{"step": i, "ms": round(t * 1e3, 3), "median_ms": round(medians[shape] * 1e3, 3),
-             "requests": shape[0], "rows": shape[1], "prefill": shape[2], "graphed": shape[3]}
-            for i, (t, shape) in enumerate(zip(seconds, shapes))
-            if shape in medians and t > factor * medians[shape]]
+
+    def peers(shape):
+        if shape in medians:
+            return medians[shape], "shape"
+        _, rows, prefill, graphed = shape
+        near = sorted(t for other, ts in by_shape.items() for t in ts if other != shape
+                      and other[2:] == (prefill, graphed) and rows / 2 <= other[1] <= rows * 2)
+        return (near[len(near) // 2], "similar") if len(near) >= min_count else (None, None)
+
+    flagged = []
+    for i, (t, shape) in enumerate(zip(seconds, shapes)):
+        if shape is None:
+            continue
+        median, of = peers(shape)
+        if median is not None and t > factor * median:
+            flagged.append({"step": i, "ms": round(t * 1e3, 3), "median_ms": round(median * 1e3, 3),
+                            "median_of": of, "requests": shape[0], "rows": shape[1], "prefill": shape[2],
+                            "graphed": shape[3]})
+    return flagged
 
 
 def _spec_counts(s: SpecDecodeStats) -> dict:

@@ -66,7 +66,8 @@ def test_figures_from_hand_built_timelines():
 
 def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     """A first-call cost on live traffic shows as one step far above its shape's median; a
-    shape that is slow every time (a big prompt chunk) is not flagged, nor a rare shape."""
+    shape that is slow every time (a big prompt chunk) is not flagged, nor a rare shape without
+    peers of its kind and size."""
     decode, chunk = (8, 8, False, True), (4, 2048, True, False)
     seconds = [0.002] * 20 + [0.020] * 6 + [0.0058, 0.0059, 0.5]
     shapes = [decode] * 20 + [chunk] * 6 + [decode, decode, (1, 1, False, False)]
@@ -75,7 +76,12 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     seconds[5] = 0.0070
     flagged = slow_steps(seconds, shapes)
     assert [(f["step"], f["requests"], f["graphed"]) for f in flagged] == [(5, 8, True)]
-    assert flagged[0]["median_ms"] == 2.0
+    assert flagged[0]["median_ms"] == 2.0 and flagged[0]["median_of"] == "shape"
+    # a burst's one slow step has a shape of its own: judged against steps of its kind and size
+    seconds += [0.021, 0.4]
+    shapes += [(3, 2000, True, False), (32, 2048 - 96, True, False)]
+    flagged = slow_steps(seconds, shapes)
+    assert [(f["step"], f["median_of"], f["median_ms"]) for f in flagged] == [(5, "shape", 2.0), (30, "similar", 20.0)]
 
 
 def test_theory_and_spec_figures():
