@@ -192,7 +192,7 @@ class Engine:
             self.runner.run_main(rows, spec.zero_states(batch, xp), np.zeros(batch, np.int32))
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
-        self.state_bank.warm_up_kernels()
+        self.state_bank.warm_up_kernels(largest)
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def warm_up_requests(self) -> None:

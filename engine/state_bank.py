@@ -430,22 +430,35 @@ class StateBank:
         self._in_place = None
         return StepBuffers(self._gather(rows), None)
 
-    def warm_up_kernels(self) -> None:
-        """Run a step's gather and its commit's scatter over one row, two and every row, writing
-        back what was read (no row changes). CuPy builds an indexing kernel on its first use for
-        each arrangement of the arrays (their number of dimensions once merged, and whether
-        offsets fit 32 bits, which depends on the sizes), and a multi-row gather (a step whose
-        rows are not consecutive in one bank: decode rows beside new prompts) has another than
-        one row: on the H200 such a first use cost a live step 300-400 ms (the 1.4 B model, 32
-        requests; cupy_take and cupy_scatter_update over float32 rows were built in that step).
-        Over one and two rows alone this did not prevent it there; the full-size pass is meant
-        to. Call it at start-up."""
-        for n in sorted({1, min(2, self.max_rows), self.max_rows}):
+    def warm_up_kernels(self, largest: int) -> None:
+        """Run a step's gather, its commit's scatter and a commit's subset take over 1, 2, 4, ...
+        and ``largest`` rows (the most a step can have), writing back what was read: no row
+        changes. Call it at start-up.
+
+        Why: CuPy builds an indexing kernel on its first use for each arrangement of its arrays,
+        and that includes, per array, whether its offsets fit 32 bits, so the kernel a gather of
+        P rows needs changes with P: on the H200 the 1.4 B model's first step with 32 rows to
+        gather (decode rows beside new prompts) built cupy_take and cupy_scatter_update in the
+        step, 300-400 ms (its signature: 64-bit offsets for the index array's 8-byte view, 32-bit
+        for the 4-byte state rows). Each such flag flips once as P grows, where its array's size
+        passes 2**31; one kernel's arrays grow in proportion with item sizes of 4 and 8 bytes, so
+        its flips are a factor of two or more apart, every range of P between two flips holds a
+        power of two, and the passes at the powers of two and at ``largest`` meet every kernel
+        a live step can need (unverified on the device; passes over one and two rows alone did
+        not, as this explains). The largest pass holds two copies of ``largest`` rows of state
+        at once (2.4 GB each for that model at 64 rows), released to CuPy's pool after."""
+        xp = self.xp
+        largest = max(1, min(largest, self.max_rows))
+        for n in sorted({min(1 << i, largest) for i in range(largest.bit_length() + 1)}):
             rows = np.arange(n)
-            states = self._gather(rows)
-            dst = self.xp.asarray(self._active_flat(rows))
-            self._conv_flat[:, dst] = states.conv
+            states = self._gather(rows)                              # a step's gather
+            dst = xp.asarray(self._active_flat(rows))
+            self._conv_flat[:, dst] = states.conv                    # its commit's scatter
             self._rec_flat[:, dst] = states.recurrent
+            for m in sorted({1, max(1, n - 1)}):                    # a commit's subset of the rows
+                sub = xp.arange(m)
+                _ = states.conv[:, sub], states.recurrent[:, sub]
+            del states
 
     def padded_in_place(self, request_ids: Sequence[str], num_rows: int) -> tuple[int, StepStates] | None:
         """For a captured step over bank rows ``[0, num_rows)``: ``(b, present)`` when the step's

@@ -461,7 +461,7 @@ def test_warm_up_kernels_changes_no_row():
     present, caps = run_step(bank, list("ab"), toks)
     bank.commit_step(list("ab"), present, [3, 3], [3, 1], caps)
     conv, rec = bank._conv_flat.copy(), bank._rec_flat.copy()
-    bank.warm_up_kernels()
+    bank.warm_up_kernels(4)
     np.testing.assert_array_equal(bank._conv_flat, conv)
     np.testing.assert_array_equal(bank._rec_flat, rec)
     bank.check_integrity()
