@@ -203,12 +203,10 @@ class Engine:
         Afterwards the engine is idle and empty, its counters are zero again, and the draft
         policy has forgotten these steps' times.
 
-        Why several rows of each kind: the first engine of a process on the H200 paid one
-        287-303 ms step (the 1.4 B model, 16 requests decoding beside 16 prompt chunks, 2048
-        tokens; 36 ms in a later engine of the same process) after one prefill beside one decode
-        had run here, and later processes on the same machine did not pay it: the signature of
-        a GPU kernel built (and cached on disk) on its first use for a new arrangement of the
-        step's arrays, which a single row of each kind does not reach."""
+        Several rows of each kind, because CuPy builds a kernel on the first use of each
+        arrangement of an op's arrays, which one row does not reach. (The first burst's one slow
+        step on the H200, 287-395 ms, was such a build, of the state bank's gather and scatter
+        at 32 rows; these requests did not prevent it, ``StateBank.warm_up_kernels`` is meant to.)"""
         started = time.perf_counter()
         bs, vocab = self.manifest.block_size, self.manifest.vocab_size
         n = 2 + 2 * self.max_drafts
