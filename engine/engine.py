@@ -180,9 +180,9 @@ class Engine:
         """One eager decode-shaped forward (one token per request, on the scratch block, states
         zero) of the main model and the head at every batch size a step can have: ORT's
         PagedAttention pays 45-85 ms on the first call of each shape, which would otherwise land
-        on live steps (with CUDA graphs, on the decode steps that cannot replay one). (Eager
-        prompt chunks of the largest batch at the full budget were tried here too: they did not
-        remove the first burst's slow step; ``warm_up_requests`` is the attempt now.)"""
+        on live steps (with CUDA graphs, on the decode steps that cannot replay one). Then the
+        state bank's indexing kernels at every size class a step can need
+        (``StateBank.warm_up_kernels``: CuPy builds one on its first use)."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
