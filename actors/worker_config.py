@@ -47,7 +47,7 @@ class WorkerConfig:
                                           "each session next starts from them; the planner holds at most this much "
                                           "(the oldest dropped); 0 = off")
     session_handover_timeout_s: float = setting(10.0, "the longest a stopping replica spends handing its sessions "
-                                                      "over (Serve's stop deadline is shutdown_grace_s plus this)")
+                                                      "over, within what shutdown_grace_s leaves after its drain")
 
     engine_process: bool | None = setting(None, "run the engine in a process of its own, so the replica's HTTP "
                                                 "serving and the engine's steps do not share one GIL (default: "

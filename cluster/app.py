@@ -35,10 +35,9 @@ class ServeOptions:
     replica_resource: str | None = setting(None, "a custom Ray resource each replica takes one unit of: give each "
                                                  "node `ray start --resources '{\"NAME\": 1}'` to place one "
                                                  "replica per node (as num_gpus_per_replica 1 places one per GPU)")
-    shutdown_grace_s: float = setting(5.0, "seconds a stopping replica lets its in-flight requests run before "
-                                           "it is stopped (their streams then end); with session hand-over on, "
-                                           "Serve's deadline is this plus session_handover_timeout_s, and requests "
-                                           "still running at that deadline leave no time for the hand-over")
+    shutdown_grace_s: float = setting(5.0, "seconds a stopping replica has for its in-flight requests and then "
+                                           "its session hand-over before it is stopped (streams still running then "
+                                           "end, and a replica busy until then hands nothing over)")
     prefix_routing: bool = setting(True, "prefix-aware routing: a request without a session goes to the replica "
                                          "whose prefix cache holds the longest prefix of its prompt, unless that "
                                          "replica is busier than the least loaded by more than "
@@ -84,8 +83,9 @@ def build_app(options: ServeOptions):
         options.worker, model_name=options.served_model_name,
         engine=dataclasses.replace(engine, model_dir=BUNDLED_MODEL_REF if model_dir == MODEL_DIR else str(model_dir)))
     # Serve force-kills a stopping replica this long after asking it to stop: its drain (in-flight
-    # requests) and then its __del__, which hands the sessions over (Worker.shutdown)
-    stop_deadline_s = options.shutdown_grace_s + (worker.session_handover_timeout_s if worker.session_handover_gib else 0)
+    # requests) and then its __del__, which hands the sessions over (Worker.shutdown) in what is
+    # left. Not longer: the grace is the user's bound on how long a stop lets streams run.
+    stop_deadline_s = options.shutdown_grace_s
     num_gpus = options.num_gpus_per_replica
     if num_gpus is None:
         num_gpus = 1 if engine.device == "cuda" else 0

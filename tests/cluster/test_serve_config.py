@@ -59,7 +59,7 @@ def test_a_replica_resource_pins_each_replica_and_the_bundled_model_travels_by_r
 
 def test_session_handover_flags_reach_the_worker_and_serves_stop_deadline():
     """`mtpserve serve --session-handover-gib/-timeout-s` reach each replica's config; Serve's
-    force-kill deadline leaves the hand-over its time after the drain (none when it is off)."""
+    force-kill deadline stays the grace (how long a stop lets streams run), hand-over on or off."""
     import argparse
 
     from mtpserve.cluster.serve import add_serve_parser, options_from_args
@@ -70,7 +70,7 @@ def test_session_handover_flags_reach_the_worker_and_serves_stop_deadline():
     options = options_from_args(args)
     assert (options.worker.session_handover_gib, options.worker.session_handover_timeout_s) == (0.5, 3.0)
     deployment = build_app(options)._bound_deployment
-    assert deployment._deployment_config.graceful_shutdown_timeout_s == 5.0
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == 2.0
     assert deployment.init_args[0]["session_handover_gib"] == 0.5
     off = build_app(ServeOptions.from_flat(session_handover_gib=0, shutdown_grace_s=2))._bound_deployment
     assert off._deployment_config.graceful_shutdown_timeout_s == 2.0
