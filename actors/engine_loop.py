@@ -68,7 +68,6 @@ class LoopSnapshot:
     sessions: tuple[str, ...] = ()
     acceptance: dict[str, tuple[float, int]] = field(default_factory=dict)
     draft_cost: float | None = None    # measured cost of a draft level, in plain decode steps
-    draft_fixed_cost: float | None = None   # measured cost of drafting at all, in plain decode steps
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_steps: int = 0
     step_time_ema_s: float = 0.0
@@ -465,7 +464,6 @@ class EngineLoop:
             max_pending_seen=self._max_pending_seen, sessions=self.sessions.session_ids,
             acceptance=self.policy.acceptance() if self.policy is not None else {},
             draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
-            draft_fixed_cost=self.policy.estimator.fixed_cost() if self.policy is not None else None,
             spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,
             step_time_ema_s=self._step_time_ema, **prefix,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())

@@ -133,8 +133,7 @@ class PlannerState:
             plan.handover_sessions = self.handovers.session_ids()
         planned = {}
         if report.adaptive and report.max_drafts > 0:
-            cost = self.cost if loop.draft_cost is None else DraftCostModel(
-                loop.draft_cost, scale_with_load=False, fixed_cost=loop.draft_fixed_cost or 0.0)
+            cost = self.cost if loop.draft_cost is None else DraftCostModel(loop.draft_cost, scale_with_load=False)
             for request_id, (alpha, _) in loop.acceptance.items():
                 k = choose_num_drafts(alpha, loop.load, report.max_drafts, cost)
                 plan.num_drafts[request_id] = k

@@ -11,14 +11,12 @@ it were (prefix acceptance). A step with K drafts then emits on average
 
     E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
 
-and costs ``1 + fixed_cost + K * draft_cost`` plain decode steps (1 for K = 0). Both are
-measured on each replica (``StepCostEstimator``: a least-squares fit of step times against
-main-model rows, head forwards and whether the step drafted, over decode steps; every 16th step
-drafts nothing so both regimes stay measured, and the probes vary their K so a draft level's
-cost is told from drafting's fixed cost); until it has enough steps a static guess stands in:
-``draft_cost = 0.15 * (1 + load)``, ``fixed_cost = 0`` (``load`` = resident requests / state
-rows, 1 when requests are queueing). The chosen K maximises tokens per unit cost; ties go to
-the smaller K.
+and costs ``1 + K * draft_cost`` plain decode steps. ``draft_cost`` is measured on each replica
+(``StepCostEstimator``: a least-squares fit of step times against main-model rows and head
+forwards, over decode steps; every 16th step drafts nothing so both regimes stay measured);
+until it has enough steps a static guess stands in: ``0.15 * (1 + load)`` (``load`` = resident
+requests / state rows, 1 when requests are queueing). The chosen K maximises tokens per unit
+cost; ties go to the smaller K.
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -92,37 +90,27 @@ class FixedDraftPolicy(DraftPolicy):
 
 @dataclass(frozen=True)
 class DraftCostModel:
-    """Cost of a step with K drafts, in units of a plain decode step:
-    ``1 + (fixed_cost if K else 0) + K * draft_cost``.
+    """Cost of a step with K drafts, in units of a plain decode step.
 
     A static guess scales the per-draft cost with load; a measured one (``StepCostEstimator``)
     already saw the load in its step times, so ``scale_with_load`` is off for it.
     """
     draft_cost: float = DEFAULT_DRAFT_COST
     scale_with_load: bool = True
-    fixed_cost: float = 0.0
 
     def step_cost(self, num_drafts: int, load: float) -> float:
         scale = 1.0 + min(max(load, 0.0), 1.0) if self.scale_with_load else 1.0
-        return 1.0 + (self.fixed_cost if num_drafts else 0.0) + num_drafts * self.draft_cost * scale
+        return 1.0 + num_drafts * self.draft_cost * scale
 
 
 class StepCostEstimator:
-    """The replica's measured step time,
-    ``seconds ~ a + b * main_tokens + c * head_forwards + d * drafted``, where ``drafted`` is 1
-    for a step that drafted at all: the host's fixed work of a speculative step (the draft
-    chain's set-up, the verify's staging, the accept and the state rollback), which on a GPU with
-    captured steps outweighs the head forwards themselves (H200, bundled model: a K=2 step 1.32
-    ms against 0.52 for K=0, of which the two head replays are ~0.03 ms).
+    """The replica's measured step time, ``seconds ~ a + b * main_tokens + c * head_forwards``.
 
     Fitted by exponentially weighted least squares (a small ridge keeps it solvable) over decode
     steps (steps with a prompt chunk cost differently and are skipped). With B requests decoding,
-    K drafts each add B main-model rows and K head forwards, so relative to a plain decode step
-    ``a + b*B`` one draft level costs ``(b*B + c)`` (``draft_cost()``) and drafting at all
-    ``d`` more (``fixed_cost()``). ``d`` and ``c`` are told apart only by steps at two or more
-    nonzero draft counts (each weighing at least 2 in the decayed counts); until then ``d`` is
-    0 and ``c`` carries it (the policy's probes vary their K for this). None until the fit has
-    ``min_steps`` steps at two draft counts or more.
+    K drafts each add B main-model rows and K head forwards, so the marginal cost of one draft
+    level relative to a plain decode step is ``(b*B + c) / (a + b*B)``: what ``draft_cost()``
+    returns, or None until enough steps with different draft counts were seen.
 
     One-off stalls are left out of the fit: once it has coefficients, a step that took more than
     ``outlier_factor`` times its prediction (a garbage collection, a first call of some kernel,
@@ -133,8 +121,6 @@ class StepCostEstimator:
     hundreds of steps: every draft looked as dear as a whole step.)
     """
 
-    LEVEL_WEIGHT = 2.0           # decayed steps a draft count needs to count as seen
-
     def __init__(self, halflife_steps: float = 200.0, min_steps: int = 32,
                  outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8):
         self._decay = 0.5 ** (1.0 / halflife_steps)
@@ -144,17 +130,16 @@ class StepCostEstimator:
         self.num_steps = 0
         self.num_outliers = 0
         self._outliers_in_a_row = 0
-        self._xx = np.zeros((4, 4))
-        self._xy = np.zeros(4)
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
         self._batch = 0.0
-        self._level_weight: dict[int, float] = {}     # draft count -> decayed number of steps
+        self._head_levels: set[int] = set()
 
     def observe(self, timing) -> None:
         """One engine step (an ``engine.StepTiming``)."""
         if timing is None or timing.has_prefill or timing.num_requests == 0:
             return
-        k = timing.num_head_forwards
-        x = np.array([1.0, timing.num_main_tokens, k, 1.0 if k > 0 else 0.0])
+        x = np.array([1.0, timing.num_main_tokens, timing.num_head_forwards])
         coef = self.coefficients()
         if coef is not None and timing.seconds > self.outlier_factor * float(np.dot(coef, x)):
             self._outliers_in_a_row += 1
@@ -168,56 +153,29 @@ class StepCostEstimator:
         w = 0.0 if self.num_steps else 1.0
         w = max(w, 1.0 - self._decay)
         self._batch += w * (timing.num_requests - self._batch)
-        for level in self._level_weight:
-            self._level_weight[level] *= self._decay
-        self._level_weight[k] = self._level_weight.get(k, 0.0) + 1.0
+        self._head_levels.add(timing.num_head_forwards)
         self.num_steps += 1
 
-    def coefficients(self) -> tuple[float, float, float, float] | None:
-        """(a, b, c, d) in seconds, or None while the steps seen cannot separate them."""
-        levels = [k for k, w in self._level_weight.items() if w >= self.LEVEL_WEIGHT]
-        if self.num_steps < self.min_steps or len(levels) < 2:
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds, or None while the steps seen cannot separate them."""
+        if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             return None
-        n = 4 if sum(k > 0 for k in levels) >= 2 else 3       # d only when two nonzero counts tell it from c
-        # non-negative least squares by active set: a negative coefficient is fixed at 0 and the
-        # rest fitted again (clipping it instead breaks the fit where columns are collinear: a
-        # steady batch B makes main_tokens = B * (1 + K) a mix of the constant and K)
-        free, coef = list(range(n)), np.zeros(4)
-        while free:
-            xx = self._xx[np.ix_(free, free)]
-            ridge = 1e-9 * max(float(np.trace(xx)), 1.0) * np.eye(len(free))
-            sol = np.linalg.solve(xx + ridge, self._xy[free])
-            if (sol >= 0.0).all():
-                coef[free] = sol
-                break
-            free = [f for f, v in zip(free, sol) if v > 0.0]
-        a, b, c, d = coef.tolist()
-        return float(a), float(b), float(c), float(d)
+        ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(3)
+        a, b, c = np.clip(np.linalg.solve(self._xx + ridge, self._xy), 0.0, None)
+        return float(a), float(b), float(c)
 
     def draft_cost(self) -> float | None:
-        """One draft level's cost, relative to a plain decode step at the measured batch."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c, _ = coef
+        a, b, c = coef
         plain = a + b * self._batch
         return (b * self._batch + c) / plain if plain > 0.0 else None
 
-    def fixed_cost(self) -> float | None:
-        """Drafting at all, relative to a plain decode step at the measured batch."""
-        coef = self.coefficients()
-        if coef is None:
-            return None
-        a, b, _, d = coef
-        plain = a + b * self._batch
-        return d / plain if plain > 0.0 else None
-
     def cost_model(self, fallback: DraftCostModel) -> DraftCostModel:
         """The measured model when there is one, else ``fallback``."""
-        per_level, fixed = self.draft_cost(), self.fixed_cost()
-        if per_level is None or fixed is None:
-            return fallback
-        return DraftCostModel(per_level, fixed_cost=fixed, scale_with_load=False)
+        d = self.draft_cost()
+        return fallback if d is None else DraftCostModel(d, scale_with_load=False)
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -280,7 +238,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.estimator = StepCostEstimator()
         self.explore_interval = explore_interval
         self._step_index = 1                     # the step about to run, counted from 1
-        self._num_probes = 0                     # uniform steps probed at median 0 so far
         self._step_cost = cost
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, _Track] = {}
@@ -337,23 +294,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return self._probe(track, min(k, self.max_drafts))
 
     def step_num_drafts(self, wanted: list[int]) -> int:
-        """The median of the requests' choices, with probes so the step-cost fit keeps seeing
-        two nonzero draft counts (never on an exploring step):
-
-        - a step whose median is 0 drafts every probe_interval-th step anyway, one token and
-          max_drafts in turn (the per-request probe of a uniform step: acceptance and both
-          draft costs keep being measured);
-        - a step whose median K > 0 drafts a neighbour of K (K + 1, or K - 1 at the top) every
-          explore_interval-th step, half-way between two exploring steps."""
+        """The median of the requests' choices; a step whose median is 0 still drafts one token
+        every probe_interval-th step (the per-request probe of a uniform step), so acceptance and
+        the draft cost keep being measured, but never on an exploring step."""
         k = super().step_num_drafts(wanted)
-        if self.max_drafts == 0 or self.exploring:
-            return k
-        if k == 0 and self._step_index % self.probe_interval == 0:
-            self._num_probes += 1
-            return 1 if self._num_probes % 2 else self.max_drafts
-        half = self.explore_interval // 2
-        if k > 0 and half and self._step_index % self.explore_interval == half and self.max_drafts > 1:
-            return k + 1 if k < self.max_drafts else k - 1
+        if k == 0 and self.max_drafts > 0 and not self.exploring and self._step_index % self.probe_interval == 0:
+            return 1
         return k
 
     def _probe(self, track: _Track, k: int) -> int:

@@ -6,13 +6,12 @@ from mtpserve.actors.planner import PlannerState, WorkerReport
 
 def report(replica="r1", incarnation="i1", acceptance=None, sessions=(), running=0, pending=0,
            reserved_blocks=0, reserved_rows=0, granted=(100, 8), max_drafts=4, adaptive=True, draft_cost=None,
-           prefix_index=b"", prefix_index_version=0, draft_fixed_cost=None):
+           prefix_index=b"", prefix_index_version=0):
     loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=100 - reserved_blocks, num_rows=8,
                         num_free_rows=8 - reserved_rows, num_blocks_granted=granted[0],
                         num_rows_granted=granted[1], num_reserved_blocks=reserved_blocks,
                         num_reserved_rows=reserved_rows, num_running=running, num_pending=pending,
                         sessions=tuple(sessions), acceptance=dict(acceptance or {}), draft_cost=draft_cost,
-                        draft_fixed_cost=draft_fixed_cost,
                         prefix_index=prefix_index, prefix_index_version=prefix_index_version)
     return WorkerReport(replica, incarnation, loop, MetricsSnapshot(), max_drafts, adaptive)
 
@@ -34,12 +33,6 @@ def test_a_replicas_measured_draft_cost_decides_its_plans():
     costly = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=1.0), now=0.1).num_drafts["x"]
     cheap = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=0.02), now=0.2).num_drafts["x"]
     assert guessed > 0 and costly == 0 and cheap == 4
-    # drafting's fixed cost (a GPU step's host work) with cheap levels: one draft loses, four win
-    deep = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=0.1, draft_fixed_cost=1.4),
-                          now=0.3).num_drafts["x"]
-    one = planner.report(report(acceptance={"x": (0.85, 40)}, draft_cost=0.1, draft_fixed_cost=1.4, max_drafts=1),
-                         now=0.4).num_drafts["x"]
-    assert deep == 4 and one == 0
 
 
 def test_load_lowers_k_and_fixed_replicas_get_no_plan():
