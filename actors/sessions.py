@@ -63,7 +63,13 @@ class SessionTable:
 
     def last_sequences(self) -> list[tuple[str, list[int]]]:
         """(session, its last token sequence), the most recently finished first."""
-        return [(s, tokens.tolist()) for s, tokens in reversed(self._last.items())]
+        return list(self.iter_last_sequences())
+
+    def iter_last_sequences(self):
+        """``last_sequences`` one at a time (an export that stops at its deadline or budget
+        converts no more of them than it reads)."""
+        for s, tokens in reversed(list(self._last.items())):
+            yield s, tokens.tolist()
 
     def prune(self, now: float) -> None:
         """Forget sessions past their TTL (unless active) and beyond ``max_sessions``."""

@@ -401,16 +401,23 @@ TestTraffic = Traffic.TestCase
 TestTraffic.settings = settings(max_examples=40, stateful_step_count=15, deadline=None)
 
 
+def _bank_after_one_step(requests: str, kept: list[int], seed: int) -> StateBank:
+    """A 4-row bank whose ``requests`` (one letter each) fed 3 random tokens in one step and kept
+    ``kept`` of them."""
+    bank = StateBank(SPEC, max_rows=4)
+    rng = np.random.default_rng(seed)
+    for r in requests:
+        bank.admit(r)
+    toks = {r: {s.layer_id: random_tokens(rng, s, 3) for s in LAYERS} for r in requests}
+    present, caps = run_step(bank, list(requests), toks)
+    bank.commit_step(list(requests), present, [3] * len(requests), kept, caps)
+    return bank
+
+
 def test_release_keeps_resident_rows_dense_and_a_moved_row_keeps_its_state():
     """A captured step binds bank rows 0..B-1: a release moves the highest resident row into the
     hole, with its active bank, state and committed length."""
-    bank = StateBank(SPEC, max_rows=4)
-    rng = np.random.default_rng(3)
-    for r in "abcd":
-        bank.admit(r)
-    toks = {r: {s.layer_id: random_tokens(rng, s, 3) for s in LAYERS} for r in "abcd"}
-    present, caps = run_step(bank, list("abcd"), toks)
-    bank.commit_step(list("abcd"), present, [3] * 4, [3, 1, 2, 3], caps)
+    bank = _bank_after_one_step("abcd", [3, 1, 2, 3], seed=3)
     before = {r: bank.gather_step_inputs([r]) for r in "abcd"}
     lens = {r: bank.committed_len(r) for r in "abcd"}
     bank.release("b")
@@ -453,13 +460,7 @@ def test_padded_in_place_binds_rows_from_zero_only_when_padding_is_harmless():
 def test_warm_up_kernels_changes_no_row():
     """Start-up runs the multi-row gather and scatter once (their first use on the GPU builds a
     kernel): every row, resident or not, in both banks, keeps its state."""
-    bank = StateBank(SPEC, max_rows=4)
-    rng = np.random.default_rng(5)
-    for r in "ab":
-        bank.admit(r)
-    toks = {r: {s.layer_id: random_tokens(rng, s, 3) for s in LAYERS} for r in "ab"}
-    present, caps = run_step(bank, list("ab"), toks)
-    bank.commit_step(list("ab"), present, [3, 3], [3, 1], caps)
+    bank = _bank_after_one_step("ab", [3, 1], seed=5)
     conv, rec = bank._conv_flat.copy(), bank._rec_flat.copy()
     bank.warm_up_kernels(4)
     np.testing.assert_array_equal(bank._conv_flat, conv)
