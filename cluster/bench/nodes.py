@@ -273,7 +273,10 @@ def _run_on_cluster(args, cluster: LocalCluster, workdir: Path, prompts, referen
         figures["node_loss"] = _node_loss(args, cluster, urls, model, prompts, replica_node, planner, log)
         deployment.check()
 
-        after = _concurrent(urls, model, prompts, args.max_tokens, 2 * len(urls), args.timeout_s)
+        # prompts no replica has cached: prefix-aware routing would send the old ones to the replica
+        # that served them all while the node was down, and the burst would not show the new one serving
+        fresh = [f"After the node came back, request {i}: {p}" for i, p in enumerate(prompts)]
+        after = _concurrent(urls, model, fresh, args.max_tokens, 2 * len(urls), args.timeout_s)
         new_statuses = _settled_statuses(num_replicas, timeout_s=120)
         new_nodes = {rid: cluster.node_index(s["node_id"]) for rid, s in new_statuses.items()}
         figures["after"] = {"num_requests": len(after), "num_ok": sum(r["outcome"] == "ok" for r in after),
