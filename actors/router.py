@@ -68,6 +68,42 @@ def replica_load(view: ReplicaLoad | None, routing_stats: dict, num_in_flight: i
     return max(active, num_in_flight) + kv + (DRAINED_PENALTY if drained else 0.0)
 
 
+class InFlight:
+    """This router's count of requests in flight per replica, with the ones chosen but not yet
+    sent counted at once.
+
+    Serve runs several routing tasks at a time: a burst's requests are all chosen before the
+    first of them is sent (``on_send_request``), and with only the sent ones counted they all
+    saw the same loads and landed at random (8 distinct prompts over 2 replicas: 7 on one now
+    and then). A choice counts as in flight from ``chosen`` until that replica's next
+    ``sent`` takes it over, or ``tentative_s`` passes (Serve sent it elsewhere: the first
+    choice was full)."""
+
+    def __init__(self, tentative_s: float = 1.0):
+        self.tentative_s = tentative_s
+        self._sent: defaultdict[str, int] = defaultdict(int)
+        self._chosen: defaultdict[str, list[float]] = defaultdict(list)
+
+    def count(self, replica: str, now: float) -> int:
+        chosen = self._chosen.get(replica)
+        if chosen:
+            while chosen and now - chosen[0] > self.tentative_s:
+                chosen.pop(0)
+        return self._sent.get(replica, 0) + (len(chosen) if chosen else 0)
+
+    def chosen(self, replica: str, now: float) -> None:
+        self._chosen[replica].append(now)
+
+    def sent(self, replica: str) -> None:
+        chosen = self._chosen.get(replica)
+        if chosen:
+            chosen.pop(0)
+        self._sent[replica] += 1
+
+    def completed(self, replica: str) -> None:
+        self._sent[replica] = max(0, self._sent[replica] - 1)
+
+
 def rank_replicas(candidates: list[str], loads: dict[str, float], session_owner: str | None,
                   rng: random.Random = random) -> list[str]:
     """Candidates in order of preference: the session's owner, then least loaded (ties random)."""
@@ -123,7 +159,7 @@ class StateAffinityRouter(RequestRouter):
         self._view: PlacementView | None = None
         self._view_received_at = 0.0
         self._sessions: dict[str, str] = {}
-        self._in_flight: defaultdict[str, int] = defaultdict(int)
+        self._in_flight = InFlight()
         self._refresh_task: asyncio.Task | None = None
         self._planner = None
         self._model_dir: str | None = None
@@ -155,12 +191,12 @@ class StateAffinityRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         view = self._fresh_view()
+        now = time.monotonic()
         loads = {uid: replica_load(view.replicas.get(uid) if view else None, r.routing_stats or {},
-                                   self._in_flight[uid]) for uid, r in by_id.items()}
+                                   self._in_flight.count(uid, now)) for uid, r in by_id.items()}
         session_id = pending_request.metadata.session_id if pending_request is not None else ""
         owner = self._session_owner(session_id) if session_id else None
         digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request)
-        now = time.monotonic()
         matched = {}
         if digests:
             indexes = {uid: self._indexes[uid][1] for uid in by_id if uid in self._indexes}
@@ -171,6 +207,7 @@ class StateAffinityRouter(RequestRouter):
             self._recent.remember(digests, order[0], now)
         if session_id and owner != order[0]:
             self._bind_session(session_id, order[0])
+        self._in_flight.chosen(order[0], now)
         return [[by_id[uid]] for uid in order]
 
     # ------------------------------------------------------------------ prefixes
@@ -214,11 +251,10 @@ class StateAffinityRouter(RequestRouter):
 
     def on_send_request(self, replica_id: ReplicaID):
         super().on_send_request(replica_id)
-        self._in_flight[replica_id.unique_id] += 1
+        self._in_flight.sent(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str):
-        uid = replica_id.unique_id
-        self._in_flight[uid] = max(0, self._in_flight[uid] - 1)
+        self._in_flight.completed(replica_id.unique_id)
 
     # ------------------------------------------------------------------ sessions
     def _session_owner(self, session_id: str) -> str | None:

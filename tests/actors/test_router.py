@@ -4,7 +4,7 @@ import random
 from collections import Counter
 
 from mtpserve.actors.planner import ReplicaLoad
-from mtpserve.actors.router import DRAINED_PENALTY, prefer_cached, rank_replicas, replica_load, route
+from mtpserve.actors.router import DRAINED_PENALTY, InFlight, prefer_cached, rank_replicas, replica_load, route
 
 
 def test_session_owner_comes_first_even_when_busier():
@@ -28,6 +28,35 @@ def test_load_takes_the_fresher_of_reported_and_in_flight_counts():
     assert replica_load(None, stats, 0) == 1.5, "without a planner view, Serve's routing stats"
     drained = ReplicaLoad(0, 0, 0.0, 0, drained=True)
     assert replica_load(drained, {}, 0) >= DRAINED_PENALTY
+
+
+def test_a_burst_chosen_before_any_request_is_sent_spreads_evenly():
+    """Serve's routing tasks choose a burst's replicas before the first is sent: each choice
+    counts at once (counting only sent requests left 8 prompts at 7 and 1 now and then)."""
+    rng = random.Random(0)
+    for trial in range(20):
+        in_flight, now = InFlight(), 100.0
+        firsts = []
+        for _ in range(8):
+            loads = {r: replica_load(None, {}, in_flight.count(r, now)) for r in ("a", "b")}
+            firsts.append(rank_replicas(["a", "b"], loads, None, rng)[0])
+            in_flight.chosen(firsts[-1], now)
+        assert Counter(firsts) == {"a": 4, "b": 4}, (trial, firsts)
+
+
+def test_a_choice_becomes_a_sent_request_or_expires():
+    in_flight = InFlight(tentative_s=1.0)
+    in_flight.chosen("a", 0.0)
+    in_flight.chosen("a", 0.5)
+    assert in_flight.count("a", 0.6) == 2
+    in_flight.sent("a")                        # the first choice went out: counted once, not twice
+    assert in_flight.count("a", 0.6) == 2
+    assert in_flight.count("a", 1.6) == 1, "a choice Serve sent elsewhere stops counting"
+    in_flight.sent("b")                        # sent to b without being chosen there (a's queue was full)
+    assert in_flight.count("b", 1.6) == 1
+    in_flight.completed("a")
+    in_flight.completed("a")
+    assert in_flight.count("a", 1.6) == 0, "never below zero"
 
 
 # ---- the prefix rule: order is rank_replicas's least-loaded order
