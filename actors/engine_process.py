@@ -266,9 +266,6 @@ class _PolicyProxy:
     def set_plan(self, *args) -> None:
         self._owner._send(("policy", "set_plan", args))
 
-    def set_load(self, *args) -> None:
-        self._owner._send(("policy", "set_load", args))
-
 
 # ---------------------------------------------------------------------- the engine process
 class _RemoteStream:

@@ -243,7 +243,6 @@ class Worker:
                 self.loop.set_grant(*granted)
             if self.policy is not None:
                 self.policy.set_plan(plan.num_drafts, plan.prior_acceptance)
-                self.policy.set_load(snapshot.load)
 
     # ------------------------------------------------------------------ session hand-over
     async def take_handover(self, session_id: str) -> int:

@@ -1,31 +1,38 @@
 """Draft policies: how many drafts each request carries in its next step.
 
 ``FixedDraftPolicy(K)`` is one K for everyone. ``AdaptiveDraftPolicy`` (``--draft-tokens auto``)
-chooses each request's K from its measured acceptance and the replica's measured step cost; the
-planner actor may override it per request. The engine reports to a policy as things happen:
-``observe_verified(request_id, drafted, accepted)`` after each verified step of a request,
-``observe_step(timing)`` after each step, ``forget(request_id)`` when a request ends.
+chooses each step's draft depth from its requests' measured acceptance and the replica's
+measured step cost; the planner actor may cap it per request. The engine reports to a policy as
+things happen: ``observe_verified(request_id, drafted, accepted)`` after each verified step of a
+request, ``observe_step(timing)`` after each step, ``forget(request_id)`` when a request ends.
 
 Acceptance model: each draft is accepted with probability ``alpha`` given that the ones before
-it were (prefix acceptance). A step with K drafts then emits on average
+it were (prefix acceptance). A request carrying K drafts then emits on average
 
     E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
 
-and costs ``1 + K * draft_cost`` plain decode steps. ``draft_cost`` is measured on each replica
-(``StepCostEstimator``: a least-squares fit of step times against main-model rows and head
-forwards, over decode steps; every 16th step drafts nothing so both regimes stay measured);
-until it has enough steps a static guess stands in: ``0.15 * (1 + load)`` (``load`` = resident
-requests / state rows, 1 when requests are queueing). The chosen K maximises tokens per unit
-cost; ties go to the smaller K.
+The step's cost is measured on each replica (``StepCostEstimator``: a least-squares fit of decode
+step times, ``seconds ~ a + b * main_rows + c * head_forwards``). The head's forwards are paid
+once per step for everyone (one forward per draft level), so the choice is made per step: the
+depth D in 0..max with the most expected tokens, summed over the step's requests, per predicted
+second (``best_depth``; each request carries min(D, its cap); one D for all under uniform steps).
+Until the fit exists (the first ``min_steps`` decode steps) steps alternate D = 0 and 1, which
+is what the fit needs and never costs much; a guess of the cost could cost a lot (a deep guess
+on a host where a draft level costs nearly a plain step lost 25% of the tokens/s at C=64). Every
+``explore_interval``-th step takes a neighbouring depth (below and above by turns; 1 when the
+best is 0), so the fit keeps seeing more than one depth and a request held at 0 keeps measuring
+its acceptance.
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
-``AcceptanceEMA`` smooths that per request, weighting each step by its trials.
+``AcceptanceEMA`` smooths that per request, weighting each step by its trials; a new request
+starts from the replica's own running acceptance (every request's trials), or the planner's
+cluster-wide prior until the replica has measured some.
 
-``AdaptiveDraftPolicy`` uses the planner actor's latest per-request K when it has one (on a
-Serve replica), otherwise the same choice made locally from the request's EMA.
-A request held at K = 0 still drafts one token every ``probe_interval`` steps so its EMA keeps
-moving (otherwise a request once judged hopeless could never recover).
+On a Serve replica the planner actor sends a per-request K (its plan from the same reports);
+the policy takes it as that request's cap. A seeded sampled request chooses its K from its own
+history alone (its tokens depend on its K), with a probe of one draft every ``probe_interval``
+calls at K = 0.
 """
 
 from __future__ import annotations
@@ -44,20 +51,26 @@ PRIOR_ACCEPTANCE = 0.6
 
 
 class DraftPolicy:
-    """Chooses how many drafts a request carries in its next step, and hears how they did.
+    """Chooses how many drafts a step's requests carry, and hears how they did.
 
-    ``num_drafts(request) -> int`` in 0..MAX_NUM_DRAFTS; 0 turns speculation off for that step.
-    The scheduler still caps the answer by the capture capacity, the step's budget left and what
-    the request may still emit. The ``observe_*`` / ``forget`` hooks do nothing here.
+    ``num_drafts(request) -> int`` in 0..MAX_NUM_DRAFTS is one request's own count (0 turns
+    speculation off for it); ``step_drafts(requests, uniform)`` the counts of a step's decoding
+    requests, one for all under ``uniform`` (captured verify steps). The scheduler still caps
+    the answers by the capture capacity, the step's budget left and what each request may still
+    emit. The ``observe_*`` / ``forget`` hooks do nothing here.
     """
 
     def num_drafts(self, request) -> int:
         raise NotImplementedError
 
-    def step_num_drafts(self, wanted: list[int]) -> int:
-        """One draft count for a whole step, from what its requests want (the scheduler asks when
-        every request must carry the same number: captured verify steps): the median."""
-        return sorted(wanted)[len(wanted) // 2]
+    def step_drafts(self, requests: list, uniform: bool) -> list[int]:
+        """The draft counts of a step's decoding requests (seeded sampled ones excluded: the
+        scheduler asks ``num_drafts`` for each of those): each request's own, or under
+        ``uniform`` their median for all."""
+        wanted = [self.num_drafts(r) for r in requests]
+        if uniform and wanted:
+            return [sorted(wanted)[len(wanted) // 2]] * len(wanted)
+        return wanted
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verified step of a request: ``num_accepted`` of its ``num_drafts`` drafts kept."""
@@ -112,6 +125,11 @@ class StepCostEstimator:
     level relative to a plain decode step is ``(b*B + c) / (a + b*B)``: what ``draft_cost()``
     returns, or None until enough steps with different draft counts were seen.
 
+    The coefficients are not clipped: at a steady batch every step's rows are B * (1 + K), so
+    (a, b, c) are fixed only up to a direction along which every predicted step time, and the
+    draft cost, stay the same; clipping one of them to zero moved the predictions (a draft level
+    at 0.48 of a step was read as 0.73).
+
     One-off stalls are left out of the fit: once it has coefficients, a step that took more than
     ``outlier_factor`` times its prediction (a garbage collection, a first call of some kernel,
     the host descheduled) is counted in ``num_outliers`` and skipped, unless it is the
@@ -121,7 +139,7 @@ class StepCostEstimator:
     hundreds of steps: every draft looked as dear as a whole step.)
     """
 
-    def __init__(self, halflife_steps: float = 200.0, min_steps: int = 32,
+    def __init__(self, halflife_steps: float = 200.0, min_steps: int = 12,
                  outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8):
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self.min_steps = min_steps
@@ -161,21 +179,27 @@ class StepCostEstimator:
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             return None
         ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(3)
-        a, b, c = np.clip(np.linalg.solve(self._xx + ridge, self._xy), 0.0, None)
+        a, b, c = np.linalg.solve(self._xx + ridge, self._xy)
         return float(a), float(b), float(c)
 
+    def predict(self, num_main_tokens, num_head_forwards):
+        """Predicted seconds of decode steps (scalars or arrays), or None without a fit."""
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c = coef
+        return a + b * np.asarray(num_main_tokens, dtype=np.float64) + c * np.asarray(num_head_forwards, dtype=np.float64)
+
     def draft_cost(self) -> float | None:
+        """A draft level's cost in plain decode steps at the recent batch size (the planner's
+        input), at least 0; None without a fit."""
         coef = self.coefficients()
         if coef is None:
             return None
         a, b, c = coef
         plain = a + b * self._batch
-        return (b * self._batch + c) / plain if plain > 0.0 else None
+        return max(0.0, (b * self._batch + c) / plain) if plain > 0.0 else None
 
-    def cost_model(self, fallback: DraftCostModel) -> DraftCostModel:
-        """The measured model when there is one, else ``fallback``."""
-        d = self.draft_cost()
-        return fallback if d is None else DraftCostModel(d, scale_with_load=False)
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -212,6 +236,30 @@ class AcceptanceEMA:
         self.num_trials += trials
 
 
+def best_depth(alphas, caps, seconds_of, max_depth: int, uniform: bool) -> int:
+    """The step's draft depth D in 0..max_depth with the most expected tokens per second.
+
+    ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
+    each carries min(D, cap), or D under ``uniform``. ``seconds_of(rows, depths)``: predicted
+    step seconds for arrays of main-model rows and head forwards. Ties go to the smaller D."""
+    alphas = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
+    depths = np.arange(max_depth + 1)
+    ks = np.broadcast_to(depths[:, None], (len(depths), len(alphas)))
+    if not uniform:
+        ks = np.minimum(ks, np.asarray(caps)[None, :])
+    # 1 + a + ... + a^k, exact at a = 1
+    ratio = np.where(alphas < 1.0, (1.0 - alphas[None, :] ** (ks + 1)) / np.maximum(1.0 - alphas[None, :], 1e-12),
+                     ks + 1.0)
+    tokens = ratio.sum(axis=1)
+    seconds = np.maximum(np.asarray(seconds_of(ks.sum(axis=1) + len(alphas), depths), dtype=np.float64), 1e-9)
+    value = tokens / seconds
+    best = 0
+    for d in depths[1:]:
+        if value[d] > value[best] * (1.0 + 1e-9):
+            best = int(d)
+    return best
+
+
 @dataclass
 class _Track:
     ema: AcceptanceEMA
@@ -219,54 +267,57 @@ class _Track:
 
 
 class AdaptiveDraftPolicy(DraftPolicy):
-    """Per-request K: the planner's plan when present, else a local choice from the EMA.
+    """Per-step draft depth from measured acceptance and step cost; see the module docstring.
 
-    ``num_drafts`` and the ``observe_*`` hooks run on the engine's owner thread; ``set_plan`` /
-    ``set_load`` come from the worker's reporting thread (a dict swap each). ``max_drafts`` is
-    the engine's cap (the model's capture capacity, at most MAX_NUM_DRAFTS).
+    ``step_drafts``, ``num_drafts`` and the ``observe_*`` hooks run on the engine's owner
+    thread; ``set_plan`` comes from the worker's reporting thread (a dict swap). ``max_drafts``
+    is the engine's cap (the model's capture capacity, at most MAX_NUM_DRAFTS).
     """
 
     def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
-                 prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16):
+                 prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16,
+                 min_prior_trials: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.cost = cost
+        self.cost = cost                          # the static model: seeded sampled requests only
         self.prior = prior
         self.probe_interval = probe_interval
-        self.load = 0.0
-        self.estimator = StepCostEstimator()
         self.explore_interval = explore_interval
+        self.min_prior_trials = min_prior_trials
+        self.estimator = StepCostEstimator()
+        self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
+        self.depths: dict[int, int] = {}         # depth -> steps planned with it (a report's figure)
         self._step_index = 1                     # the step about to run, counted from 1
-        self._step_cost = cost
+        self._num_calibration = 0
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
 
     # ---- from the planner (reporting thread) ---------------------------------------------
     def set_plan(self, num_drafts: dict[str, int], prior: float | None = None) -> None:
+        """The planner's per-request counts (each request's cap here) and its cluster-wide
+        acceptance, the start of a new request's estimate until this replica has its own."""
         self._plan = dict(num_drafts)
         if prior is not None:
             self.prior = prior
 
-    def set_load(self, load: float) -> None:
-        self.load = load
-
     # ---- the engine's hooks (owner thread) ------------------------------------------------
     def observe_step(self, timing) -> None:
         """Feed the step-cost model with what the step ran and how long it took (None: the
-        step ran nothing); the next step's cost model is then the measured one, when it is ready."""
+        step ran nothing)."""
         self.estimator.observe(timing)
         self._step_index += 1
-        self._step_cost = self.estimator.cost_model(self.cost)
 
     def reset_step_costs(self) -> None:
         self.estimator = StepCostEstimator()
-        self._step_cost = self.cost
         self._step_index = 1
+        self._num_calibration = 0
+        self.depths.clear()
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self._track(request_id).ema.observe_step(num_drafts, num_accepted)
+        self.replica_acceptance.observe_step(num_drafts, num_accepted)
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its EMA."""
@@ -275,35 +326,48 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     @property
     def exploring(self) -> bool:
-        """Every explore_interval-th step drafts nothing, so step costs with and without drafts
-        both keep being measured."""
+        """Every explore_interval-th step takes a neighbouring depth (``step_drafts``)."""
         return self.explore_interval > 0 and self._step_index % self.explore_interval == 0
 
+    def step_drafts(self, requests: list, uniform: bool) -> list[int]:
+        if not requests or self.max_drafts == 0:
+            return [0] * len(requests)
+        caps = [min(self._plan.get(r.request_id, self.max_drafts), self.max_drafts) for r in requests]
+        top = sorted(caps)[len(caps) // 2] if uniform else max(caps)     # uniform: the planner's median
+        if self.estimator.coefficients() is None:
+            depth = self._num_calibration % 2            # calibration: 0, 1, 0, 1, ...
+            self._num_calibration += 1
+        else:
+            alphas = [self._track(r.request_id).ema.value for r in requests]
+            depth = best_depth(alphas, caps, self.estimator.predict, top, uniform)
+            if self.exploring:
+                depth = self._neighbour(depth)
+        self.depths[depth] = self.depths.get(depth, 0) + 1
+        if uniform:
+            return [depth] * len(requests)
+        if self.exploring:             # a request the planner holds at 0 measures its acceptance too
+            caps = [max(c, 1) for c in caps]
+        return [min(depth, c) for c in caps]
+
+    def _neighbour(self, depth: int) -> int:
+        """An exploring step's depth: one below and one above by turns, within 0..max_drafts."""
+        if depth == 0:
+            return 1
+        if depth == self.max_drafts:
+            return depth - 1
+        return depth + 1 if (self._step_index // self.explore_interval) % 2 else depth - 1
+
     def num_drafts(self, request) -> int:
-        track = self._track(request.request_id)
         params = request.params
         if params.seed is not None and not params.is_greedy:
             # a seeded sampled request's tokens depend on its K: choose it from the request's own
             # history only (not load, timing or exploration), so the same seed gives the same text
+            track = self._track(request.request_id)
             return self._probe(track, choose_num_drafts(track.ema.value, 0.0, self.max_drafts, self.cost))
-        if self.exploring:
-            return 0
-        planned = self._plan.get(request.request_id)
-        k = planned if planned is not None else choose_num_drafts(
-            track.ema.value, self.load, self.max_drafts, self._step_cost)
-        return self._probe(track, min(k, self.max_drafts))
-
-    def step_num_drafts(self, wanted: list[int]) -> int:
-        """The median of the requests' choices; a step whose median is 0 still drafts one token
-        every probe_interval-th step (the per-request probe of a uniform step), so acceptance and
-        the draft cost keep being measured, but never on an exploring step."""
-        k = super().step_num_drafts(wanted)
-        if k == 0 and self.max_drafts > 0 and not self.exploring and self._step_index % self.probe_interval == 0:
-            return 1
-        return k
+        return self.step_drafts([request], uniform=False)[0]
 
     def _probe(self, track: _Track, k: int) -> int:
-        """A request held at K = 0 still drafts one token every probe_interval steps."""
+        """A request held at K = 0 still drafts one token every probe_interval calls."""
         if k == 0 and self.max_drafts > 0:
             track.calls_at_zero += 1
             if track.calls_at_zero % self.probe_interval == 0:
@@ -313,8 +377,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def _track(self, request_id: str) -> _Track:
         track = self._tracks.get(request_id)
         if track is None:
+            measured = self.replica_acceptance.num_trials >= self.min_prior_trials
+            start = self.replica_acceptance.value if measured else self.prior
             with self._lock:
-                track = self._tracks[request_id] = _Track(AcceptanceEMA(self.prior))
+                track = self._tracks[request_id] = _Track(AcceptanceEMA(start))
         return track
 
     def acceptance(self) -> dict[str, tuple[float, int]]:

@@ -21,11 +21,11 @@ drafts:
    batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back.
-4. With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
-   every request) the decoding requests' wishes become one K for the step
-   (``DraftPolicy.step_num_drafts``), before the caps; a seeded sampled request keeps its own
-   (its tokens depend on its K); a decoding request whose 1 + K rows no longer fit the step's
-   budget waits for the next step instead of carrying fewer drafts.
+4. The draft policy plans the step's drafts at once (``DraftPolicy.step_drafts``), before the
+   caps; a seeded sampled request keeps its own (``num_drafts``: its tokens depend on its K).
+   With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
+   every request) the plan is one K for the step, and a decoding request whose 1 + K rows no
+   longer fit the step's budget waits for the next step instead of carrying fewer drafts.
 
 Reservations are all-or-nothing per request: main KV for everything the step feeds, the MTP
 head's KV for its catch-up and chained rows. When the pools run out the scheduler first trims
@@ -279,16 +279,15 @@ class Scheduler:
         req.num_computed = req.num_head = req.num_cached_tokens = 0
 
     def _wanted_drafts(self, running: list[Request]) -> dict[str, int]:
-        """Each decoding request's draft count before the caps: its policy's choice, or under
-        ``uniform_drafts`` one count for all of them (seeded sampled requests keep theirs)."""
-        wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in running if r.is_decoding}
-        if self.uniform_drafts and wanted:
-            own = {r.request_id for r in running if r.is_decoding and r.params.seed is not None
-                   and not r.params.is_greedy}
-            free = [k for rid, k in wanted.items() if rid not in own]
-            if free:
-                k = self.draft_policy.step_num_drafts(free)
-                wanted = {rid: (wanted[rid] if rid in own else k) for rid in wanted}
+        """Each decoding request's draft count before the caps, from the policy's plan for the
+        step (``DraftPolicy.step_drafts``; one count for all under ``uniform_drafts``), but a
+        seeded sampled request keeps its own (``num_drafts``: its tokens depend on its K)."""
+        decoding = [r for r in running if r.is_decoding]
+        own = [r for r in decoding if r.params.seed is not None and not r.params.is_greedy]
+        free = [r for r in decoding if not (r.params.seed is not None and not r.params.is_greedy)]
+        wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in own}
+        if free:
+            wanted.update(zip((r.request_id for r in free), self.draft_policy.step_drafts(free, self.uniform_drafts)))
         return wanted
 
     def _num_drafts(self, req: Request, wanted: int, budget_left: int) -> int:

@@ -364,12 +364,23 @@ def test_prompt_logprobs_score_every_prompt_token_like_generation_does(model_dir
 @pytest.mark.parametrize("uniform,fixed", [(True, None), (False, None), (True, 3)])
 def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_tokens(model_dir, greedy_reference,
                                                                                          uniform, fixed):
-    """The adaptive policy under ``uniform_drafts`` (what the engine sets with CUDA graphs, whose
-    verify steps have one shape): every decode step gives its requests one draft count (the
-    median of their choices), so it can replay a graph; greedy output stays MTP-off's. Without
-    it the same workload has steps whose requests carry different counts."""
-    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
-    policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.6, explore_interval=16)
+    """The adaptive policy with the planner's per-request counts (caps: every other request held
+    at one draft): under ``uniform_drafts`` (what the engine sets with CUDA graphs, whose verify
+    steps have one shape) every decode step still gives its requests one count, so it can replay
+    a graph; without it the capped requests carry fewer. Greedy output stays MTP-off's."""
+    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, StepCostEstimator
+
+    class CheapDrafts(StepCostEstimator):
+        """Step costs of a host where drafts are nearly free (this CPU's own make them dear)."""
+        def observe(self, timing):
+            pass
+
+        def coefficients(self):
+            return 1e-3, 1e-6, 1e-5
+    policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.9, explore_interval=16)
+    if policy is not None:
+        policy.estimator = CheapDrafts()
+        policy.set_plan({f"r{i}": 1 for i in range(0, len(PROMPTS), 2)})
     engine = make_engine(model_dir, k=fixed or "auto", budget=48, policy=policy)
     engine.scheduler.uniform_drafts = uniform
     counts = []
