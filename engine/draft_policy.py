@@ -19,9 +19,11 @@ second (``best_depth``; each request carries min(D, its cap); one D for all unde
 Until the fit exists (the first ``min_steps`` decode steps) steps alternate D = 0 and 1, which
 is what the fit needs and never costs much; a guess of the cost could cost a lot (a deep guess
 on a host where a draft level costs nearly a plain step lost 25% of the tokens/s at C=64). Every
-``explore_interval``-th step takes a neighbouring depth (below and above by turns; 1 when the
-best is 0), so the fit keeps seeing more than one depth and a request held at 0 keeps measuring
-its acceptance.
+``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
+keeps seeing more than one depth. While the best depth is 0, only every
+``idle_explore_interval``-th step drafts (one token), so acceptance keeps being measured: a
+request that drafts again makes the head catch up on every position since it last drafted, its
+prompt included (on a 2-core CPU at C=16, exploring every 16th step that way cost 0.8x of K=0).
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -117,22 +119,34 @@ class DraftCostModel:
 
 
 class StepCostEstimator:
-    """The replica's measured step time, ``seconds ~ a + b * main_tokens + c * head_forwards``.
+    """The replica's measured step time,
+    ``seconds ~ a + b * main_rows + c * head_forwards + h * head_rows``.
 
     Fitted by exponentially weighted least squares (a small ridge keeps it solvable) over decode
-    steps (steps with a prompt chunk cost differently and are skipped). With B requests decoding,
-    K drafts each add B main-model rows and K head forwards, so the marginal cost of one draft
-    level relative to a plain decode step is ``(b*B + c) / (a + b*B)``: what ``draft_cost()``
-    returns, or None until enough steps with different draft counts were seen.
+    steps (steps with a prompt chunk cost differently and are skipped). ``head_rows`` are the
+    rows the head catches up on before drafting (every position since the request last drafted):
+    about one per token kept while a request drafts every step, its whole history when it drafts
+    again after a pause. Without that term a pause's catch-up read as the cost of a draft level,
+    and a replica that once stopped drafting judged drafting too dear to start again (a closed
+    loop at C=1 on CPU costs stayed at K=0, 0.86x the best fixed K).
+
+    With B requests decoding, K drafts each add B main-model rows and K head forwards, so the
+    marginal cost of one draft level relative to a plain decode step is ``(b*B + c) / (a + b*B)``:
+    what ``draft_cost()`` returns (the catch-up left out), or None until enough steps with
+    different draft counts were seen.
 
     The coefficients are not clipped: at a steady batch every step's rows are B * (1 + K), so
-    (a, b, c) are fixed only up to a direction along which every predicted step time, and the
-    draft cost, stay the same; clipping one of them to zero moved the predictions (a draft level
-    at 0.48 of a step was read as 0.73).
+    they are fixed only up to directions along which every predicted step time, and the draft
+    cost, stay the same; clipping one of them to zero moved the predictions (a draft level at
+    0.48 of a step was read as 0.73).
 
-    One-off stalls are left out of the fit: once it has coefficients, a step that took more than
-    ``outlier_factor`` times its prediction (a garbage collection, a first call of some kernel,
-    the host descheduled) is counted in ``num_outliers`` and skipped, unless it is the
+    One-off stalls are left out of the fit (a garbage collection, a first call of some kernel,
+    the host descheduled). The first ``min_steps`` steps are held until they are enough for a
+    fit; then those over ``outlier_factor`` times the median of the steps with their number of
+    head forwards are dropped, and the rest fitted (one stall among them had made the first
+    draft level look 13 times its cost, and a policy held at no drafts hardly ever sees enough
+    steps with drafts to correct it). After that, a step over ``outlier_factor`` times its
+    prediction is counted in ``num_outliers`` and skipped, unless it is the
     ``max_outliers_in_a_row``-th such step in a row: then the costs really changed, and it and
     the ones after it are fitted until a step is within the bound again. (Start-up steps that
     paid one-time costs had put a = 0.33 s into the fit on the H200, against ~1.5 ms steps, for
@@ -148,58 +162,86 @@ class StepCostEstimator:
         self.num_steps = 0
         self.num_outliers = 0
         self._outliers_in_a_row = 0
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
         self._batch = 0.0
         self._head_levels: set[int] = set()
+        self._held: list[tuple[np.ndarray, float, int]] = []    # the latest steps, until a fit
 
     def observe(self, timing) -> None:
         """One engine step (an ``engine.StepTiming``)."""
         if timing is None or timing.has_prefill or timing.num_requests == 0:
             return
-        x = np.array([1.0, timing.num_main_tokens, timing.num_head_forwards])
+        x = np.array([1.0, timing.num_main_tokens, timing.num_head_forwards, timing.num_head_rows])
+        if self.num_steps < self.min_steps or len(self._head_levels) < 2:
+            self._hold(x, timing.seconds, timing.num_requests)
+            return
         coef = self.coefficients()
-        if coef is not None and timing.seconds > self.outlier_factor * float(np.dot(coef, x)):
+        if timing.seconds > self.outlier_factor * float(np.dot(coef, x)):
             self._outliers_in_a_row += 1
             if self._outliers_in_a_row < self.max_outliers_in_a_row:
                 self.num_outliers += 1
                 return
         else:
             self._outliers_in_a_row = 0
+        self._add(x, timing.seconds, timing.num_requests)
+
+    def _hold(self, x: np.ndarray, seconds: float, num_requests: int) -> None:
+        """Before the first fit: keep the step; once they are enough, fit those within
+        ``outlier_factor`` of their head level's median."""
+        self._held.append((x, seconds, num_requests))
+        if len(self._held) > 4 * self.min_steps:      # one head level only (no drafts at all): bounded
+            del self._held[0]
+        levels = {int(x[2]) for x, _, _ in self._held}
+        if len(self._held) < self.min_steps or len(levels) < 2:
+            return
+        median = {k: float(np.median([s for x, s, _ in self._held if int(x[2]) == k])) for k in levels}
+        held, self._held = self._held, []
+        for x, seconds, n in held:
+            if seconds > self.outlier_factor * median[int(x[2])]:
+                self.num_outliers += 1
+            else:
+                self._add(x, seconds, n)
+        if self.num_steps < self.min_steps or len(self._head_levels) < 2:   # too many dropped: hold on
+            self._held = [(x, s, n) for x, s, n in held if s <= self.outlier_factor * median[int(x[2])]]
+            self._xx[:], self._xy[:], self.num_steps, self._head_levels = 0.0, 0.0, 0, set()
+
+    def _add(self, x: np.ndarray, seconds: float, num_requests: int) -> None:
         self._xx = self._decay * self._xx + np.outer(x, x)
-        self._xy = self._decay * self._xy + x * timing.seconds
+        self._xy = self._decay * self._xy + x * seconds
         w = 0.0 if self.num_steps else 1.0
         w = max(w, 1.0 - self._decay)
-        self._batch += w * (timing.num_requests - self._batch)
-        self._head_levels.add(timing.num_head_forwards)
+        self._batch += w * (num_requests - self._batch)
+        self._head_levels.add(int(x[2]))
         self.num_steps += 1
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds, or None while the steps seen cannot separate them."""
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, h) in seconds, or None while the steps seen cannot separate them."""
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             return None
-        ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(3)
-        a, b, c = np.linalg.solve(self._xx + ridge, self._xy)
-        return float(a), float(b), float(c)
+        ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(4)
+        a, b, c, h = np.linalg.solve(self._xx + ridge, self._xy)
+        return float(a), float(b), float(c), float(h)
 
-    def predict(self, num_main_tokens, num_head_forwards):
+    def predict(self, num_main_tokens, num_head_forwards, num_head_rows=0):
         """Predicted seconds of decode steps (scalars or arrays), or None without a fit."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c = coef
-        return a + b * np.asarray(num_main_tokens, dtype=np.float64) + c * np.asarray(num_head_forwards, dtype=np.float64)
+        a, b, c, h = coef
+        f = np.float64
+        return (a + b * np.asarray(num_main_tokens, dtype=f) + c * np.asarray(num_head_forwards, dtype=f)
+                + h * np.asarray(num_head_rows, dtype=f))
 
     def draft_cost(self) -> float | None:
         """A draft level's cost in plain decode steps at the recent batch size (the planner's
-        input), at least 0; None without a fit."""
+        input; the head's catch-up left out), at least 0; None without a fit."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c = coef
+        a, b, c, _ = coef
         plain = a + b * self._batch
         return max(0.0, (b * self._batch + c) / plain) if plain > 0.0 else None
-
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -240,8 +282,10 @@ def best_depth(alphas, caps, seconds_of, max_depth: int, uniform: bool) -> int:
     """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
-    each carries min(D, cap), or D under ``uniform``. ``seconds_of(rows, depths)``: predicted
-    step seconds for arrays of main-model rows and head forwards. Ties go to the smaller D."""
+    each carries min(D, cap), or D under ``uniform``. ``seconds_of(rows, depths, head_rows)``:
+    predicted step seconds for arrays of main-model rows, head forwards and head catch-up rows
+    (at a steady depth, the tokens each drafting request kept in its last step: its expected
+    tokens). Ties go to the smaller D."""
     alphas = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
     depths = np.arange(max_depth + 1)
     ks = np.broadcast_to(depths[:, None], (len(depths), len(alphas)))
@@ -251,7 +295,9 @@ def best_depth(alphas, caps, seconds_of, max_depth: int, uniform: bool) -> int:
     ratio = np.where(alphas < 1.0, (1.0 - alphas[None, :] ** (ks + 1)) / np.maximum(1.0 - alphas[None, :], 1e-12),
                      ks + 1.0)
     tokens = ratio.sum(axis=1)
-    seconds = np.maximum(np.asarray(seconds_of(ks.sum(axis=1) + len(alphas), depths), dtype=np.float64), 1e-9)
+    head_rows = np.where(ks > 0, ratio, 0.0).sum(axis=1)
+    seconds = np.maximum(np.asarray(seconds_of(ks.sum(axis=1) + len(alphas), depths, head_rows), dtype=np.float64),
+                         1e-9)
     value = tokens / seconds
     best = 0
     for d in depths[1:]:
@@ -276,7 +322,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
                  prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16,
-                 min_prior_trials: int = 16):
+                 idle_explore_interval: int = 128, min_prior_trials: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -284,6 +330,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.prior = prior
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
+        self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
         self.estimator = StepCostEstimator()
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
@@ -324,28 +371,31 @@ class AdaptiveDraftPolicy(DraftPolicy):
         with self._lock:
             self._tracks.pop(request_id, None)
 
-    @property
-    def exploring(self) -> bool:
-        """Every explore_interval-th step takes a neighbouring depth (``step_drafts``)."""
-        return self.explore_interval > 0 and self._step_index % self.explore_interval == 0
+    def explores(self, best: int) -> bool:
+        """Whether this step takes a neighbouring depth instead of ``best``: every
+        explore_interval-th step, or every idle_explore_interval-th while the best is 0."""
+        interval = self.explore_interval if best else self.idle_explore_interval
+        return interval > 0 and self._step_index % interval == 0
 
     def step_drafts(self, requests: list, uniform: bool) -> list[int]:
         if not requests or self.max_drafts == 0:
             return [0] * len(requests)
         caps = [min(self._plan.get(r.request_id, self.max_drafts), self.max_drafts) for r in requests]
         top = sorted(caps)[len(caps) // 2] if uniform else max(caps)     # uniform: the planner's median
+        exploring = False
         if self.estimator.coefficients() is None:
             depth = self._num_calibration % 2            # calibration: 0, 1, 0, 1, ...
             self._num_calibration += 1
         else:
             alphas = [self._track(r.request_id).ema.value for r in requests]
             depth = best_depth(alphas, caps, self.estimator.predict, top, uniform)
-            if self.exploring:
+            exploring = self.explores(depth)
+            if exploring:
                 depth = self._neighbour(depth)
         self.depths[depth] = self.depths.get(depth, 0) + 1
         if uniform:
             return [depth] * len(requests)
-        if self.exploring:             # a request the planner holds at 0 measures its acceptance too
+        if exploring:                  # a request the planner holds at 0 measures its acceptance too
             caps = [max(c, 1) for c in caps]
         return [min(depth, c) for c in caps]
 

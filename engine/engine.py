@@ -54,6 +54,7 @@ class StepTiming:
     has_prefill: bool           # the step carried a prompt chunk
     seconds: float
     graphed: bool = False       # the main forward replayed a captured CUDA graph
+    num_head_rows: int = 0      # rows the head caught up on before drafting (positions since each last drafted)
 
 
 class Engine:
@@ -315,6 +316,7 @@ class Engine:
                 assert hit.hidden is not None, "a prefix-cache snapshot without the head's hidden rows"
                 self.proposer.keep_hidden(rid, hit.hidden, 0, len(hit.hidden))
         drafting = [s for s in plan.scheduled if s.num_drafts]
+        head_rows = sum(s.request.num_computed - s.request.num_head for s in drafting)
         drafts = self.proposer.propose(drafting) if drafting else {}
         replays = self.graphs.num_replays if self.graphs is not None else 0
         out = self._verify(plan, drafts)
@@ -342,7 +344,8 @@ class Engine:
                 events.append(event)
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
-                                    graphed=self.graphs is not None and self.graphs.num_replays > replays)
+                                    graphed=self.graphs is not None and self.graphs.num_replays > replays,
+                                    num_head_rows=head_rows)
         return events
 
     def _processed(self, plan: StepPlan, drafts: dict, logits):

@@ -94,7 +94,8 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
             slow = run.extra.get("slow_steps") or []
             log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
                 f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else "")
-                + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else ""))
+                + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
+                + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
             runs.append(run)
         del engine
     return runs
@@ -108,6 +109,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     records: dict[str, RequestRecord] = {}
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
+    depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
     cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
     hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
@@ -167,6 +169,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
+    depths = getattr(engine.draft_policy, "depths", None)
+    if depths is not None:          # steps planned at each draft depth (auto): what it chose
+        extra["draft_depths"] = {str(d): n - depths0.get(d, 0) for d, n in sorted(depths.items()) if n > depths0.get(d, 0)}
     if engine.prefix_cache is not None:
         extra["prefix_cache"] = {"hit_tokens": engine.prefix_cache.stats.hits - hits0,
                                  "query_tokens": engine.prefix_cache.stats.queries - queries0,

@@ -1,22 +1,25 @@
 """A served replica whose engine runs in a process of its own (the CUDA default, forced on here):
-the same greedy output over HTTP as the engine in process, and a dead engine process is a clear
-503 for the requests it held, then Serve replaces the replica and it serves again."""
+the same greedy output over HTTP as the engine in process; a dead engine process is a clear 503
+for the requests it held, then Serve replaces the replica and it serves again; a replica stopped
+gracefully hands its sessions' cached prefixes to the next replica from its engine process."""
 from __future__ import annotations
 
 import os
 import signal
 import time
+import uuid
 
 import pytest
 
 ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 
-from test_serving import engine_texts  # noqa: E402
+from test_serving import _module_text, engine_texts  # noqa: E402
 
+from mtpserve.actors.planner import get_planner  # noqa: E402
 from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import replica_statuses  # noqa: E402
-from mtpserve.cluster.deploy import deployed  # noqa: E402
+from mtpserve.cluster.deploy import deployed, placement, stop_replica  # noqa: E402
 
 APP = "engineproc"
 PROMPTS = ["def add(a, b):", "import os\nimport"]
@@ -69,3 +72,39 @@ def test_a_dead_engine_process_is_a_clear_503_then_the_replica_is_replaced(app):
     assert served is not None and served.status_code == 200, served.text if served else "no answer"
     status = _only_status()
     assert status["engine_pid"] != engine_pid and status["integrity"] == "ok"
+
+
+def test_a_replica_stopped_gracefully_hands_its_sessions_prefix_over_from_its_engine_process(app):
+    """The hand-over end to end where the engine runs in a process of its own (the CUDA default):
+    a session's first turn, then its replica stops as Serve stops one it scales down; the
+    replacement takes the records before the session's next turn, whose cached_tokens cover the
+    first turn's prompt and whose text is the in-process engine's."""
+    session = f"ep-{uuid.uuid4().hex[:8]}"
+    first = _module_text(f"ep{uuid.uuid4().hex[:6]}") + "result = "
+    r = requests.post(f"{app['base']}/v1/completions", headers={"x-session-id": session}, timeout=60,
+                      json={"model": app["model"], "prompt": first, "max_tokens": 8, "temperature": 0,
+                            "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    victim, done = r.headers["x-mtpserve-replica"], r.json()
+    planner = get_planner(APP)
+    before = ray.get(planner.handover_counts.remote())
+    stop_replica(APP, victim)
+    assert ray.get(planner.handover_counts.remote()).sessions.get("handed_over", 0) > \
+        before.sessions.get("handed_over", 0), "the engine process's export handed nothing over"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:                 # Serve's replacement reports to the planner
+        view = placement(APP)
+        if view is not None and view.replicas and victim not in view.replicas:
+            break
+        time.sleep(0.5)
+    turn2 = first + done["choices"][0]["text"] + "\n# next\nvalue = "
+    moved = requests.post(f"{app['base']}/v1/completions", headers={"x-session-id": session}, timeout=60,
+                          json={"model": app["model"], "prompt": turn2, "max_tokens": 8, "temperature": 0,
+                                "ignore_eos": True})
+    assert moved.status_code == 200, moved.text
+    assert moved.headers["x-mtpserve-replica"] != victim
+    n = done["usage"]["prompt_tokens"]
+    assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
+    assert moved.json()["choices"][0]["text"] == engine_texts(app["model_dir"], [turn2], 8)["r0"]
+    status = _only_status()
+    assert status["integrity"] == "ok" and status["idle_and_empty"], status

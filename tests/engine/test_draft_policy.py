@@ -52,9 +52,9 @@ def _request(rid="r", params=SamplingParams(temperature=0)):
     return SimpleNamespace(request_id=rid, params=params)
 
 
-def linear_cost(a, b, c):
-    """Step seconds of a decode step: a + b * main rows + c * head forwards."""
-    return lambda rows, depth: a + b * rows + c * depth
+def linear_cost(a, b, c, h=0.0):
+    """Step seconds of a decode step: a + b * main rows + c * head forwards (+ h * head rows)."""
+    return lambda rows, depth, head_rows=0: a + b * rows + c * depth + h * head_rows
 
 
 def measured(policy, a, b, c):
@@ -92,13 +92,14 @@ def test_before_the_cost_is_measured_steps_alternate_zero_and_one_draft():
 
 def test_the_depth_falls_on_rejection_and_climbs_back_on_acceptance():
     cost = (1e-3, 1e-5, 3e-4)
-    policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8), *cost)
+    policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8, idle_explore_interval=16), *cost)
     reqs = [_request("r")]
     rejected = _drive(policy, reqs, accept_all=False, num_steps=60, cost=linear_cost(*cost))
-    assert rejected[-16:].count(0) >= 14, f"K should fall to 0: {rejected}"
-    assert 1 in rejected[-16:], "a step at K = 0 still explores one draft now and then"
+    assert rejected[-16:].count(0) == 15, f"K should fall to 0: {rejected}"
+    assert 1 in rejected[-16:], "a step at K = 0 still explores one draft every idle_explore_interval steps"
     accepted = _drive(policy, reqs, accept_all=True, num_steps=60, cost=linear_cost(*cost))
     assert accepted[-8:].count(4) == 7, f"K should climb back to the cap (one step in 8 explores 3): {accepted}"
+    assert accepted.index(4) < 48, "back at the cap within a few idle explorations"
     assert policy.acceptance()["r"][0] > 0.9
 
 
@@ -142,21 +143,25 @@ def test_a_new_request_starts_from_the_replicas_measured_acceptance():
 # ---- the measured step-cost model -----------------------------------------------------------
 
 
-def feed(estimator, a, b, c, steps=200, seed=0):
+def feed(estimator, a, b, c, h=0.0, steps=200, seed=0):
+    """Decode steps of random batch sizes and depths; a drafting step catches up on 1..3 rows
+    per request (its last step's kept tokens), or 40 after a pause now and then."""
     import random
     rnd = random.Random(seed)
     for _ in range(steps):
         batch, k = rnd.randrange(1, 17), rnd.choice([0, 1, 2, 3])
         tokens = batch * (1 + k)
-        estimator.observe(StepTiming(batch, tokens, k, False, a + b * tokens + c * k))
+        head_rows = 0 if k == 0 else sum(40 if rnd.random() < 0.05 else rnd.randrange(1, 4) for _ in range(batch))
+        estimator.observe(StepTiming(batch, tokens, k, False, a + b * tokens + c * k + h * head_rows,
+                                     num_head_rows=head_rows))
 
 
-def test_step_cost_estimator_recovers_the_cost_of_a_draft_level():
+def test_step_cost_estimator_recovers_the_cost_of_a_draft_level_and_of_the_heads_catch_up():
     est = StepCostEstimator(min_steps=10)
     assert est.draft_cost() is None                       # nothing seen yet
-    feed(est, a=1e-3, b=3e-4, c=6e-4)
-    a, b, c = est.coefficients()
-    assert (a, b, c) == pytest.approx((1e-3, 3e-4, 6e-4), rel=1e-3)
+    feed(est, a=1e-3, b=3e-4, c=6e-4, h=5e-5)
+    a, b, c, h = est.coefficients()
+    assert (a, b, c, h) == pytest.approx((1e-3, 3e-4, 6e-4, 5e-5), rel=1e-3)
     batch = est._batch
     assert est.draft_cost() == pytest.approx((b * batch + c) / (a + b * batch), rel=1e-3)
 
@@ -168,7 +173,8 @@ def test_step_cost_estimator_needs_steps_with_different_draft_counts_and_skips_p
         est.observe(StepTiming(8, 400, 0, True, 0.5))     # prefill steps are another regime
     assert est.draft_cost() is None
     est.observe(StepTiming(8, 8, 0, False, 0.004))
-    assert est.num_steps == 51
+    assert est.num_steps == 4 * est.min_steps, "the steps held for the first fit are bounded"
+    assert est.draft_cost() is not None
 
 
 def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
@@ -177,13 +183,13 @@ def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
     est = StepCostEstimator(min_steps=10)
     feed(est, a=1e-3, b=3e-4, c=6e-4)
     before = est.draft_cost()
-    est.observe(StepTiming(8, 24, 2, False, 0.4))
+    est.observe(StepTiming(8, 24, 2, False, 0.4, num_head_rows=8))
     assert est.num_outliers == 1
     assert est.draft_cost() == pytest.approx(before, rel=1e-6)
     feed(est, a=1e-3, b=3e-4, c=6e-4, steps=20, seed=1)
 
     def predict():
-        return float(np.dot(est.coefficients(), [1.0, 24, 2]))
+        return float(np.dot(est.coefficients(), [1.0, 24, 2, 8]))
     old = predict()
     feed(est, a=1e-2, b=3e-3, c=6e-3, steps=50, seed=2)   # every step now costs 10x: the costs changed
     assert predict() > 2 * old, "a lasting change of the step costs must reach the fit"
@@ -216,15 +222,17 @@ def test_exploring_steps_take_a_neighbouring_depth_by_turns():
     for _ in range(16):
         for r in reqs:
             policy._track(r.request_id).ema.value = 0.6            # hold acceptance where K = 2 is best
-        ks.append((policy.exploring, policy.step_drafts(reqs, uniform=True)[0]))
+        ks.append((policy.explores(2), policy.step_drafts(reqs, uniform=True)[0]))
         policy.observe_step(None)
     best = {k for e, k in ks if not e}
     assert best == {2}, ks
     explored = [k for e, k in ks if e]
     assert sorted(explored) == [1, 1, 3, 3] and explored[0] != explored[1] and explored[:2] == explored[2:], ks
-    zero = measured(AdaptiveDraftPolicy(4, prior=0.05, explore_interval=4), 0.0, 1e-3, 0.0)
+    zero = measured(AdaptiveDraftPolicy(4, prior=0.05, explore_interval=4, idle_explore_interval=32), 0.0, 1e-3, 0.0)
     zero._step_index = 4
-    assert zero.step_drafts(reqs, uniform=True) == [1] * 4, "at K = 0 an exploring step drafts one"
+    assert zero.step_drafts(reqs, uniform=True) == [0] * 4, "held at 0: drafting again costs the head's catch-up"
+    zero._step_index = 32
+    assert zero.step_drafts(reqs, uniform=True) == [1] * 4, "at K = 0 every idle_explore_interval-th step drafts one"
     zero.set_plan({r.request_id: 0 for r in reqs})
     assert zero.step_drafts(reqs, uniform=False) == [1] * 4, "the planner's 0 too: acceptance keeps moving"
 
@@ -260,35 +268,40 @@ def test_fixed_draft_policy():
 # ---- closed loop: simulated steps against the best fixed K -----------------------------------
 
 
-def closed_loop(policy, cost, batch: int, uniform: bool, seed: int = 0, num_tokens: int = 128,
-                alphas=(0.5, 0.9, 0.7)) -> float:
-    """Tokens per simulated second of ``4 * batch`` requests (``num_tokens`` each, ``batch`` at
-    a time, a finished one replaced at once), each accepting a draft with its own alpha given the
-    ones before it were accepted; step seconds from ``cost(rows, depth)`` with 10% jitter and a
-    10x stall now and then, as the engine would report them."""
+def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tokens: int = 128,
+                prompt_len: int = 32, alphas=(0.5, 0.9, 0.7)) -> float:
+    """Tokens per simulated second of ``4 * batch`` requests (a ``prompt_len``-token prompt,
+    ``num_tokens`` out, ``batch`` at a time, a finished one replaced at once), each accepting a
+    draft with its own alpha given the ones before it were accepted. A step costs
+    ``a + b * main rows + c * depth + h * head catch-up rows`` (a request that drafts makes the
+    head catch up on every position since it last drafted, its prompt included), with 10%
+    jitter and a 10x stall now and then; the policy is told what the engine would tell it."""
     import random
+    a, b, c, h = costs
     rnd = random.Random(seed)
     ids = iter(range(10**6))
 
     def new():
         i = next(ids)
         return SimpleNamespace(request_id=f"q{i}", params=SamplingParams(temperature=0),
-                               alpha=alphas[i % len(alphas)], left=num_tokens)
+                               alpha=alphas[i % len(alphas)], left=num_tokens, behind=prompt_len)
     running, started = [new() for _ in range(batch)], batch
     seconds = tokens = 0.0
     while running:
         wanted = policy.step_drafts(running, uniform)
         ks = [max(0, min(k, 4, r.left - 1)) for k, r in zip(wanted, running)]
         rows, depth = sum(1 + k for k in ks), max(ks)
-        step = cost(rows, depth) * (1 + 0.1 * rnd.random()) * (10 if rnd.random() < 0.005 else 1)
+        catch_up = sum(r.behind for r, k in zip(running, ks) if k)
+        step = (a + b * rows + c * depth + h * catch_up) * (1 + 0.1 * rnd.random()) * (10 if rnd.random() < 0.005 else 1)
         for r, k in zip(running, ks):
             accepted = 0
             while accepted < k and rnd.random() < r.alpha:
                 accepted += 1
             policy.observe_verified(r.request_id, k, accepted)
+            r.behind = (0 if k else r.behind) + 1 + accepted
             r.left -= 1 + accepted
             tokens += 1 + accepted
-        policy.observe_step(StepTiming(len(running), rows, depth, False, step))
+        policy.observe_step(StepTiming(len(running), rows, depth, False, step, num_head_rows=catch_up))
         seconds += step
         for r in [r for r in running if r.left <= 0]:
             policy.forget(r.request_id)
@@ -299,10 +312,10 @@ def closed_loop(policy, cost, batch: int, uniform: bool, seed: int = 0, num_toke
     return tokens / seconds
 
 
-# (a, b, c): seconds per step, per main-model row, per head forward
-HOST_BOUND_GPU = (0.5e-3, 23e-6, 0.38e-3)     # the bundled model's graph steps on the H200 (phase probe)
-CHEAP_DRAFTS = (0.6e-3, 5e-6, 0.12e-3)       # drafting pays: K = 1..4 beat K = 0
-COMPUTE_BOUND_CPU = (4.3e-3, 0.7e-3, 1.5e-3)  # the bundled model on a 2-core CPU
+# (a, b, c, h): seconds per step, per main-model row, per head forward, per head catch-up row
+HOST_BOUND_GPU = (0.5e-3, 23e-6, 0.38e-3, 1e-6)   # the bundled model's graph steps on the H200 (phase probe)
+CHEAP_DRAFTS = (0.6e-3, 5e-6, 0.12e-3, 1e-6)     # drafting pays: K = 1..4 beat K = 0
+COMPUTE_BOUND_CPU = (4.3e-3, 0.7e-3, 1.5e-3, 0.1e-3)   # the bundled model on a 2-core CPU (cProfile)
 
 
 @pytest.mark.parametrize("costs,uniform", [(HOST_BOUND_GPU, True), (CHEAP_DRAFTS, True), (COMPUTE_BOUND_CPU, False)])
@@ -310,11 +323,12 @@ COMPUTE_BOUND_CPU = (4.3e-3, 0.7e-3, 1.5e-3)  # the bundled model on a 2-core CP
 def test_auto_stays_near_the_best_fixed_k_in_a_closed_loop(costs, uniform, batch):
     """--draft-tokens auto's goal, in simulation: within a few percent of the best fixed K and
     never far below K = 0, whether drafting pays or not (the old per-request choice, with a deep
-    start-up guess and clipped coefficients, came to 0.87-0.90x of the best in some of these)."""
-    cost = linear_cost(*costs)
-    fixed = {k: closed_loop(FixedDraftPolicy(k), cost, batch, uniform) for k in range(5)}
-    auto = closed_loop(AdaptiveDraftPolicy(4), cost, batch, uniform)
+    start-up guess and clipped coefficients, came to 0.87-0.90x of the best in some of these;
+    without the catch-up term in the fit, 0.86x at C=1 with CPU costs)."""
+    seeds = range(3)           # one seed's best fixed K is the luckiest of five noisy runs
+    fixed = {k: sum(closed_loop(FixedDraftPolicy(k), costs, batch, uniform, s) for s in seeds) for k in range(5)}
+    auto = sum(closed_loop(AdaptiveDraftPolicy(4), costs, batch, uniform, s) for s in seeds)
     best = max(fixed, key=fixed.get)
     print(f"{costs} B={batch}: auto {auto / fixed[0]:.3f}x K=0, {auto / fixed[best]:.3f}x the best (K={best}); "
           + " ".join(f"K={k} {v / fixed[0]:.2f}" for k, v in fixed.items()))
-    assert auto >= 0.95 * fixed[best] and auto >= 0.96 * fixed[0]
+    assert auto >= 0.96 * fixed[best] and auto >= 0.96 * fixed[0]
