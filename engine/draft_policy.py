@@ -12,18 +12,18 @@ it were (prefix acceptance). A request carrying K drafts then emits on average
     E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
 
 The step's cost is measured on each replica (``StepCostEstimator``: a least-squares fit of decode
-step times, ``seconds ~ a + b * main_rows + c * head_forwards``). The head's forwards are paid
-once per step for everyone (one forward per draft level), so the choice is made per step: the
-depth D in 0..max with the most expected tokens, summed over the step's requests, per predicted
-second (``best_depth``; each request carries min(D, its cap); one D for all under uniform steps).
-Until the fit exists (the first ``min_steps`` decode steps) steps alternate D = 0 and 1, which
-is what the fit needs and never costs much; a guess of the cost could cost a lot (a deep guess
-on a host where a draft level costs nearly a plain step lost 25% of the tokens/s at C=64). Every
+step times, ``seconds ~ a + b * main_rows + c * head_forwards + h * head_catch_up_rows``). The
+head's forwards are paid once per step for everyone (one forward per draft level), so the choice
+is made per step: the depth D in 0..max with the most expected tokens, summed over the step's
+requests, per predicted second (``best_depth``; each request carries min(D, its cap); one D for
+all under uniform steps). Until the fit exists (the first ``min_steps`` decode steps) steps
+alternate D = 0 and 1, which is what the fit needs and never costs much; a static guess of the
+cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
 ``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
 keeps seeing more than one depth. While the best depth is 0, only every
 ``idle_explore_interval``-th step drafts (one token), so acceptance keeps being measured: a
 request that drafts again makes the head catch up on every position since it last drafted, its
-prompt included (on a 2-core CPU at C=16, exploring every 16th step that way cost 0.8x of K=0).
+prompt included.
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -154,7 +154,10 @@ class StepCostEstimator:
     """
 
     def __init__(self, halflife_steps: float = 200.0, min_steps: int = 12,
-                 outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8):
+                 outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8, solve_every: int = 8):
+        """solve_every: the fit is solved again after this many fitted steps (a solve is ~60 us
+        on a 2-core host; the fit's half-life is ``halflife_steps``)."""
+        self.solve_every = solve_every
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self.min_steps = min_steps
         self.outlier_factor = outlier_factor
@@ -167,6 +170,9 @@ class StepCostEstimator:
         self._batch = 0.0
         self._head_levels: set[int] = set()
         self._held: list[tuple[np.ndarray, float, int]] = []    # the latest steps, until a fit
+        self._coefficients: tuple[float, float, float, float] | None = None
+        self._solved = False               # False: solve again at the next coefficients()
+        self._unsolved_steps = 0           # steps fitted since the last solve
 
     def observe(self, timing) -> None:
         """One engine step (an ``engine.StepTiming``)."""
@@ -205,8 +211,12 @@ class StepCostEstimator:
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:   # too many dropped: hold on
             self._held = [(x, s, n) for x, s, n in held if s <= self.outlier_factor * median[int(x[2])]]
             self._xx[:], self._xy[:], self.num_steps, self._head_levels = 0.0, 0.0, 0, set()
+            self._solved = False
 
     def _add(self, x: np.ndarray, seconds: float, num_requests: int) -> None:
+        self._unsolved_steps += 1
+        if self._unsolved_steps >= self.solve_every or self._coefficients is None:
+            self._solved = False
         self._xx = self._decay * self._xx + np.outer(x, x)
         self._xy = self._decay * self._xy + x * seconds
         w = 0.0 if self.num_steps else 1.0
@@ -215,23 +225,20 @@ class StepCostEstimator:
         self._head_levels.add(int(x[2]))
         self.num_steps += 1
 
+    @property
+    def deepest(self) -> int:
+        """The most head forwards of a step fitted so far."""
+        return max(self._head_levels, default=0)
+
     def coefficients(self) -> tuple[float, float, float, float] | None:
         """(a, b, c, h) in seconds, or None while the steps seen cannot separate them."""
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             return None
-        ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(4)
-        a, b, c, h = np.linalg.solve(self._xx + ridge, self._xy)
-        return float(a), float(b), float(c), float(h)
-
-    def predict(self, num_main_tokens, num_head_forwards, num_head_rows=0):
-        """Predicted seconds of decode steps (scalars or arrays), or None without a fit."""
-        coef = self.coefficients()
-        if coef is None:
-            return None
-        a, b, c, h = coef
-        f = np.float64
-        return (a + b * np.asarray(num_main_tokens, dtype=f) + c * np.asarray(num_head_forwards, dtype=f)
-                + h * np.asarray(num_head_rows, dtype=f))
+        if not self._solved:
+            ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(4)
+            a, b, c, h = np.linalg.solve(self._xx + ridge, self._xy)
+            self._coefficients, self._solved, self._unsolved_steps = (float(a), float(b), float(c), float(h)), True, 0
+        return self._coefficients
 
     def draft_cost(self) -> float | None:
         """A draft level's cost in plain decode steps at the recent batch size (the planner's
@@ -278,31 +285,52 @@ class AcceptanceEMA:
         self.num_trials += trials
 
 
-def best_depth(alphas, caps, seconds_of, max_depth: int, uniform: bool) -> int:
+def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int:
     """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
-    each carries min(D, cap), or D under ``uniform``. ``seconds_of(rows, depths, head_rows)``:
-    predicted step seconds for arrays of main-model rows, head forwards and head catch-up rows
-    (at a steady depth, the tokens each drafting request kept in its last step: its expected
-    tokens). Ties go to the smaller D."""
-    alphas = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
-    depths = np.arange(max_depth + 1)
-    ks = np.broadcast_to(depths[:, None], (len(depths), len(alphas)))
-    if not uniform:
-        ks = np.minimum(ks, np.asarray(caps)[None, :])
-    # 1 + a + ... + a^k, exact at a = 1
-    ratio = np.where(alphas < 1.0, (1.0 - alphas[None, :] ** (ks + 1)) / np.maximum(1.0 - alphas[None, :], 1e-12),
-                     ks + 1.0)
-    tokens = ratio.sum(axis=1)
-    head_rows = np.where(ks > 0, ratio, 0.0).sum(axis=1)
-    seconds = np.maximum(np.asarray(seconds_of(ks.sum(axis=1) + len(alphas), depths, head_rows), dtype=np.float64),
-                         1e-9)
-    value = tokens / seconds
-    best = 0
-    for d in depths[1:]:
-        if value[d] > value[best] * (1.0 + 1e-9):
-            best = int(d)
+    each carries min(D, cap), or D under ``uniform``. ``coefficients``: the step-cost fit
+    (a, b, c, h) of ``StepCostEstimator``; a drafting request's head catch-up rows at a steady
+    depth are the tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
+
+    Sums by depth (this runs on every step, on the host, beside ~1 ms GPU steps: about 20 us at
+    16 requests): with cnt[d] requests allowed d drafts and P[d] their sum of alpha^d, a step
+    at depth D has n + sum_{d<=D} cnt[d] main rows and n + sum_{d<=D} P[d] expected tokens. A
+    step's predicted seconds never fall as D grows (a fit's extrapolation past the depths it saw
+    can make them, and then the deepest step looked free)."""
+    a, b, c, h = coefficients
+    n = len(alphas)
+    if n > 24 and max_depth > 0:                     # many requests: the sums in numpy
+        al = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
+        powers = np.cumprod(np.broadcast_to(al, (max_depth, n)), axis=0)      # [d-1, i] = alpha_i^d
+        if uniform:
+            power, count = [0.0, *powers.sum(axis=1).tolist()], [0] + [n] * max_depth
+        else:
+            allowed = np.arange(1, max_depth + 1)[:, None] <= np.asarray(caps)[None, :]
+            power = [0.0, *np.where(allowed, powers, 0.0).sum(axis=1).tolist()]
+            count = [0, *allowed.sum(axis=1).tolist()]
+    else:
+        power = [0.0] * (max_depth + 1)
+        count = [0] * (max_depth + 1)
+        for alpha, cap in zip(alphas, caps):
+            top = max_depth if uniform else min(cap, max_depth)
+            p = 1.0
+            alpha = min(max(alpha, 0.0), 1.0)
+            for d in range(1, top + 1):
+                p *= alpha
+                power[d] += p
+                count[d] += 1
+    seconds = max(a + b * n, 1e-9)
+    best, best_value = 0, n / seconds
+    rows, tokens = n, float(n)
+    for d in range(1, max_depth + 1):
+        rows += count[d]
+        tokens += power[d]
+        head_rows = tokens - (n - count[1])          # the requests that draft at all catch up
+        # a deeper step never costs less: a fit extrapolated past the depths it saw can say so
+        seconds = max(a + b * rows + c * d + h * head_rows, seconds)
+        if tokens / seconds > best_value * (1.0 + 1e-9):
+            best, best_value = d, tokens / seconds
     return best
 
 
@@ -380,15 +408,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def step_drafts(self, requests: list, uniform: bool) -> list[int]:
         if not requests or self.max_drafts == 0:
             return [0] * len(requests)
-        caps = [min(self._plan.get(r.request_id, self.max_drafts), self.max_drafts) for r in requests]
-        top = sorted(caps)[len(caps) // 2] if uniform else max(caps)     # uniform: the planner's median
+        top, plan = self.max_drafts, self._plan
+        caps = [top] * len(requests)
+        if plan:
+            caps = [min(plan.get(r.request_id, top), top) for r in requests]
+            top = sorted(caps)[len(caps) // 2] if uniform else max(caps)   # uniform: the planner's median
         exploring = False
-        if self.estimator.coefficients() is None:
+        coefficients = self.estimator.coefficients()
+        if coefficients is None:
             depth = self._num_calibration % 2            # calibration: 0, 1, 0, 1, ...
             self._num_calibration += 1
         else:
-            alphas = [self._track(r.request_id).ema.value for r in requests]
-            depth = best_depth(alphas, caps, self.estimator.predict, top, uniform)
+            tracks = self._tracks
+            alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).ema.value for r in requests]
+            # the fit is trusted one depth past the deepest it has seen (it climbs a level at a time)
+            top = min(top, self.estimator.deepest + 1)
+            depth = best_depth(alphas, caps, coefficients, top, uniform)
             exploring = self.explores(depth)
             if exploring:
                 depth = self._neighbour(depth)

@@ -87,7 +87,8 @@ def test_before_the_cost_is_measured_steps_alternate_zero_and_one_draft():
     ks = _drive(policy, reqs, accept_all=True, num_steps=policy.estimator.min_steps)
     assert ks == [0, 1] * (len(ks) // 2)
     assert policy.estimator.coefficients() is not None
-    assert _drive(policy, reqs, accept_all=True, num_steps=1) == [4], "cheap drafts, all accepted: the cap"
+    assert _drive(policy, reqs, accept_all=True, num_steps=3) == [2, 3, 4], \
+        "cheap drafts, all accepted: up to the cap, a depth at a time (the fit is trusted one past what it saw)"
 
 
 def test_the_depth_falls_on_rejection_and_climbs_back_on_acceptance():
@@ -106,16 +107,42 @@ def test_the_depth_falls_on_rejection_and_climbs_back_on_acceptance():
 def test_the_depth_maximises_the_steps_tokens_summed_over_its_requests():
     """One depth for the step: the head's forwards are paid once for everyone, so a request
     that drafts well carries the step's depth even beside one that does not."""
-    cheap_rows = linear_cost(1e-3, 1e-6, 1e-4)
+    cheap_rows = (1e-3, 1e-6, 1e-4, 0.0)
     assert best_depth([0.9, 0.9], [4, 4], cheap_rows, 4, uniform=True) == 4
     assert best_depth([0.05, 0.05], [4, 4], cheap_rows, 4, uniform=True) == 0
     assert best_depth([0.95, 0.05, 0.05, 0.05], [4] * 4, cheap_rows, 4, uniform=True) >= 2
     # a draft level costs as much as the plain step itself: nothing pays
-    assert best_depth([0.9] * 8, [4] * 8, linear_cost(0.0, 1e-3, 0.0), 4, uniform=True) == 0
+    assert best_depth([0.9] * 8, [4] * 8, (0.0, 1e-3, 0.0, 0.0), 4, uniform=True) == 0
     # caps (the planner's counts) hold each request at its own count without a uniform step
-    dear_rows = linear_cost(1e-3, 5e-4, 1e-5)
+    dear_rows = (1e-3, 5e-4, 1e-5, 0.0)
     assert best_depth([0.95, 0.95], [4, 0], dear_rows, 4, uniform=False) >= 1
-    assert best_depth([1.0], [4], linear_cost(1e-3, 0.0, 0.0), 4, uniform=True) == 4, "alpha 1: every draft kept"
+    assert best_depth([1.0], [4], (1e-3, 0.0, 0.0, 0.0), 4, uniform=True) == 4, "alpha 1: every draft kept"
+    # the head's catch-up of each drafting request's kept tokens is part of a draft's price
+    assert best_depth([0.6] * 8, [4] * 8, (1e-3, 1e-5, 1e-5, 0.0), 4, uniform=True) >= 2
+    assert best_depth([0.6] * 8, [4] * 8, (1e-3, 1e-5, 1e-5, 2e-4), 4, uniform=True) == 0
+
+
+def _tokens_per_second(alphas, caps, coef, depth, uniform):
+    """The plain definition: every request's expected tokens at depth D over the step's cost."""
+    a, b, c, h = coef
+    ks = [depth if uniform else min(depth, cap) for cap in caps]
+    tokens = sum(expected_tokens(al, k) for al, k in zip(alphas, ks))
+    head_rows = sum(expected_tokens(al, k) for al, k in zip(alphas, ks) if k)
+    return tokens / (a + b * (len(alphas) + sum(ks)) + c * depth + h * head_rows)
+
+
+def test_best_depth_is_the_brute_force_argmax():
+    """The sums by depth against the plain definition: every D, every request's expected tokens."""
+    import random
+    rnd = random.Random(3)
+    for _ in range(300):
+        n, top, uniform = rnd.randrange(1, 20), rnd.randrange(0, 8), rnd.random() < 0.5
+        alphas = [rnd.random() for _ in range(n)]
+        caps = [rnd.randrange(0, 8) for _ in range(n)]
+        coef = rnd.uniform(0, 2e-3), rnd.uniform(0, 1e-4), rnd.uniform(0, 5e-4), rnd.uniform(0, 1e-4)
+        values = [_tokens_per_second(alphas, caps, coef, d, uniform) for d in range(top + 1)]
+        got = best_depth(alphas, caps, coef, top, uniform)
+        assert values[got] >= max(values) * (1 - 1e-9), (got, values)
 
 
 def test_the_planners_counts_cap_each_request_and_finished_requests_are_forgotten():

@@ -372,11 +372,13 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
 
     class CheapDrafts(StepCostEstimator):
         """Step costs of a host where drafts are nearly free (this CPU's own make them dear)."""
+        deepest = 4                  # as if steps of every depth had been seen
+
         def observe(self, timing):
             pass
 
         def coefficients(self):
-            return 1e-3, 1e-6, 1e-5
+            return 1e-3, 1e-6, 1e-5, 0.0
     policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.9, explore_interval=16)
     if policy is not None:
         policy.estimator = CheapDrafts()
