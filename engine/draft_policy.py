@@ -355,7 +355,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
         self.cost = cost                          # the static model: seeded sampled requests only
-        self.prior = prior
+        self.prior = prior                        # the planner's cluster-wide value replaces it
+        self.initial_prior = prior
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
@@ -447,7 +448,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if params.seed is not None and not params.is_greedy:
             # a seeded sampled request's tokens depend on its K: choose it from the request's own
             # history only (not load, timing or exploration), so the same seed gives the same text
-            track = self._track(request.request_id)
+            track = self._track(request.request_id, seeded=True)
             return self._probe(track, choose_num_drafts(track.ema.value, 0.0, self.max_drafts, self.cost))
         return self.step_drafts([request], uniform=False)[0]
 
@@ -459,11 +460,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
                 return 1
         return k
 
-    def _track(self, request_id: str) -> _Track:
+    def _track(self, request_id: str, seeded: bool = False) -> _Track:
+        """The request's acceptance estimate, made on first use: from the replica's measured
+        acceptance, or the planner's prior until there is one; a seeded sampled request's from
+        the constructor's prior, which nothing else moves (its K, so its text, must not depend on
+        what other requests did before it)."""
         track = self._tracks.get(request_id)
         if track is None:
             measured = self.replica_acceptance.num_trials >= self.min_prior_trials
-            start = self.replica_acceptance.value if measured else self.prior
+            start = self.initial_prior if seeded else self.replica_acceptance.value if measured else self.prior
             with self._lock:
                 track = self._tracks[request_id] = _Track(AcceptanceEMA(start))
         return track

@@ -150,6 +150,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="in process: every draft count's engine built once, then this many rounds of every "
+                        "(load, K) back to back in a rotating order; ratios are taken within a round and "
+                        "reported as their median over rounds (on a shared host, drift between K's run one "
+                        "after another is larger than the differences between them)")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
     g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
     g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
@@ -265,6 +270,10 @@ def _bench(args) -> int:
         draft_tokens = ()
     else:
         draft_tokens = parse_list(args.draft_tokens or "0,2", draft_count, "--draft-tokens")
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    if args.rounds > 1 and (args.url or args.replicas or args.compare or args.kill_replica_after is not None):
+        raise ValueError("--rounds interleaves the in-process engines only: drop --url, --replicas and --compare")
     a = args.synthetic_acceptance
     if a is not None and args.temperature > 0:
         raise ValueError("--synthetic-acceptance applies to greedy requests only: use --temperature 0")
@@ -327,14 +336,17 @@ def _bench(args) -> int:
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
-        from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep
+        from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_rounds, run_engine_sweep
         for mode in parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache"):
             sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
                                 "all" if mode == "all" else "reused")
-            runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
+            if args.rounds > 1:
+                runs = run_engine_rounds(sweep, workload, manifest.block_size, args.rounds, log=_log) + runs
+            else:
+                runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 
 
@@ -434,6 +446,9 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         "anchor_note": anchor_note,
         "results": summaries, "comparisons": comps,
     }
+    rounds = report.round_medians(comps)
+    if rounds:
+        payload["rounds"] = rounds
     if scaling is not None:
         payload["scaling"] = scaling
     if overhead:
@@ -457,12 +472,17 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     elif scaling is not None:
         plot_note = replicas.plot_scaling(summaries, scaling, path.with_suffix(".png"), title)
     else:
-        plot_note = report.plot(summaries, path.with_suffix(".png"), title)
+        plot_note = report.plot(report.median_round_summaries(summaries) if rounds else summaries,
+                                path.with_suffix(".png"), title + (f" (median of {args.rounds} rounds)" if rounds else ""))
     if synthetic:
         print(f"NOTE: SYNTHETIC acceptance a={a:g} (drafts accepted at random, not by the model)")
     if anchor_note:
         print(f"NOTE: {anchor_note}")
     print(report.format_table(summaries, comps))
+    for m in rounds:
+        print(f"{m['kind']:<22} {m['label']:<34} {m['baseline']:<34} {m['load']:>6}  median "
+              f"{m['median_output_token_throughput']:.3f}x over {len(m['rounds'])} rounds "
+              f"({' '.join(f'{v:.2f}' for v in m['rounds'])})")
     bound = payload.get("batch1_bandwidth_bound")
     if bound and "measured_tpot_p50_ms" in bound:
         print(f"batch-1 decode: TPOT p50 {bound['measured_tpot_p50_ms']:.3f} ms vs bandwidth bound "

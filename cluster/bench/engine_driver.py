@@ -101,6 +101,47 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
     return runs
 
 
+def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, rounds: int,
+                      log=print) -> list[LoadRun]:
+    """Every draft count at every load, ``rounds`` times, interleaved: one engine per draft count
+    built once, then each round runs each load with every engine back to back, in an order that
+    rotates by one each round. A ratio within one round then cancels drift that is slow next to a
+    round (on a shared host the same fixed K moved by up to 1.4x between runs made one after
+    another). Each run's ``extra["round"]`` says its round; a workload that makes fresh prompt
+    sets gives every (round, load) a set of its own, the same for every draft count."""
+    max_prompt = max(len(p) for p in workload.prompt_ids)
+    engines = {}
+    for k in sweep.draft_tokens:
+        config = engine_config(sweep, k, block_size, max_prompt, workload.num_requests)
+        started = time.perf_counter()
+        engines[k] = Engine(config)
+        log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s")
+        if sweep.num_warmup_requests:
+            n = min(sweep.num_warmup_requests, workload.num_requests)
+            run_load(engines[k], sweep, workload.warmup(n), Load(concurrency=n), k, tag=f"warmup{k}",
+                     max_tokens=min(16, sweep.max_tokens))
+    ks, runs = list(sweep.draft_tokens), []
+    for r in range(rounds):
+        sets = per_load(workload if workload.fresh is None else _offset_sets(workload, r * len(sweep.loads)),
+                        sweep.loads, sweep.seed + r)
+        for i, (load, wl) in enumerate(sets):
+            order = ks[r % len(ks):] + ks[:r % len(ks)]
+            for k in order:
+                run = run_load(engines[k], sweep, wl, load, k, tag=f"r{r}k{k}l{i}")
+                run.extra["round"] = r
+                runs.append(run)
+            log(f"round {r + 1}/{rounds} {load.label}: " + ", ".join(
+                f"K={run.num_draft_tokens} {sum(x.num_output_tokens for x in run.records) / run.duration_s:.0f} tok/s"
+                for run in runs[-len(ks):]))
+    return runs
+
+
+def _offset_sets(workload: Workload, offset: int) -> Workload:
+    """``workload`` whose prompt set i is its set ``offset + i`` (set 0 stays the warm-up's)."""
+    from dataclasses import replace
+    return replace(workload, fresh=lambda i: workload.fresh(offset + i))
+
+
 def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load, k: int, tag: str,
              max_tokens: int | None = None) -> LoadRun:
     """Drive `engine` through every request of `workload` at `load`; returns the timeline."""

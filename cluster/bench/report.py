@@ -230,24 +230,65 @@ def summarize(run: LoadRun, slo_ttft_ms: float | None = None, slo_tpot_ms: float
     return s
 
 
+def _round(s: dict):
+    return (s.get("extra") or {}).get("round")
+
+
 def comparisons(summaries: list[dict]) -> list[dict]:
     """Ratios at equal load: each K against K=0 of the same system ("our own baseline"), and
-    mtpserve against ortgenai at the same K."""
-    by_key = {(s["system"], s["num_draft_tokens"], s["load"]): s for s in summaries if s["num_completed"]}
+    mtpserve against ortgenai at the same K. With interleaved rounds (``extra.round``), within
+    each round; each ratio then carries its ``round``."""
+    by_key = {(s["system"], s["num_draft_tokens"], s["load"], _round(s)): s for s in summaries if s["num_completed"]}
     out = []
-    for (system, k, load), s in by_key.items():
-        base = by_key.get((system, 0, load))
+    for (system, k, load, rnd), s in by_key.items():
+        base = by_key.get((system, 0, load, rnd))
+        found = []
         if k and base is not None:
-            out.append(_ratio("speedup_vs_k0", s, base))
-        anchor = by_key.get(("ortgenai", k, load))
+            found.append(_ratio("speedup_vs_k0", s, base))
+        anchor = by_key.get(("ortgenai", k, load, rnd))
         if system == "mtpserve" and anchor is not None:
-            out.append(_ratio("mtpserve_vs_ortgenai", s, anchor))
-        uncached = by_key.get(("mtpserve no-prefix-cache", k, load))
+            found.append(_ratio("mtpserve_vs_ortgenai", s, anchor))
+        uncached = by_key.get(("mtpserve no-prefix-cache", k, load, rnd))
         if system == "mtpserve" and uncached is not None:
-            out.append(_ratio("prefix_cache_on_vs_off", s, uncached))
+            found.append(_ratio("prefix_cache_on_vs_off", s, uncached))
         if system == "mtpserve snapshots-all" and uncached is not None:
-            out.append(_ratio("snapshots_all_vs_off", s, uncached))
+            found.append(_ratio("snapshots_all_vs_off", s, uncached))
+        if k == "auto":
+            fixed = [f for (sy, fk, fl, fr), f in by_key.items()
+                     if sy == system and fl == load and fr == rnd and fk != "auto"]
+            if fixed:
+                best = max(fixed, key=lambda f: f["output_token_throughput"])
+                found.append(_ratio("auto_vs_best_fixed", s, best))
+        for r in found:
+            if rnd is not None:
+                r["round"] = rnd
+        out += found
     return out
+
+
+def round_medians(comps: list[dict]) -> list[dict]:
+    """Per (kind, label, load): the median over interleaved rounds of the tokens/s ratio, and
+    each round's (what ``mtpserve bench --rounds`` reports: drift between rounds cancels within
+    a round, and the median drops a round a burst of noise hit). auto_vs_best_fixed compares
+    with each round's best fixed K, the luckiest of several noisy figures: it reads low."""
+    groups: dict[tuple, list[float]] = {}
+    for c in comps:
+        if c.get("round") is None or c["output_token_throughput"] is None:
+            continue
+        label = "auto" if c["kind"] == "auto_vs_best_fixed" else c["label"]
+        groups.setdefault((c["kind"], label, c["baseline"] if c["kind"] != "auto_vs_best_fixed" else "best fixed K",
+                           c["load"]), []).append(c["output_token_throughput"])
+    return [{"kind": kind, "label": label, "baseline": base, "load": load,
+             "median_output_token_throughput": round(float(np.median(v)), 4), "rounds": v}
+            for (kind, label, base, load), v in groups.items()]
+
+
+def median_round_summaries(summaries: list[dict]) -> list[dict]:
+    """One summary per (label, load): the round whose tokens/s is the median (for a plot)."""
+    groups: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        groups.setdefault((s["label"], s["load"]), []).append(s)
+    return [sorted(g, key=lambda s: s["output_token_throughput"])[(len(g) - 1) // 2] for g in groups.values()]
 
 
 def _ratio(kind: str, s: dict, base: dict) -> dict:

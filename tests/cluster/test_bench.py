@@ -244,6 +244,34 @@ def test_the_adaptive_policy_is_benchmarked_beside_fixed_k(model_dir, tmp_path):
     assert "theory_tokens_per_forward" not in auto["spec"], "no one K to compare against"
 
 
+def test_rounds_interleave_the_draft_counts_and_report_each_ratios_median(model_dir, tmp_path, capsys):
+    """--rounds: every K at every load once per round, in a rotating order, each engine kept;
+    each ratio is taken within its round (random prompts: a prompt set per round and load, the
+    same for every K) and reported as the median over rounds, auto against each round's best."""
+    rc = bench(["--model", str(model_dir), "--draft-tokens", "0,1,auto", "--num-prompts", "4", "--max-tokens", "8",
+                "--concurrency", "2", "--prompts", "random", "--input-len", "8", "--rounds", "3",
+                "--warmup-requests", "1", "--no-plot", "--results-dir", str(tmp_path)])
+    assert rc == 0
+    data = only_json(tmp_path)
+    runs = [(r["extra"]["round"], r["num_draft_tokens"]) for r in data["results"]]
+    assert runs == [(0, 0), (0, 1), (0, "auto"), (1, 1), (1, "auto"), (1, 0), (2, "auto"), (2, 0), (2, 1)]
+    assert all(r["num_completed"] == 4 for r in data["results"])
+    speedup = {(c["round"], c["label"]): c["output_token_throughput"] for c in data["comparisons"]
+               if c["kind"] == "speedup_vs_k0"}
+    by_round = {(r["extra"]["round"], r["num_draft_tokens"]): r["output_token_throughput"] for r in data["results"]}
+    for rnd in range(3):
+        assert speedup[(rnd, "mtpserve K=1")] == pytest.approx(by_round[(rnd, 1)] / by_round[(rnd, 0)], rel=1e-3)
+    medians = {(m["kind"], m["label"]): m for m in data["rounds"]}
+    k1 = medians[("speedup_vs_k0", "mtpserve K=1")]
+    assert k1["median_output_token_throughput"] == pytest.approx(sorted(k1["rounds"])[1], abs=1e-4)
+    auto = medians[("auto_vs_best_fixed", "auto")]
+    for rnd, v in enumerate(auto["rounds"]):
+        assert v == pytest.approx(by_round[(rnd, "auto")] / max(by_round[(rnd, 0)], by_round[(rnd, 1)]), rel=1e-3)
+    assert "median" in capsys.readouterr().out
+    assert bench(["--rounds", "2", "--url", "http://127.0.0.1:9", "--results-dir", str(tmp_path)]) == 2
+    assert "--rounds interleaves the in-process engines only" in capsys.readouterr().err
+
+
 def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--concurrency", "1", "--request-rate", "2", "--results-dir", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
