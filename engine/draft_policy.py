@@ -16,14 +16,16 @@ step times, ``seconds ~ a + b * main_rows + c * head_forwards + h * head_catch_u
 head's forwards are paid once per step for everyone (one forward per draft level), so the choice
 is made per step: the depth D in 0..max with the most expected tokens, summed over the step's
 requests, per predicted second (``best_depth``; each request carries min(D, its cap); one D for
-all under uniform steps). Until the fit exists (the first ``min_steps`` decode steps) steps
+all under uniform steps). Each batch-size class (1, 2-3, 4-7, ... requests: ``batch_class``)
+has a fit of its own. Until a class's fit exists (its first ``min_steps`` decode steps) its steps
 alternate D = 0 and 1, which is what the fit needs and never costs much; a static guess of the
 cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
 ``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
 keeps seeing more than one depth. While the best depth is 0, only every
-``idle_explore_interval``-th step drafts (one token), so acceptance keeps being measured: a
-request that drafts again makes the head catch up on every position since it last drafted, its
-prompt included.
+``idle_explore_interval``-th step (1024) drafts (one token), so acceptance keeps being measured,
+slowly: a request that drafts again makes the head catch up on every position since it last
+drafted, its prompt included (on this CPU at C=16, one such step every 128 cost ~10% of K=0's
+tokens/s: 16 requests x ~100 rows at ~0.1 ms a head row).
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -285,6 +287,14 @@ class AcceptanceEMA:
         self.num_trials += trials
 
 
+def batch_class(num_requests: int) -> int:
+    """Steps of 1, 2-3, 4-7, 8-15, ... requests: each class has a step-cost fit of its own. One
+    fit for every batch size extrapolated from where most steps were: after a while at one
+    request (a + b and b + c fixed, b alone not), the first steps at 16 were predicted cheap to
+    draft deep, and on this CPU auto fell to 0.83x K=0 at C=16 when run after C=1."""
+    return max(1, int(num_requests)).bit_length()
+
+
 def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int:
     """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
@@ -350,7 +360,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
                  prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16,
-                 idle_explore_interval: int = 128, min_prior_trials: int = 16):
+                 idle_explore_interval: int = 1024, min_prior_trials: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -361,11 +371,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
-        self.estimator = StepCostEstimator()
+        self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
+        self._last_class = 1
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
         self.depths: dict[int, int] = {}         # depth -> steps planned with it (a report's figure)
         self._step_index = 1                     # the step about to run, counted from 1
-        self._num_calibration = 0
+        self._num_calibration: dict[int, int] = {}   # batch-size class -> calibration steps planned
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
@@ -382,14 +393,29 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def observe_step(self, timing) -> None:
         """Feed the step-cost model with what the step ran and how long it took (None: the
         step ran nothing)."""
-        self.estimator.observe(timing)
+        if timing is not None and timing.num_requests:
+            self._last_class = batch_class(timing.num_requests)
+            self.fit_for(timing.num_requests).observe(timing)
         self._step_index += 1
 
     def reset_step_costs(self) -> None:
-        self.estimator = StepCostEstimator()
+        self.fits.clear()
         self._step_index = 1
-        self._num_calibration = 0
+        self._num_calibration.clear()
         self.depths.clear()
+
+    def fit_for(self, num_requests: int) -> StepCostEstimator:
+        """The step-cost fit of steps with about this many requests (``batch_class``)."""
+        c = batch_class(num_requests)
+        fit = self.fits.get(c)
+        if fit is None:
+            fit = self.fits[c] = StepCostEstimator()
+        return fit
+
+    @property
+    def estimator(self) -> StepCostEstimator:
+        """The fit of the latest step's batch-size class (what the replica reports)."""
+        return self.fit_for(1 << (self._last_class - 1))
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self._track(request_id).ema.observe_step(num_drafts, num_accepted)
@@ -415,15 +441,17 @@ class AdaptiveDraftPolicy(DraftPolicy):
             caps = [min(plan.get(r.request_id, top), top) for r in requests]
             top = sorted(caps)[len(caps) // 2] if uniform else max(caps)   # uniform: the planner's median
         exploring = False
-        coefficients = self.estimator.coefficients()
-        if coefficients is None:
-            depth = self._num_calibration % 2            # calibration: 0, 1, 0, 1, ...
-            self._num_calibration += 1
+        fit = self.fit_for(len(requests))
+        coefficients = fit.coefficients()
+        if coefficients is None:                         # calibration: 0, 1, 0, 1, ...
+            c = batch_class(len(requests))
+            depth = self._num_calibration.get(c, 0) % 2
+            self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
             tracks = self._tracks
             alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).ema.value for r in requests]
             # the fit is trusted one depth past the deepest it has seen (it climbs a level at a time)
-            top = min(top, self.estimator.deepest + 1)
+            top = min(top, fit.deepest + 1)
             depth = best_depth(alphas, caps, coefficients, top, uniform)
             exploring = self.explores(depth)
             if exploring:

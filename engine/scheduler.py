@@ -282,9 +282,10 @@ class Scheduler:
         """Each decoding request's draft count before the caps, from the policy's plan for the
         step (``DraftPolicy.step_drafts``; one count for all under ``uniform_drafts``), but a
         seeded sampled request keeps its own (``num_drafts``: its tokens depend on its K)."""
-        decoding = [r for r in running if r.is_decoding]
-        own = [r for r in decoding if r.params.seed is not None and not r.params.is_greedy]
-        free = [r for r in decoding if not (r.params.seed is not None and not r.params.is_greedy)]
+        own, free = [], []
+        for r in running:
+            if r.is_decoding:
+                (own if r.params.seed is not None and not r.params.is_greedy else free).append(r)
         wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in own}
         if free:
             wanted.update(zip((r.request_id for r in free), self.draft_policy.step_drafts(free, self.uniform_drafts)))

@@ -13,6 +13,7 @@ from mtpserve.engine.draft_policy import (
     DraftPolicy,
     FixedDraftPolicy,
     StepCostEstimator,
+    batch_class,
     best_depth,
     choose_num_drafts,
     expected_tokens,
@@ -58,11 +59,11 @@ def linear_cost(a, b, c, h=0.0):
 
 
 def measured(policy, a, b, c):
-    """Feed the policy's estimator steps of this cost at batches 1..16 and depths 0..3 (a
-    replica's history)."""
-    for i in range(64):
-        batch, k = 1 + i % 16, i % 4
-        policy.estimator.observe(StepTiming(batch, batch * (1 + k), k, False, a + b * batch * (1 + k) + c * k))
+    """Feed the policy's step-cost fits steps of this cost at batches 1..16 and depths 0..3 (a
+    replica's history: every batch-size class fitted)."""
+    for i in range(256):
+        batch, k = 1 + i % 16, (i // 16) % 4
+        policy.fit_for(batch).observe(StepTiming(batch, batch * (1 + k), k, False, a + b * batch * (1 + k) + c * k))
     return policy
 
 
@@ -89,6 +90,17 @@ def test_before_the_cost_is_measured_steps_alternate_zero_and_one_draft():
     assert policy.estimator.coefficients() is not None
     assert _drive(policy, reqs, accept_all=True, num_steps=3) == [2, 3, 4], \
         "cheap drafts, all accepted: up to the cap, a depth at a time (the fit is trusted one past what it saw)"
+
+
+def test_each_batch_size_class_has_a_fit_of_its_own():
+    """Hundreds of steps at one request where drafting is cheap say nothing of 16 requests: the
+    first steps at 16 calibrate (0, 1, ...) instead of extrapolating to deep drafts."""
+    policy = AdaptiveDraftPolicy(4, prior=0.9)
+    one, many = [_request("a")], [_request(f"m{i}") for i in range(16)]
+    _drive(policy, one, accept_all=True, num_steps=200, cost=linear_cost(1e-3, 1e-5, 1e-5))
+    assert policy.step_drafts(one, uniform=True) == [4]
+    assert [policy.step_drafts(many, uniform=True)[0] for _ in range(4)] == [0, 1, 0, 1]
+    assert batch_class(1) != batch_class(16) and batch_class(16) == batch_class(31) != batch_class(32)
 
 
 def test_the_depth_falls_on_rejection_and_climbs_back_on_acceptance():

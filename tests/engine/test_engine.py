@@ -381,7 +381,8 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
             return 1e-3, 1e-6, 1e-5, 0.0
     policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.9, explore_interval=16)
     if policy is not None:
-        policy.estimator = CheapDrafts()
+        cheap = CheapDrafts()
+        policy.fit_for = lambda num_requests: cheap      # every batch size's fit
         policy.set_plan({f"r{i}": 1 for i in range(0, len(PROMPTS), 2)})
     engine = make_engine(model_dir, k=fixed or "auto", budget=48, policy=policy)
     engine.scheduler.uniform_drafts = uniform
