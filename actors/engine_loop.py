@@ -427,7 +427,7 @@ class EngineLoop:
         records in all (a session that does not fit is skipped), until ``budget_s`` has passed."""
         deadline = time.monotonic() + budget_s
         out, num_bytes = [], 0
-        for session_id, tokens in self.sessions.iter_last_sequences():
+        for session_id, tokens in self.sessions.last_sequences():
             if time.monotonic() > deadline:
                 break
             records = self.engine.export_prefix(tokens)

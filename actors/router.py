@@ -36,7 +36,7 @@ import random
 import threading
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -82,13 +82,13 @@ class InFlight:
     def __init__(self, tentative_s: float = 1.0):
         self.tentative_s = tentative_s
         self._sent: defaultdict[str, int] = defaultdict(int)
-        self._chosen: defaultdict[str, list[float]] = defaultdict(list)
+        self._chosen: defaultdict[str, deque[float]] = defaultdict(deque)
 
     def count(self, replica: str, now: float) -> int:
         chosen = self._chosen.get(replica)
         if chosen:
             while chosen and now - chosen[0] > self.tentative_s:
-                chosen.pop(0)
+                chosen.popleft()
         return self._sent.get(replica, 0) + (len(chosen) if chosen else 0)
 
     def chosen(self, replica: str, now: float) -> None:
@@ -97,7 +97,7 @@ class InFlight:
     def sent(self, replica: str) -> None:
         chosen = self._chosen.get(replica)
         if chosen:
-            chosen.pop(0)
+            chosen.popleft()
         self._sent[replica] += 1
 
     def completed(self, replica: str) -> None:

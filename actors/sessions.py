@@ -61,13 +61,9 @@ class SessionTable:
         while self._num_tokens > self.max_tokens and len(self._last) > 1:
             self._num_tokens -= len(self._last.popitem(last=False)[1])
 
-    def last_sequences(self) -> list[tuple[str, list[int]]]:
-        """(session, its last token sequence), the most recently finished first."""
-        return list(self.iter_last_sequences())
-
-    def iter_last_sequences(self):
-        """``last_sequences`` one at a time (an export that stops at its deadline or budget
-        converts no more of them than it reads)."""
+    def last_sequences(self):
+        """(session, its last token sequence), the most recently finished first, one at a time
+        (an export that stops at its deadline or budget converts no more of them than it reads)."""
         for s, tokens in reversed(list(self._last.items())):
             yield s, tokens.tolist()
 

@@ -24,8 +24,8 @@ cost can cost a lot (the old policy's deep start on one where drafts are dear). 
 keeps seeing more than one depth. While the best depth is 0, only every
 ``idle_explore_interval``-th step (1024) drafts (one token), so acceptance keeps being measured,
 slowly: a request that drafts again makes the head catch up on every position since it last
-drafted, its prompt included (on this CPU at C=16, one such step every 128 cost ~10% of K=0's
-tokens/s: 16 requests x ~100 rows at ~0.1 ms a head row).
+drafted, its prompt included (on a 2-core CPU at C=16, with one such step every 128, a round of
+``bench --rounds`` had auto at 0.85x K=0 while it drafted on 3 of 252 steps).
 
 The estimator: a step that drafted K and had j accepted observed j successes in
 ``j + (1 if j < K else 0)`` trials (positions after the first rejection were never tried).
@@ -101,6 +101,9 @@ class FixedDraftPolicy(DraftPolicy):
     def num_drafts(self, request) -> int:
         return self._num_drafts
 
+    def step_drafts(self, requests: list, uniform: bool) -> list[int]:
+        return [self._num_drafts] * len(requests)
+
     def __repr__(self) -> str:
         return f"FixedDraftPolicy({self._num_drafts})"
 
@@ -129,8 +132,8 @@ class StepCostEstimator:
     rows the head catches up on before drafting (every position since the request last drafted):
     about one per token kept while a request drafts every step, its whole history when it drafts
     again after a pause. Without that term a pause's catch-up read as the cost of a draft level,
-    and a replica that once stopped drafting judged drafting too dear to start again (a closed
-    loop at C=1 on CPU costs stayed at K=0, 0.86x the best fixed K).
+    and a replica that once stopped drafting judged drafting too dear to start again (the tests'
+    closed-loop simulation at C=1 with CPU costs stayed at K=0, 0.86x the best fixed K).
 
     With B requests decoding, K drafts each add B main-model rows and K head forwards, so the
     marginal cost of one draft level relative to a plain decode step is ``(b*B + c) / (a + b*B)``:
@@ -139,14 +142,14 @@ class StepCostEstimator:
 
     The coefficients are not clipped: at a steady batch every step's rows are B * (1 + K), so
     they are fixed only up to directions along which every predicted step time, and the draft
-    cost, stay the same; clipping one of them to zero moved the predictions (a draft level at
-    0.48 of a step was read as 0.73).
+    cost, stay the same; clipping one of them to zero moved the predictions (in the simulation, a
+    draft level at 0.48 of a step was read as 0.73).
 
     One-off stalls are left out of the fit (a garbage collection, a first call of some kernel,
     the host descheduled). The first ``min_steps`` steps are held until they are enough for a
     fit; then those over ``outlier_factor`` times the median of the steps with their number of
-    head forwards are dropped, and the rest fitted (one stall among them had made the first
-    draft level look 13 times its cost, and a policy held at no drafts hardly ever sees enough
+    head forwards are dropped, and the rest fitted (in the simulation, one stall among them had
+    made the first draft level look 13 times its cost, and a policy held at no drafts hardly ever sees enough
     steps with drafts to correct it). After that, a step over ``outlier_factor`` times its
     prediction is counted in ``num_outliers`` and skipped, unless it is the
     ``max_outliers_in_a_row``-th such step in a row: then the costs really changed, and it and
@@ -204,16 +207,13 @@ class StepCostEstimator:
         if len(self._held) < self.min_steps or len(levels) < 2:
             return
         median = {k: float(np.median([s for x, s, _ in self._held if int(x[2]) == k])) for k in levels}
-        held, self._held = self._held, []
-        for x, seconds, n in held:
-            if seconds > self.outlier_factor * median[int(x[2])]:
-                self.num_outliers += 1
-            else:
-                self._add(x, seconds, n)
-        if self.num_steps < self.min_steps or len(self._head_levels) < 2:   # too many dropped: hold on
-            self._held = [(x, s, n) for x, s, n in held if s <= self.outlier_factor * median[int(x[2])]]
-            self._xx[:], self._xy[:], self.num_steps, self._head_levels = 0.0, 0.0, 0, set()
-            self._solved = False
+        kept = [(x, s, n) for x, s, n in self._held if s <= self.outlier_factor * median[int(x[2])]]
+        if len(kept) < self.min_steps or len({int(x[2]) for x, _, _ in kept}) < 2:
+            return                                    # too many stalls among them: hold on
+        self.num_outliers += len(self._held) - len(kept)
+        self._held = []
+        for x, s, n in kept:
+            self._add(x, s, n)
 
     def _add(self, x: np.ndarray, seconds: float, num_requests: int) -> None:
         self._unsolved_steps += 1
@@ -291,7 +291,8 @@ def batch_class(num_requests: int) -> int:
     """Steps of 1, 2-3, 4-7, 8-15, ... requests: each class has a step-cost fit of its own. One
     fit for every batch size extrapolated from where most steps were: after a while at one
     request (a + b and b + c fixed, b alone not), the first steps at 16 were predicted cheap to
-    draft deep, and on this CPU auto fell to 0.83x K=0 at C=16 when run after C=1."""
+    draft deep: on a 2-core CPU, run after C=1, auto came to 0.92x K=0 (0.83x the best fixed K)
+    at C=16 (``bench --rounds 3``)."""
     return max(1, int(num_requests)).bit_length()
 
 
@@ -303,8 +304,8 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
     (a, b, c, h) of ``StepCostEstimator``; a drafting request's head catch-up rows at a steady
     depth are the tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
 
-    Sums by depth (this runs on every step, on the host, beside ~1 ms GPU steps: about 20 us at
-    16 requests): with cnt[d] requests allowed d drafts and P[d] their sum of alpha^d, a step
+    Sums by depth (this runs on every step, on the host, beside ~1 ms GPU steps: ~25 us at 16
+    requests on a 2-core host): with cnt[d] requests allowed d drafts and P[d] their sum of alpha^d, a step
     at depth D has n + sum_{d<=D} cnt[d] main rows and n + sum_{d<=D} P[d] expected tokens. A
     step's predicted seconds never fall as D grows (a fit's extrapolation past the depths it saw
     can make them, and then the deepest step looked free)."""
@@ -372,7 +373,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
         self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
-        self._last_class = 1
+        self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
         self.depths: dict[int, int] = {}         # depth -> steps planned with it (a report's figure)
         self._step_index = 1                     # the step about to run, counted from 1
@@ -394,12 +395,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """Feed the step-cost model with what the step ran and how long it took (None: the
         step ran nothing)."""
         if timing is not None and timing.num_requests:
-            self._last_class = batch_class(timing.num_requests)
-            self.fit_for(timing.num_requests).observe(timing)
+            self._last_fit = self.fit_for(timing.num_requests)
+            self._last_fit.observe(timing)
         self._step_index += 1
 
     def reset_step_costs(self) -> None:
         self.fits.clear()
+        self._last_fit = None
         self._step_index = 1
         self._num_calibration.clear()
         self.depths.clear()
@@ -415,7 +417,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
     @property
     def estimator(self) -> StepCostEstimator:
         """The fit of the latest step's batch-size class (what the replica reports)."""
-        return self.fit_for(1 << (self._last_class - 1))
+        return self._last_fit if self._last_fit is not None else self.fit_for(1)
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self._track(request_id).ema.observe_step(num_drafts, num_accepted)
@@ -472,8 +474,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return depth + 1 if (self._step_index // self.explore_interval) % 2 else depth - 1
 
     def num_drafts(self, request) -> int:
-        params = request.params
-        if params.seed is not None and not params.is_greedy:
+        if request.params.is_seeded_sampled:
             # a seeded sampled request's tokens depend on its K: choose it from the request's own
             # history only (not load, timing or exploration), so the same seed gives the same text
             track = self._track(request.request_id, seeded=True)

@@ -169,6 +169,12 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def is_seeded_sampled(self) -> bool:
+        """Sampled with a seed: its tokens then depend on the draft counts it ran with, so a
+        draft policy chooses them from the request's own history alone."""
+        return self.seed is not None and not self.is_greedy
+
+    @property
     def processing_key(self) -> tuple[float, int, float, float]:
         """(temperature, top_k, top_p, min_p) with 'off' values normalised; rows sharing it are processed together."""
         if self.is_greedy:

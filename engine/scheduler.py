@@ -285,7 +285,7 @@ class Scheduler:
         own, free = [], []
         for r in running:
             if r.is_decoding:
-                (own if r.params.seed is not None and not r.params.is_greedy else free).append(r)
+                (own if r.params.is_seeded_sampled else free).append(r)
         wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in own}
         if free:
             wanted.update(zip((r.request_id for r in free), self.draft_policy.step_drafts(free, self.uniform_drafts)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, distribution_ms
 from mtpserve.cluster.bench.workload import Load, Submitter, Workload, per_load
@@ -75,20 +75,8 @@ def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingPara
 def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, log=print) -> list[LoadRun]:
     """Every draft count at every load, against the same prompts."""
     runs = []
-    max_prompt = max(len(p) for p in workload.prompt_ids)
     for k in sweep.draft_tokens:
-        config = engine_config(sweep, k, block_size, max_prompt, workload.num_requests)
-        started = time.perf_counter()
-        engine = Engine(config)
-        g = engine.graphs
-        log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
-            f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident"
-            + (f"; {g.num_graphs} CUDA graphs captured in {g.capture_seconds:.1f} s, "
-               f"{g.memory_bytes / 2**20:.0f} MiB)" if g is not None else "; no CUDA graphs)"))
-        if sweep.num_warmup_requests:
-            n = min(sweep.num_warmup_requests, workload.num_requests)
-            warm = workload.warmup(n)
-            run_load(engine, sweep, warm, Load(concurrency=n), k, tag=f"warmup{k}", max_tokens=min(16, sweep.max_tokens))
+        engine = ready_engine(sweep, k, workload, block_size, log)
         for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
             run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}")
             slow = run.extra.get("slow_steps") or []
@@ -101,6 +89,24 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
     return runs
 
 
+def ready_engine(sweep: EngineSweep, k: int | str, workload: Workload, block_size: int, log=print) -> Engine:
+    """The engine of draft count ``k`` for this sweep, built (its start-up logged) and warmed up
+    on ``workload``'s warm-up prompts."""
+    config = engine_config(sweep, k, block_size, max(len(p) for p in workload.prompt_ids), workload.num_requests)
+    started = time.perf_counter()
+    engine = Engine(config)
+    g = engine.graphs
+    log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
+        f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident"
+        + (f"; {g.num_graphs} CUDA graphs captured in {g.capture_seconds:.1f} s, "
+           f"{g.memory_bytes / 2**20:.0f} MiB)" if g is not None else "; no CUDA graphs)"))
+    if sweep.num_warmup_requests:
+        n = min(sweep.num_warmup_requests, workload.num_requests)
+        run_load(engine, sweep, workload.warmup(n), Load(concurrency=n), k, tag=f"warmup{k}",
+                 max_tokens=min(16, sweep.max_tokens))
+    return engine
+
+
 def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, rounds: int,
                       log=print) -> list[LoadRun]:
     """Every draft count at every load, ``rounds`` times, interleaved: one engine per draft count
@@ -109,17 +115,7 @@ def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, r
     round (on a shared host the same fixed K moved by up to 1.4x between runs made one after
     another). Each run's ``extra["round"]`` says its round; a workload that makes fresh prompt
     sets gives every (round, load) a set of its own, the same for every draft count."""
-    max_prompt = max(len(p) for p in workload.prompt_ids)
-    engines = {}
-    for k in sweep.draft_tokens:
-        config = engine_config(sweep, k, block_size, max_prompt, workload.num_requests)
-        started = time.perf_counter()
-        engines[k] = Engine(config)
-        log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s")
-        if sweep.num_warmup_requests:
-            n = min(sweep.num_warmup_requests, workload.num_requests)
-            run_load(engines[k], sweep, workload.warmup(n), Load(concurrency=n), k, tag=f"warmup{k}",
-                     max_tokens=min(16, sweep.max_tokens))
+    engines = {k: ready_engine(sweep, k, workload, block_size, log) for k in sweep.draft_tokens}
     ks, runs = list(sweep.draft_tokens), []
     for r in range(rounds):
         sets = per_load(workload if workload.fresh is None else _offset_sets(workload, r * len(sweep.loads)),
@@ -138,7 +134,6 @@ def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, r
 
 def _offset_sets(workload: Workload, offset: int) -> Workload:
     """``workload`` whose prompt set i is its set ``offset + i`` (set 0 stays the warm-up's)."""
-    from dataclasses import replace
     return replace(workload, fresh=lambda i: workload.fresh(offset + i))
 
 

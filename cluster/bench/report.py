@@ -258,7 +258,8 @@ def comparisons(summaries: list[dict]) -> list[dict]:
                      if sy == system and fl == load and fr == rnd and fk != "auto"]
             if fixed:
                 best = max(fixed, key=lambda f: f["output_token_throughput"])
-                found.append(_ratio("auto_vs_best_fixed", s, best))
+                found.append(_ratio("auto_vs_best_fixed", s, best) | {"baseline": "best fixed K",
+                                                                       "best_fixed": best["label"]})
         for r in found:
             if rnd is not None:
                 r["round"] = rnd
@@ -275,9 +276,7 @@ def round_medians(comps: list[dict]) -> list[dict]:
     for c in comps:
         if c.get("round") is None or c["output_token_throughput"] is None:
             continue
-        label = "auto" if c["kind"] == "auto_vs_best_fixed" else c["label"]
-        groups.setdefault((c["kind"], label, c["baseline"] if c["kind"] != "auto_vs_best_fixed" else "best fixed K",
-                           c["load"]), []).append(c["output_token_throughput"])
+        groups.setdefault((c["kind"], c["label"], c["baseline"], c["load"]), []).append(c["output_token_throughput"])
     return [{"kind": kind, "label": label, "baseline": base, "load": load,
              "median_output_token_throughput": round(float(np.median(v)), 4), "rounds": v}
             for (kind, label, base, load), v in groups.items()]

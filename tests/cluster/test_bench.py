@@ -264,7 +264,7 @@ def test_rounds_interleave_the_draft_counts_and_report_each_ratios_median(model_
     medians = {(m["kind"], m["label"]): m for m in data["rounds"]}
     k1 = medians[("speedup_vs_k0", "mtpserve K=1")]
     assert k1["median_output_token_throughput"] == pytest.approx(sorted(k1["rounds"])[1], abs=1e-4)
-    auto = medians[("auto_vs_best_fixed", "auto")]
+    auto = medians[("auto_vs_best_fixed", "mtpserve K=auto")]
     for rnd, v in enumerate(auto["rounds"]):
         assert v == pytest.approx(by_round[(rnd, "auto")] / max(by_round[(rnd, 0)], by_round[(rnd, 1)]), rel=1e-3)
     assert "median" in capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_best_depth_is_the_brute_force_argmax():
     import random
     rnd = random.Random(3)
     for _ in range(300):
-        n, top, uniform = rnd.randrange(1, 20), rnd.randrange(0, 8), rnd.random() < 0.5
+        n, top, uniform = rnd.randrange(1, 60), rnd.randrange(0, 8), rnd.random() < 0.5   # both paths (numpy past 24)
         alphas = [rnd.random() for _ in range(n)]
         caps = [rnd.randrange(0, 8) for _ in range(n)]
         coef = rnd.uniform(0, 2e-3), rnd.uniform(0, 1e-4), rnd.uniform(0, 5e-4), rnd.uniform(0, 1e-4)
