@@ -7,7 +7,8 @@ One replica per GPU (``num_gpus=1``) or N CPU replicas. The replica
   proxy -> replica (a separate ingress deployment would add a second hop, about 8 ms more to the
   first token on 2 cores), and Python callers use ``generate`` / ``stream`` on a handle;
 - reports a full snapshot to the planner actor every ``report_interval_s`` from a thread of its
-  own and applies the plan in the reply (grant, per-request draft counts);
+  own and applies the plan in the reply (grant, per-request draft counts); the first report is
+  answered before the constructor returns, so a replica is in the routers' view once it serves;
 - answers Serve's ``record_routing_stats`` (free blocks and rows, queue, sessions) for routers
   and ``check_health`` (a failed engine restarts the replica);
 - when Serve stops it gracefully (``__del__``, after the drain), hands its sessions' cached
@@ -51,6 +52,7 @@ logger = logging.getLogger("ray.serve")
 
 ROUTER_CLASS = "mtpserve.actors.router.StateAffinityRouter"
 HANDOVER_CALL_BYTES = 64 << 20      # records per hand_over call at most (a larger session goes alone)
+FIRST_REPORT_TIMEOUT_S = 30.0       # the longest a starting replica waits to be in the planner's view
 TAKE_TIMEOUT_S = 10.0               # the longest a request waits for its session's handed-over records
 
 
@@ -113,8 +115,15 @@ class Worker:
         self._handed_over: frozenset[str] = frozenset()   # sessions the planner holds records of (its plan)
         self._handover_version = None
         if self.app_name is not None:
-            self._reporter = threading.Thread(target=self._report_loop, name="mtpserve-report", daemon=True)
+            reported = threading.Event()
+            self._reporter = threading.Thread(target=self._report_loop, args=(reported,), name="mtpserve-report",
+                                              daemon=True)
             self._reporter.start()
+            # in the planner's view before Serve marks this replica ready: routers see it from its
+            # first request, and it serves under its grant from its first step
+            if not reported.wait(FIRST_REPORT_TIMEOUT_S):
+                logger.warning(f"the planner did not answer in {FIRST_REPORT_TIMEOUT_S:.0f} s; serving, "
+                               "the reports go on retrying")
 
     # ------------------------------------------------------------------ requests
     async def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
@@ -218,10 +227,12 @@ class Worker:
         return render_metrics(self.model_name, replicas, routing, handover)
 
     # ------------------------------------------------------------------ planner reports
-    def _report_loop(self) -> None:
+    def _report_loop(self, reported: threading.Event) -> None:
+        """Report at once, then every ``report_interval_s`` until the replica stops, applying each
+        plan; ``reported`` is set when the planner has answered for the first time."""
         planner = None
         granted = None
-        while not self._stopping.wait(self.config.report_interval_s):
+        while not self._stopping.is_set():
             try:
                 if planner is None:
                     planner = self._planner = get_or_create_planner(
@@ -235,14 +246,16 @@ class Worker:
             except Exception as e:
                 logger.warning(f"report to the planner failed ({e!r}); retrying")
                 planner = self._planner = None
-                continue
-            if plan.handover_sessions is not None:
-                self._handed_over, self._handover_version = plan.handover_sessions, plan.handover_version
-            if (plan.num_blocks_granted, plan.num_rows_granted) != granted:
-                granted = (plan.num_blocks_granted, plan.num_rows_granted)
-                self.loop.set_grant(*granted)
-            if self.policy is not None:
-                self.policy.set_plan(plan.num_drafts, plan.prior_acceptance)
+            else:
+                if plan.handover_sessions is not None:
+                    self._handed_over, self._handover_version = plan.handover_sessions, plan.handover_version
+                if (plan.num_blocks_granted, plan.num_rows_granted) != granted:
+                    granted = (plan.num_blocks_granted, plan.num_rows_granted)
+                    self.loop.set_grant(*granted)
+                if self.policy is not None:
+                    self.policy.set_plan(plan.num_drafts, plan.prior_acceptance)
+                reported.set()
+            self._stopping.wait(self.config.report_interval_s)
 
     # ------------------------------------------------------------------ session hand-over
     async def take_handover(self, session_id: str) -> int:

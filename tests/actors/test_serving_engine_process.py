@@ -19,7 +19,7 @@ from test_serving import _module_text, engine_texts  # noqa: E402
 from mtpserve.actors.planner import get_planner  # noqa: E402
 from mtpserve.cluster.app import ServeOptions  # noqa: E402
 from mtpserve.cluster.client import replica_statuses  # noqa: E402
-from mtpserve.cluster.deploy import deployed, placement, stop_replica  # noqa: E402
+from mtpserve.cluster.deploy import deployed, placement, stop_replica, wait_for_view  # noqa: E402
 
 APP = "engineproc"
 PROMPTS = ["def add(a, b):", "import os\nimport"]
@@ -58,7 +58,8 @@ def test_greedy_output_over_http_equals_the_engine_in_process(app):
 
 
 def test_a_dead_engine_process_is_a_clear_503_then_the_replica_is_replaced(app):
-    engine_pid = _only_status()["engine_pid"]
+    old = _only_status()
+    engine_pid = old["engine_pid"]
     os.kill(engine_pid, signal.SIGKILL)
     r = _complete(app, PROMPTS[0])
     assert r.status_code == 503, r.text
@@ -70,6 +71,9 @@ def test_a_dead_engine_process_is_a_clear_503_then_the_replica_is_replaced(app):
             break
         time.sleep(1.0)
     assert served is not None and served.status_code == 200, served.text if served else "no answer"
+    view = placement(APP)        # the replacement was in the routers' view before it served
+    assert view is not None and served.headers["x-mtpserve-replica"] in view.replicas, view
+    wait_for_view(APP, lambda v: old["replica_id"] not in v.replicas, 30, "the dead replica leaves the view")
     status = _only_status()
     assert status["engine_pid"] != engine_pid and status["integrity"] == "ok"
 
