@@ -155,6 +155,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "(load, K) back to back in a rotating order; ratios are taken within a round and "
                         "reported as their median over rounds (on a shared host, drift between K's run one "
                         "after another is larger than the differences between them)")
+    g.add_argument("--phases", default="off", choices=("off", "on", "sync"),
+                   help="in process: where each step's time goes, ms per step of each engine phase (schedule, "
+                        "propose, verify, accept, commit, ...), prefill and decode steps apart, in the JSON and "
+                        "printed; sync: the device synchronised after each phase, so each owns its GPU work "
+                        "(cluster/bench/phases.py)")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
     g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
     g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
@@ -342,7 +347,7 @@ def _bench(args) -> int:
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
-                                "all" if mode == "all" else "reused")
+                                "all" if mode == "all" else "reused", args.phases)
             if args.rounds > 1:
                 runs = run_engine_rounds(sweep, workload, manifest.block_size, args.rounds, log=_log) + runs
             else:
@@ -479,6 +484,13 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
     if anchor_note:
         print(f"NOTE: {anchor_note}")
     print(report.format_table(summaries, comps))
+    phased = [s for s in summaries if (s.get("extra") or {}).get("phases")]
+    if phased:
+        from mtpserve.cluster.bench.phases import format_phases
+        print("\nms per step by engine phase (a phase includes those it calls; " + (
+            "the device synchronised after each)" if args.phases == "sync" else "launches asynchronous)"))
+        for s in phased:
+            print(format_phases(f"{s['label']} {s['load']}", s["extra"]["phases"]))
     for m in rounds:
         print(f"{m['kind']:<22} {m['label']:<34} {m['baseline']:<34} {m['load']:>6}  median "
               f"{m['median_output_token_throughput']:.3f}x over {len(m['rounds'])} rounds "

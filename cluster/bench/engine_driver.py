@@ -42,6 +42,7 @@ class EngineSweep:
     cuda_graphs: bool = True
     prefix_cache: bool = True
     prefix_snapshots: str = "reused"        # the cache's snapshot policy (engine.config CacheConfig)
+    phases: str = "off"                     # per-phase step times (bench/phases.py): off, on or sync
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
@@ -77,8 +78,9 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
     runs = []
     for k in sweep.draft_tokens:
         engine = ready_engine(sweep, k, workload, block_size, log)
+        timers = phase_timers(sweep, engine)
         for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
-            run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}")
+            run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}", timers=timers)
             slow = run.extra.get("slow_steps") or []
             log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
                 f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else "")
@@ -107,6 +109,14 @@ def ready_engine(sweep: EngineSweep, k: int | str, workload: Workload, block_siz
     return engine
 
 
+def phase_timers(sweep: EngineSweep, engine: Engine):
+    """``PhaseTimers`` on ``engine`` when the sweep asks for phases (after its warm-up), else None."""
+    if sweep.phases == "off":
+        return None
+    from mtpserve.cluster.bench.phases import PhaseTimers
+    return PhaseTimers(engine, sync=sweep.phases == "sync")
+
+
 def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, rounds: int,
                       log=print) -> list[LoadRun]:
     """Every draft count at every load, ``rounds`` times, interleaved: one engine per draft count
@@ -116,6 +126,7 @@ def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, r
     another). Each run's ``extra["round"]`` says its round; a workload that makes fresh prompt
     sets gives every (round, load) a set of its own, the same for every draft count."""
     engines = {k: ready_engine(sweep, k, workload, block_size, log) for k in sweep.draft_tokens}
+    timers = {k: phase_timers(sweep, e) for k, e in engines.items()}
     ks, runs = list(sweep.draft_tokens), []
     for r in range(rounds):
         sets = per_load(workload if workload.fresh is None else _offset_sets(workload, r * len(sweep.loads)),
@@ -123,7 +134,7 @@ def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, r
         for i, (load, wl) in enumerate(sets):
             order = ks[r % len(ks):] + ks[:r % len(ks)]
             for k in order:
-                run = run_load(engines[k], sweep, wl, load, k, tag=f"r{r}k{k}l{i}")
+                run = run_load(engines[k], sweep, wl, load, k, tag=f"r{r}k{k}l{i}", timers=timers[k])
                 run.extra["round"] = r
                 runs.append(run)
             log(f"round {r + 1}/{rounds} {load.label}: " + ", ".join(
@@ -138,8 +149,9 @@ def _offset_sets(workload: Workload, offset: int) -> Workload:
 
 
 def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load, k: int, tag: str,
-             max_tokens: int | None = None) -> LoadRun:
-    """Drive `engine` through every request of `workload` at `load`; returns the timeline."""
+             max_tokens: int | None = None, timers=None) -> LoadRun:
+    """Drive `engine` through every request of `workload` at `load`; returns the timeline (with
+    ``timers``, a ``PhaseTimers`` on the engine: its per-phase step times in ``extra["phases"]``)."""
     max_tokens = max_tokens or sweep.max_tokens
     prompts, n = workload.prompt_ids, workload.num_requests
     records: dict[str, RequestRecord] = {}
@@ -151,6 +163,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
     step_times: list[float] = []
     step_shapes: list[tuple] = []
+    if timers is not None:
+        timers.reset()
     t0 = time.perf_counter()
 
     def submit(i: int, arrival: float) -> None:
@@ -205,6 +219,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
+    if timers is not None:
+        extra["phases"] = timers.summary()
     depths = getattr(engine.draft_policy, "depths", None)
     if depths is not None:          # steps planned at each draft depth (auto): what it chose
         extra["draft_depths"] = {str(d): n - depths0.get(d, 0) for d, n in sorted(depths.items()) if n > depths0.get(d, 0)}

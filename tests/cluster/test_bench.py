@@ -272,6 +272,35 @@ def test_rounds_interleave_the_draft_counts_and_report_each_ratios_median(model_
     assert "--rounds interleaves the in-process engines only" in capsys.readouterr().err
 
 
+def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, tmp_path, capsys):
+    """--phases on: ms per step of each phase, prefill and decode steps apart; the outermost phases
+    and "other" add up to the step, a nested phase fits inside its caller, and the timed engine
+    emits what an untimed one does (the wrappers return what the methods return)."""
+    args = ["--model", str(model_dir), "--draft-tokens", "2", "--num-prompts", "3", "--max-tokens", "12",
+            "--concurrency", "2", "--warmup-requests", "0", "--no-plot", "--save-requests"]
+    assert bench([*args, "--results-dir", str(tmp_path / "plain")]) == 0
+    assert bench([*args, "--phases", "on", "--results-dir", str(tmp_path / "timed")]) == 0
+    plain, timed = only_json(tmp_path / "plain"), only_json(tmp_path / "timed")
+    assert "phases" not in plain["results"][0]["extra"]
+    phases = timed["results"][0]["extra"]["phases"]
+    assert set(phases) == {"prefill", "decode"}
+    steps = sum(p["steps"] for p in phases.values())
+    assert steps == timed["results"][0]["extra"]["num_steps"]
+    for kind, p in phases.items():
+        ms = p["phases_ms_per_step"]
+        outer = [n for n in ms if n in {"schedule", "propose", "verify", "processed", "accept_step", "score_prompts",
+                                        "update_from_output", "keep_hidden", "cache_prefixes", "logprobs",
+                                        "outputs.process", "observe_step", "other"}]
+        assert sum(ms[n] for n in outer) == pytest.approx(p["ms_per_step"], rel=1e-3, abs=1e-3), kind
+        assert ms["main eager"] <= ms["verify"] and ms["commit_step"] <= ms["update_from_output"], kind
+        assert {"schedule", "verify", "accept_step", "update_from_output"} <= set(ms), kind
+    assert "head eager" in phases["decode"]["phases_ms_per_step"]    # K=2: the head drafts
+    tokens = [[r["num_output_tokens"] for r in load["records"]] for load in plain["requests"]]
+    assert [[r["num_output_tokens"] for r in load["records"]] for load in timed["requests"]] == tokens
+    assert timed["results"][0]["spec"] == plain["results"][0]["spec"]     # same drafts, same acceptance
+    assert "ms per step by engine phase" in capsys.readouterr().out
+
+
 def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--concurrency", "1", "--request-rate", "2", "--results-dir", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
