@@ -1,0 +1,136 @@
+"""Random traffic through the whole engine against requests run alone.
+
+Each example is one engine (MTP at K=1..3 or auto, the prefix cache on, pools and a step budget
+from roomy to tight enough to force chunked prefill, queueing, preemption and eviction) and a
+sequence of operations: add a request (prompts drawn from a small pool that shares prefixes and
+repeats, so entries are created, hit, evicted and poisoned A -> B -> A), run some steps, abort a
+live request. Whatever happened around it, every greedy request that was not aborted must emit
+exactly the MTP-off, cache-off engine's tokens for its prompt alone. The pools pass their
+integrity checks after every step and are empty at the end.
+
+The examples are derandomized (the same ones every run, so CI cannot flake on a new draw);
+``MTPSERVE_TRAFFIC_EXAMPLES=N`` runs N of them, e.g. to hunt locally.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.tokenizer import Tokenizer
+
+from test_engine import PROMPTS, make_engine
+
+MAX_TOKENS = 32
+NUM_PROMPTS = 10
+MAX_STEPS = 3000            # far beyond any example's need: an engine that never finishes fails
+
+
+@pytest.fixture(scope="module")
+def prompt_pool(model_dir):
+    """NUM_PROMPTS token prompts: shared prefixes of 0-5 blocks (16 tokens each) plus suffixes."""
+    ids = Tokenizer(model_dir).encode("".join(PROMPTS) * 2)
+    pool = []
+    for i in range(NUM_PROMPTS):
+        prefix = ids[:(0, 24, 40, 80)[i % 4]]            # mid-block and block-aligned prefixes
+        start = 100 + 7 * (i // 2)                       # pairs share their suffix's start too
+        pool.append(prefix + ids[start:start + 3 + 5 * (i % 3)])
+    return pool
+
+
+class References:
+    """Each request's output alone, computed once: greedy on an MTP-off, cache-off engine; seeded
+    sampled on an engine of the same draft setting, cache off."""
+
+    def __init__(self, model_dir, pool):
+        self.model_dir, self.pool, self.engines, self.outputs = model_dir, pool, {}, {}
+
+    def __call__(self, prompt: int, params: SamplingParams, k) -> list[int]:
+        k = 0 if params.temperature == 0 else k
+        key = (prompt, params.temperature, params.seed, params.max_tokens, k)
+        if key not in self.outputs:
+            engine = self.engines.get(k)
+            if engine is None:
+                engine = self.engines[k] = make_engine(self.model_dir, k=k, prefix_cache=False)
+            engine.add_request("alone", self.pool[prompt], params)
+            tokens = []
+            while engine.has_work:
+                for ev in engine.step():
+                    tokens.extend(ev.token_ids)
+            self.outputs[key] = tokens
+        return self.outputs[key]
+
+
+@pytest.fixture(scope="module")
+def references(model_dir, prompt_pool):
+    return References(model_dir, prompt_pool)
+
+
+def _params(max_tokens: int, seed: int | None) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+adds = st.tuples(st.just("add"), st.integers(0, NUM_PROMPTS - 1), st.integers(1, MAX_TOKENS),
+                 st.none(), st.integers(1, 6))             # prompts i, i+1, ... at once     # a third seeded sampled
+ops = st.lists(st.one_of(adds, adds, st.tuples(st.just("step"), st.integers(1, 6)),
+                         st.tuples(st.just("abort"), st.integers(0, 63))), min_size=6, max_size=30)
+
+configs = st.fixed_dictionaries({
+    "k": st.sampled_from([1, 2, 3, "auto"]),
+    "num_blocks": st.sampled_from([10, 14, 24, 512]),    # 10: room for one long request
+    "max_rows": st.sampled_from([2, 4, 16]),
+    "budget": st.sampled_from([12, 40, 128]),
+})
+
+
+@settings(max_examples=int(os.environ.get("MTPSERVE_TRAFFIC_EXAMPLES", "16")), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(config=configs, operations=ops)
+def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_pool, references, config, operations):
+    engine = make_engine(model_dir, k=config["k"], num_blocks=config["num_blocks"], max_rows=config["max_rows"],
+                         budget=config["budget"], batch=config["max_rows"])
+    added, tokens, finished, aborted = {}, {}, set(), set()
+
+    def step() -> None:
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                finished.add(ev.request_id)
+        engine.check_integrity()
+
+    for op in operations:
+        if op[0] == "add":
+            _, first, max_tokens, seed, copies = op
+            for prompt in (p % NUM_PROMPTS for p in range(first, first + copies)):
+                rid = f"r{len(added)}"
+                params = _params(max_tokens, seed)
+                engine.add_request(rid, prompt_pool[prompt], params)
+                added[rid] = (prompt, params)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if engine.has_work:
+                    step()
+        else:
+            live = sorted(set(added) - finished - aborted)
+            if live:
+                rid = live[op[1] % len(live)]
+                engine.abort(rid)
+                aborted.add(rid)
+                engine.check_integrity()
+    for _ in range(MAX_STEPS):
+        if not engine.has_work:
+            break
+        step()
+    assert not engine.has_work, f"the engine did not finish in {MAX_STEPS} steps"
+    assert engine.is_idle_and_empty(), "pools not back to empty after every request ended"
+    assert finished | aborted == set(added)
+    for rid, (prompt, params) in added.items():
+        if rid in aborted:
+            continue
+        want = references(prompt, params, config["k"])
+        assert tokens.get(rid, []) == want, (rid, prompt, params, config, operations)
