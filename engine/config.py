@@ -109,8 +109,8 @@ class SpecConfig:
     is chosen from its requests' measured acceptance and the replica's measured step cost
     (``AdaptiveDraftPolicy``), up to the model's capture capacity. ``draft_cost`` (a draft
     level's cost in plain decode steps) is the guess where nothing is measured: the planner's
-    counts for a replica that has not reported a fit, and a seeded sampled request's own K. An
-    integer given as a string ("3") is taken as that integer.
+    counts for a replica that has not reported a fit. An integer given as a string ("3") is
+    taken as that integer.
     synthetic_acceptance: benchmarking only, for models whose MTP head is untrained: the verifier
     accepts each draft with this probability instead of comparing it with the target (greedy
     requests). The output is then NOT the model's; every report labels such runs synthetic.
@@ -119,7 +119,7 @@ class SpecConfig:
                                          "from its requests' measured acceptance and the step cost)")
     draft_cost: float = setting(DEFAULT_DRAFT_COST, "draft_tokens auto: the cost of a draft level, in plain "
                                                     "decode steps, guessed where it is not measured (the "
-                                                    "planner's first counts, seeded sampled requests)")
+                                                    "planner's first counts)")
     synthetic_acceptance: float | None = setting(None, "benchmarks only: accept each draft with this "
                                                        "probability (the output is not the model's)")
 

@@ -34,9 +34,8 @@ starts from the replica's own running acceptance (every request's trials), or th
 cluster-wide prior until the replica has measured some.
 
 On a Serve replica the planner actor sends a per-request K (its plan from the same reports);
-the policy takes it as that request's cap. A seeded sampled request chooses its K from its own
-history alone (its tokens depend on its K), with a probe of one draft every ``probe_interval``
-calls at K = 0.
+the policy takes it as that request's cap. Every decoding request follows the step's depth,
+seeded sampled ones too: their tokens do not depend on K (``speculative.accept_step``).
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ class DraftPolicy:
         raise NotImplementedError
 
     def step_drafts(self, requests: list, uniform: bool) -> list[int]:
-        """The draft counts of a step's decoding requests (seeded sampled ones excluded: the
-        scheduler asks ``num_drafts`` for each of those): each request's own, or under
+        """The draft counts of a step's decoding requests: each request's own, or under
         ``uniform`` their median for all."""
         wanted = [self.num_drafts(r) for r in requests]
         if uniform and wanted:
@@ -348,7 +346,6 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
 @dataclass
 class _Track:
     ema: AcceptanceEMA
-    calls_at_zero: int = 0
 
 
 class AdaptiveDraftPolicy(DraftPolicy):
@@ -359,16 +356,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
     is the engine's cap (the model's capture capacity, at most MAX_NUM_DRAFTS).
     """
 
-    def __init__(self, max_drafts: int, cost: DraftCostModel = DraftCostModel(),
-                 prior: float = PRIOR_ACCEPTANCE, probe_interval: int = 8, explore_interval: int = 16,
+    def __init__(self, max_drafts: int,
+                 prior: float = PRIOR_ACCEPTANCE, explore_interval: int = 16,
                  idle_explore_interval: int = 1024, min_prior_trials: int = 16):
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.cost = cost                          # the static model: seeded sampled requests only
         self.prior = prior                        # the planner's cluster-wide value replaces it
-        self.initial_prior = prior
-        self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
@@ -474,30 +468,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return depth + 1 if (self._step_index // self.explore_interval) % 2 else depth - 1
 
     def num_drafts(self, request) -> int:
-        if request.params.is_seeded_sampled:
-            # a seeded sampled request's tokens depend on its K: choose it from the request's own
-            # history only (not load, timing or exploration), so the same seed gives the same text
-            track = self._track(request.request_id, seeded=True)
-            return self._probe(track, choose_num_drafts(track.ema.value, 0.0, self.max_drafts, self.cost))
         return self.step_drafts([request], uniform=False)[0]
 
-    def _probe(self, track: _Track, k: int) -> int:
-        """A request held at K = 0 still drafts one token every probe_interval calls."""
-        if k == 0 and self.max_drafts > 0:
-            track.calls_at_zero += 1
-            if track.calls_at_zero % self.probe_interval == 0:
-                return 1
-        return k
-
-    def _track(self, request_id: str, seeded: bool = False) -> _Track:
+    def _track(self, request_id: str) -> _Track:
         """The request's acceptance estimate, made on first use: from the replica's measured
-        acceptance, or the planner's prior until there is one; a seeded sampled request's from
-        the constructor's prior, which nothing else moves (its K, so its text, must not depend on
-        what other requests did before it)."""
+        acceptance, or the planner's prior until there is one."""
         track = self._tracks.get(request_id)
         if track is None:
             measured = self.replica_acceptance.num_trials >= self.min_prior_trials
-            start = self.initial_prior if seeded else self.replica_acceptance.value if measured else self.prior
+            start = self.replica_acceptance.value if measured else self.prior
             with self._lock:
                 track = self._tracks[request_id] = _Track(AcceptanceEMA(start))
         return track

@@ -28,7 +28,7 @@ import numpy as np
 
 from mtpserve.engine.admission import RequestLimits, check_request
 from mtpserve.engine.config import EngineConfig, resolve_num_blocks
-from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftCostModel, DraftPolicy, FixedDraftPolicy
+from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
 from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, load_manifest
@@ -144,7 +144,7 @@ class Engine:
                                             snapshot_all=config.cache.prefix_snapshots == "all")
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:
-            draft_policy = AdaptiveDraftPolicy(self.max_drafts, DraftCostModel(config.spec.draft_cost))
+            draft_policy = AdaptiveDraftPolicy(self.max_drafts)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
         if self.graphs is not None and self.proposer is not None:

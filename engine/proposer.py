@@ -23,8 +23,8 @@ import numpy as np
 
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import row_argmax, to_host
-from mtpserve.engine.speculative import propose_drafts
+from mtpserve.engine.sampler import probs, row_argmax, to_host
+from mtpserve.engine.speculative import draw_tokens
 
 Array = Any   # numpy or cupy ndarray
 
@@ -146,11 +146,12 @@ class MTPProposer:
                                    self.head_pool.block_table(s.request.request_id)) for s in active]
                 out = self.runner.run_head(rows, head_hidden)
                 logits, head_hidden = out.logits, out.hidden
-            tokens, q = self._draft_tokens(active, self._constrained(active, logits) if constrained else logits)
+            tokens, q = self._draft_tokens(active, self._constrained(active, logits) if constrained else logits, i)
             for j, s in enumerate(active):
                 d = result[s.request.request_id]
                 d.tokens.append(int(tokens[j]))
-                d.q.append(None if q is None or s.request.params.is_greedy else q[j])
+                d.q.append(None if q is None or s.request.params.is_greedy or s.request.params.is_seeded_sampled
+                           else q[j])
                 if constrained and s.request.request_id in self.grammars:
                     self.grammars.speculate(s.request.request_id, int(tokens[j]))
             keep = [j for j, s in enumerate(active) if s.num_drafts > i + 1]
@@ -176,8 +177,13 @@ class MTPProposer:
         self.grammars.mask_rows(out, rows, bitmask, self.xp)
         return out
 
-    def _draft_tokens(self, active: list, logits):
+    def _draft_tokens(self, active: list, logits, index: int):
+        """Draft ``index`` of each active request: the argmax when all are greedy, else drawn from
+        the head's processed distribution q (``speculative.draw_tokens`` at that output position:
+        a seeded request's with the noise its target row will draw with); q is returned for
+        rejection sampling."""
         params = [s.request.params for s in active]
         if all(p.is_greedy for p in params):
             return to_host(row_argmax(logits, self.xp)), None
-        return propose_drafts(logits, params, [s.request.rng for s in active], self.xp)
+        q = probs(logits, params, self.xp)       # a greedy row's q is one-hot: any draw is its argmax
+        return draw_tokens(q, [s.request for s in active], [index] * len(active), self.xp), q

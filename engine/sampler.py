@@ -4,7 +4,9 @@ Array code is written against an array module ``xp`` (numpy by default, cupy on 
 passed in by the runner); this module never imports cupy. Random numbers always come from
 the request's own ``numpy.random.Generator`` on the host (one uniform per sampled row), and
 only those uniforms go to the device, so a request's tokens depend on its seed and its
-logits, not on which other requests share the batch or on the array module.
+logits, not on which other requests share the batch or on the array module. A seeded
+request's uniforms are keyed by output position (``Request.uniforms``): the same token at
+any draft count.
 
 Processing order for a row (the order Hugging Face and vLLM use):
 
@@ -170,8 +172,9 @@ class SamplingParams:
 
     @property
     def is_seeded_sampled(self) -> bool:
-        """Sampled with a seed: its tokens then depend on the draft counts it ran with, so a
-        draft policy chooses them from the request's own history alone."""
+        """Sampled with a seed: output token n is drawn at the n-th uniform of its RNG however it
+        is drafted and verified (``Request.uniforms``, ``speculative.accept_step``), so its text
+        is plain sampling's with that seed at any K, in any batch."""
         return self.seed is not None and not self.is_greedy
 
     @property
@@ -386,6 +389,42 @@ def sample_from_probs(probs_rows, uniforms, xp=None) -> np.ndarray:
         positive = to_host(xp.asarray(probs_rows)[np.flatnonzero(overshoot)] > 0)
         ids[overshoot] = positive.shape[1] - 1 - positive[:, ::-1].argmax(axis=1)
     return ids
+
+
+# SplitMix64's constants: the golden-ratio increment and the finaliser's multipliers.
+_GOLDEN, _MIX1, _MIX2, _TOKEN = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD1B54A32D192ED03
+
+
+def _mix64(z, xp):
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic in numpy and cupy alike)."""
+    z = (z ^ (z >> xp.uint64(30))) * xp.uint64(_MIX1)
+    z = (z ^ (z >> xp.uint64(27))) * xp.uint64(_MIX2)
+    return z ^ (z >> xp.uint64(31))
+
+
+def position_noise(seeds: Sequence[int], positions: Sequence[int], vocab_size: int, xp=None):
+    """Exponential(1) noise [N, V] float64, a pure function of (seed, output position, token id):
+    row i's noise for ``seeds[i]`` at ``positions[i]``. The same on every array module."""
+    xp = xp or np
+    rows = xp.asarray(np.array([(int(s) % 2**64) for s in seeds], np.uint64))
+    at = xp.asarray(np.asarray(positions, np.uint64))
+    key = _mix64(_mix64(rows + xp.uint64(_GOLDEN), xp) + at * xp.uint64(_GOLDEN), xp)
+    tokens = (xp.arange(1, vocab_size + 1, dtype=xp.uint64) * xp.uint64(_TOKEN))[None, :]
+    h = _mix64(key[:, None] + tokens, xp)
+    u = ((h >> xp.uint64(11)).astype(xp.float64) + 0.5) * (1.0 / 2**53)      # in (0, 1)
+    return -xp.log(u)
+
+
+def sample_keyed(probs_rows, seeds: Sequence[int], positions: Sequence[int], xp=None) -> np.ndarray:
+    """Token ids (host int64 [N]) of probs [N, V]: row i takes argmax_v p(v) / E_v with E the
+    ``position_noise`` of (seeds[i], positions[i]) (the exponential race, the Gumbel-max trick:
+    a draw from p, zero-probability tokens never). Two distributions drawn at the same (seed,
+    position) pick the same token as often as the Gumbel coupling allows: what lets a seeded
+    request's draft be checked by equality with the target's own draw."""
+    xp = xp or np
+    p = xp.asarray(probs_rows)
+    noise = position_noise(seeds, positions, p.shape[1], xp)
+    return to_host((p.astype(xp.float64) / noise).argmax(axis=1)).astype(np.int64)
 
 
 def sample(

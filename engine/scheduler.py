@@ -22,7 +22,7 @@ drafts:
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back.
 4. The draft policy plans the step's drafts at once (``DraftPolicy.step_drafts``), before the
-   caps; a seeded sampled request keeps its own (``num_drafts``: its tokens depend on its K).
+   caps, for every decoding request (a seeded sampled one's tokens do not depend on its K).
    With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
    every request) the plan is one K for the step, and a decoding request whose 1 + K rows no
    longer fit the step's budget waits for the next step instead of carrying fewer drafts.
@@ -280,16 +280,9 @@ class Scheduler:
 
     def _wanted_drafts(self, running: list[Request]) -> dict[str, int]:
         """Each decoding request's draft count before the caps, from the policy's plan for the
-        step (``DraftPolicy.step_drafts``; one count for all under ``uniform_drafts``), but a
-        seeded sampled request keeps its own (``num_drafts``: its tokens depend on its K)."""
-        own, free = [], []
-        for r in running:
-            if r.is_decoding:
-                (own if r.params.is_seeded_sampled else free).append(r)
-        wanted = {r.request_id: self.draft_policy.num_drafts(r) for r in own}
-        if free:
-            wanted.update(zip((r.request_id for r in free), self.draft_policy.step_drafts(free, self.uniform_drafts)))
-        return wanted
+        step (``DraftPolicy.step_drafts``; one count for all under ``uniform_drafts``)."""
+        decoding = [r for r in running if r.is_decoding]
+        return dict(zip((r.request_id for r in decoding), self.draft_policy.step_drafts(decoding, self.uniform_drafts)))
 
     def _num_drafts(self, req: Request, wanted: int, budget_left: int) -> int:
         context_left = self.context_length - len(req.token_ids)

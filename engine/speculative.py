@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mtpserve.engine.sampler import SamplingParams, per_row_rngs, probs, row_argmax, sample, sample_from_probs, to_host
+from mtpserve.engine.sampler import (
+    per_row_rngs,
+    probs,
+    row_argmax,
+    sample_from_probs,
+    sample_keyed,
+    to_host,
+)
 
 # The most drafts one request may carry in one step: the paged export captures at most
 # state_update_capacity transitions, and its CUDA kernels are built for at most 8 rows per request.
@@ -127,24 +134,25 @@ def verify_sampled_batch(
     ]
 
 
-def propose_drafts(
-    draft_logits,
-    params: SamplingParams | Sequence[SamplingParams],
-    rngs: np.random.Generator | Sequence[np.random.Generator],
-    xp=None,
-):
-    """Sample draft tokens from the MTP head's logits [N, V] (one row per chained draft).
-
-    Returns (token ids host int64 [N], q [N, V] float32): q is the processed distribution each
-    token was drawn from, to keep for verification (``verify_sampled_batch`` wants q packed by
-    request, draft 0..K_r-1 of each request in turn). Every row draws one uniform from its
-    RNG, greedy rows included (their q is one-hot). Greedy requests need no q: use
-    ``sampler.sample`` for them and verify with ``accept_greedy``.
-    """
+def draw_tokens(probs_rows, requests: Sequence, offsets: Sequence[int], xp=None) -> np.ndarray:
+    """One token (host int64 [N]) from each row of probs [N, V]: row i is request i's output
+    position n + offsets[i] (n: its tokens so far). A seeded request draws with the noise keyed
+    by its seed and that position (``sampler.sample_keyed``: the same token whoever draws it, at
+    any K); any other at its RNG's next uniform (inverse CDF)."""
     xp = xp or np
-    q = probs(draft_logits, params, xp)
-    uniforms = [rng.random() for rng in per_row_rngs(rngs, q.shape[0])]
-    return sample_from_probs(q, uniforms, xp), q
+    seeded = [i for i, r in enumerate(requests) if r.params.is_seeded_sampled]
+    if not seeded:
+        return sample_from_probs(probs_rows, [r.rng.random() for r in requests], xp)
+    if len(seeded) == len(requests):
+        return sample_keyed(probs_rows, [r.params.seed for r in requests],
+                            [r.num_output_tokens + o for r, o in zip(requests, offsets)], xp)
+    out = np.empty(len(requests), np.int64)
+    rest = [i for i in range(len(requests)) if i not in set(seeded)]
+    out[seeded] = draw_tokens(probs_rows[xp.asarray(np.array(seeded))], [requests[i] for i in seeded],
+                              [offsets[i] for i in seeded], xp)
+    out[rest] = draw_tokens(probs_rows[xp.asarray(np.array(rest))], [requests[i] for i in rest],
+                            [offsets[i] for i in rest], xp)
+    return out
 
 
 @dataclass
@@ -237,21 +245,28 @@ def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, l
 
     scheduled: the step's ``ScheduledRequest``s; target_rows[i]: the packed row of request i's
     newest real token (its K target rows follow it, see the module docstring); drafts: request
-    id -> ``proposer.Drafts``. Greedy rows are checked on one host copy of the step's argmax;
-    sampled rows without drafts are sampled together, sampled rows with drafts verified together,
-    each request drawing from its own RNG in step order. ``synthetic_acceptance`` (benchmarks
-    only) accepts each greedy draft with that probability instead of checking it.
+    id -> ``proposer.Drafts``. Greedy rows are checked on one host copy of the step's argmax.
+    Sampled rows without drafts are sampled together. Sampled rows with drafts are verified
+    together: a seeded request by coupling (target row j draws its token with the noise of
+    output position n + j, the noise its draft j was drawn with, and drafts are kept while they
+    equal those tokens: its tokens are then plain sampling's with its seed at any K, in any
+    batch), any other by exact rejection sampling (``verify_sampled_batch``: more drafts kept).
+    ``synthetic_acceptance`` (benchmarks only) accepts each greedy draft with that probability
+    instead of checking it.
     """
     xp = xp or np
     argmax = None                                     # one device -> host copy, if any greedy row samples
     result: dict[str, tuple[list[int], int]] = {}
-    plain, verified = [], []                          # sampled requests: (scheduled, first target row)
+    plain, coupled, verified = [], [], []             # sampled requests: (scheduled, first target row)
     for s, last in zip(scheduled, target_rows):
         if not s.samples:
             continue
         r = s.request
         if not r.params.is_greedy:
-            (verified if s.num_drafts else plain).append((s, last))
+            if not s.num_drafts:
+                plain.append((s, last))
+            else:
+                (coupled if r.params.is_seeded_sampled else verified).append((s, last))
             continue
         if argmax is None:
             argmax = to_host(row_argmax(logits, xp))
@@ -264,8 +279,20 @@ def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, l
         result[r.request_id] = emitted, num_accepted
     if plain:
         rows = xp.asarray(np.array([last for _, last in plain]))
-        tokens = sample(logits[rows], [s.request.params for s, _ in plain], [s.request.rng for s, _ in plain], xp)
+        target = probs(logits[rows], [s.request.params for s, _ in plain], xp)
+        tokens = draw_tokens(target, [s.request for s, _ in plain], [0] * len(plain), xp)
         result.update((s.request.request_id, ([int(t)], 0)) for (s, _), t in zip(plain, tokens))
+    if coupled:
+        rows = np.concatenate([np.arange(last, last + s.num_drafts + 1) for s, last in coupled])
+        target = probs(logits[xp.asarray(rows)], [s.request.params for s, _ in coupled for _ in range(s.num_drafts + 1)],
+                       xp)
+        picks = draw_tokens(target, [s.request for s, _ in coupled for _ in range(s.num_drafts + 1)],
+                            [j for s, _ in coupled for j in range(s.num_drafts + 1)], xp)
+        start = 0
+        for s, _ in coupled:
+            n = s.num_drafts + 1
+            result[s.request.request_id] = accept_greedy(picks[start:start + n], drafts[s.request.request_id].tokens)
+            start += n
     if verified:
         rows = np.concatenate([np.arange(last, last + s.num_drafts + 1) for s, last in verified])
         params = [s.request.params for s, _ in verified for _ in range(s.num_drafts + 1)]

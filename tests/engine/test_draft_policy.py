@@ -276,29 +276,6 @@ def test_exploring_steps_take_a_neighbouring_depth_by_turns():
     assert zero.step_drafts(reqs, uniform=False) == [1] * 4, "the planner's 0 too: acceptance keeps moving"
 
 
-def test_a_seeded_sampled_request_gets_the_same_k_whatever_the_costs_exploration_and_other_requests():
-    """Its tokens depend on its K: the K must come from its own history alone, not from the
-    step costs, exploration, the planner (plan or prior) or what other requests accepted."""
-    def ks(costs, explore_interval, plan, others_accept=None, planner_prior=None):
-        policy = AdaptiveDraftPolicy(4, explore_interval=explore_interval)
-        if costs:
-            measured(policy, *costs)
-        if others_accept is not None:          # the replica's acceptance measured from other requests
-            _drive(policy, [_request(f"o{i}") for i in range(4)], accept_all=others_accept, num_steps=30)
-        policy.set_plan(plan, planner_prior)
-        req = _request("s", SamplingParams(temperature=0.8, seed=7))
-        out = []
-        for _ in range(10):
-            out.append(policy.num_drafts(req))
-            policy.observe_step(None)
-        return out
-
-    reference = ks(None, 0, {})
-    assert reference == ks((0.0, 1e-3, 0.0), 3, {"s": 0}) == ks((1e-2, 1e-5, 1e-5), 2, {"s": 4})
-    assert reference == ks(None, 16, {}, others_accept=True) == ks(None, 16, {}, others_accept=False)
-    assert reference == ks(None, 16, {}, planner_prior=0.95)
-
-
 def test_fixed_draft_policy():
     assert FixedDraftPolicy(3).num_drafts(object()) == 3
     assert FixedDraftPolicy(7).num_drafts(None) == 7, "MAX_NUM_DRAFTS itself is allowed"

@@ -101,6 +101,31 @@ def test_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, greedy_reference
         assert got >= 0.9 * measured, f"K={k}: acceptance at draft {i} fell to {got:.3f} from {measured:.3f}"
 
 
+SEEDED = [SamplingParams(temperature=t, top_p=tp, seed=100 + i, max_tokens=48, ignore_eos=True)
+          for i, (t, tp) in enumerate([(0.9, 0.95), (1.0, 1.0), (0.6, 1.0), (1.3, 0.9)] * 4)]
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(model_dir):
+    """MTP off: 16 seeded sampled requests (plain sampling, one keyed draw per token)."""
+    tokens, _ = run_all(make_engine(model_dir, k=0, budget=48), PROMPTS[:len(SEEDED)], SEEDED)
+    return tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, "auto"])
+def test_seeded_sampled_mtp_on_is_token_identical_to_mtp_off(model_dir, seeded_reference, k):
+    """A seeded request's drafts are drawn with the noise its target rows draw with, and kept
+    while they equal the target's draws: its tokens are plain sampling's at any K, under chunked
+    prefill (a 48-token budget) and with the drafts each step happens to carry, while drafts are
+    still kept often (the coupling, not luck)."""
+    engine = make_engine(model_dir, k=k, budget=48)
+    tokens, _ = run_all(engine, PROMPTS[:len(SEEDED)], SEEDED)
+    assert tokens == seeded_reference
+    s = engine.stats
+    assert s.num_draft_tokens > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert s.acceptance_rate_per_position[0] > 0.45, s      # 0.59 at K=4; independent draws keep far fewer
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_sampling_that_keeps_one_token_gives_the_greedy_tokens_under_mtp(model_dir, greedy_reference, k):
     """top_k=1 or a tiny top_p leaves one token on both sides of the verification: the target's
@@ -220,8 +245,9 @@ def test_bad_requests_are_refused_with_clear_errors(model_dir):
 
 
 def test_a_seeded_sampled_request_reproduces_its_text_alone_and_in_any_batch(model_dir):
-    """Sampling and speculative verification run batched, and state rows are bound in place or
-    copied depending on the batch; none of that may change a seeded request's tokens."""
+    """Sampling and speculative verification run batched, state rows are bound in place or
+    copied depending on the batch, and a prefill beside it takes its drafts for a step; none of
+    that may change a seeded request's tokens, which are MTP off's."""
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True)
     others = [SamplingParams(temperature=t, seed=s, max_tokens=m, ignore_eos=True)
               for t, s, m in [(0.0, None, 30), (1.0, 5, 12), (0.7, 9, 50), (0.0, None, 8)]]
@@ -232,8 +258,9 @@ def test_a_seeded_sampled_request_reproduces_its_text_alone_and_in_any_batch(mod
         late.add_request(f"x{i}", p, sp)
     late.step(), late.step()                       # the seeded request joins a running batch
     tokens, _ = run_all(late, [PROMPTS[2]], [seeded])
+    plain, _ = run_all(make_engine(model_dir, k=0), [PROMPTS[2]], [seeded])
     assert len(alone["r0"]) == 40
-    assert crowd["r4"] == alone["r0"] and tokens["r0"] == alone["r0"]
+    assert crowd["r4"] == alone["r0"] and tokens["r0"] == alone["r0"] and alone["r0"] == plain["r0"]
 
 
 def test_max_model_len_bounds_every_request(model_dir):

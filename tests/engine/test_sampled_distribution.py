@@ -1,7 +1,9 @@
 """Sampled MTP decoding on the real engine emits tokens distributed as the target model says.
 
-Sixteen seeded requests of 64 tokens run at once with K = 3, so every step after the prefill
-drafts three tokens; then the target's probabilities p at every output position are recomputed
+Sixteen unseeded requests of 64 tokens (their RNGs fixed by the test, so the run repeats) run
+at once with K = 3, so every step after the prefill drafts three tokens: exact rejection
+sampling (a seeded request is verified by coupling instead, whose tokens are plain sampling's:
+tests/engine/test_engine.py); then the target's probabilities p at every output position are recomputed
 from scratch (one main-model forward over prompt + output from zero states, processed with the
 request's temperature / top-k / top-p). Given everything before it (the tokens, and where the
 engine's steps began), each emitted token must be a draw from its p whatever the drafts were:
@@ -112,14 +114,15 @@ class SampledRun:
 
 
 def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offset: int = 0) -> SampledRun:
-    """Run NUM_REQUESTS seeded requests on PROMPTS[:4] at once, recording at which output position
-    each verified draft's q stood, then recompute p at every output position."""
+    """Run NUM_REQUESTS unseeded requests (RNGs seeded here) on PROMPTS[:4] at once, recording at
+    which output position each verified draft's q stood, then recompute p at every output position."""
     # one prompt chunk per request (the forward counts below assume it): no prefix-cache boundary
     # cuts, whose extra chunk defers the others' drafts for a step
     engine = make_engine(model_dir, k=K, max_rows=NUM_REQUESTS, batch=NUM_REQUESTS, budget=512, prefix_cache=False)
     params = SamplingParams(**SETTINGS[setting], max_tokens=max_tokens, ignore_eos=True)
-    requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], dataclasses.replace(params, seed=seed_offset + i))
-                for i in range(NUM_REQUESTS)]
+    requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], params) for i in range(NUM_REQUESTS)]
+    for i, r in enumerate(requests):
+        r.rng = np.random.default_rng(seed_offset + i)
     proposed = []
     propose = engine.proposer.propose
 

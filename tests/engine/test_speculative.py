@@ -10,11 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from mtpserve.engine.sampler import SamplingParams, make_rng, probs, sample_from_probs
+from mtpserve.engine.sampler import SamplingParams, make_rng, position_noise, probs, sample_from_probs, sample_keyed
 from mtpserve.engine.speculative import (
     SpecDecodeStats,
     accept_greedy,
-    propose_drafts,
     verify_sampled_batch,
 )
 
@@ -129,8 +128,8 @@ def _completed_sequences(verify_batch, num_drafts, params, seed):
     target_logits = (rng.normal(size=(num_drafts + 1, VOCAB)) * 1.5).astype(np.float32)
     draft_logits = target_logits[:num_drafts] + rng.normal(size=(num_drafts, VOCAB)).astype(np.float32)
     p = probs(target_logits, params)
-    drafts, q_packed = propose_drafts(np.tile(draft_logits, (NUM_TRIALS, 1)), params, rng)
-    drafts = drafts.reshape(NUM_TRIALS, num_drafts)
+    q_packed = probs(np.tile(draft_logits, (NUM_TRIALS, 1)), params)
+    drafts = sample_from_probs(q_packed, rng.random(NUM_TRIALS * num_drafts)).reshape(NUM_TRIALS, num_drafts)
     results = verify_batch(np.tile(p, (NUM_TRIALS, 1)), q_packed, list(drafts), rng)
     fresh = sample_from_probs(np.tile(p, (NUM_TRIALS, 1)), rng.random(NUM_TRIALS * (num_drafts + 1)))
     sequences = fresh.reshape(NUM_TRIALS, num_drafts + 1)
@@ -209,11 +208,38 @@ def test_batched_verification_equals_per_request_verification():
     assert greedy_batched == [verify_greedy(target_logits[t0:t1], d) for t0, t1, d in bounds]
 
 
-def test_propose_drafts_greedy_rows_take_the_argmax():
-    logits = np.array([[0.0, 2.0, 1.0], [3.0, 0.0, 3.0]], dtype=np.float32)
-    tokens, q = propose_drafts(logits, SamplingParams(temperature=0), make_rng(0))
-    assert tokens.tolist() == [1, 0]
-    np.testing.assert_array_equal(q, [[0, 1, 0], [1, 0, 0]])
+def test_keyed_draws_follow_p_and_are_a_function_of_seed_and_position_alone():
+    """A seeded request's draw (``sample_keyed``): over seeds, distributed as p (chi-square);
+    for one seed, the same token in any batch and row order; new noise at every position and
+    every seed; a one-hot row draws its token."""
+    p = probs((np.random.default_rng(3).normal(size=(1, VOCAB)) * 1.5).astype(np.float32), SamplingParams())
+    seeds = np.arange(NUM_TRIALS)
+    tokens = sample_keyed(np.tile(p, (NUM_TRIALS, 1)), seeds, [5] * NUM_TRIALS)
+    counts = np.bincount(tokens, minlength=VOCAB)
+    expected = NUM_TRIALS * p[0]
+    assert ((counts - expected) ** 2 / expected).sum() < chi_square_critical(VOCAB - 1)
+    alone = [int(sample_keyed(p, [s], [5])[0]) for s in range(40)]
+    assert tokens[:40].tolist() == alone
+    assert sample_keyed(np.tile(p, (40, 1)), seeds[:40][::-1], [5] * 40).tolist() == alone[::-1]
+    noise = position_noise([7, 7, 8], [0, 1, 0], VOCAB)
+    assert not np.allclose(noise[0], noise[1]) and not np.allclose(noise[0], noise[2])
+    assert np.allclose(noise[0], position_noise([7], [0], VOCAB)[0])
+    assert sample_keyed(np.eye(VOCAB, dtype=np.float32)[[2, 6]], [1, 1], [0, 0]).tolist() == [2, 6]
+
+
+def test_keyed_draws_of_two_close_distributions_agree_as_often_as_the_gumbel_coupling_allows():
+    """The draft and the target of a seeded request draw with the same noise, and a draft is kept
+    when it equals the target's draw: they agree with probability at least (1 - TV) / (1 + TV)
+    (the Gumbel coupling), far more than independent draws would (sum p q)."""
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(size=(1, VOCAB)) * 1.5).astype(np.float32)
+    p = probs(logits, SamplingParams())
+    q = probs(logits + 0.5 * rng.normal(size=(1, VOCAB)).astype(np.float32), SamplingParams())
+    seeds = np.arange(NUM_TRIALS)
+    agree = (sample_keyed(np.tile(p, (NUM_TRIALS, 1)), seeds, [0] * NUM_TRIALS)
+             == sample_keyed(np.tile(q, (NUM_TRIALS, 1)), seeds, [0] * NUM_TRIALS)).mean()
+    tv = 0.5 * np.abs(p - q).sum()
+    assert agree >= (1 - tv) / (1 + tv) - 0.02 and agree > float((p * q).sum()) + 0.2, (agree, tv)
 
 
 def test_stats_count_steps_and_derive_rates():
