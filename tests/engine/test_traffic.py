@@ -2,8 +2,9 @@
 
 Each example is one engine (MTP at K=1..3 or auto, the prefix cache on, pools and a step budget
 from roomy to tight enough to force chunked prefill, queueing, preemption and eviction) and a
-sequence of operations: add a request (prompts drawn from a small pool that shares prefixes and
-repeats, so entries are created, hit, evicted and poisoned A -> B -> A), run some steps, abort a
+sequence of operations: add requests (prompts drawn from a small pool that shares prefixes and
+repeats, so entries are created, hit, evicted and poisoned A -> B -> A; some with penalties,
+stop ids to meet inside accepted draft runs after min_tokens, or EOS), run some steps, abort a
 live request. Whatever happened around it, every request that was not aborted, greedy or seeded
 sampled, must emit exactly the MTP-off, cache-off engine's tokens for it alone. The pools pass
 their integrity checks after every step and are empty at the end.
@@ -49,7 +50,7 @@ class References:
         self.engine = make_engine(model_dir, k=0, prefix_cache=False)
 
     def __call__(self, prompt: int, params: SamplingParams) -> list[int]:
-        key = (prompt, params.temperature, params.seed, params.max_tokens)
+        key = (prompt, params)
         if key not in self.outputs:
             self.engine.add_request("alone", self.pool[prompt], params)
             tokens = []
@@ -65,15 +66,21 @@ def references(model_dir, prompt_pool):
     return References(model_dir, prompt_pool)
 
 
-def _params(max_tokens: int, seed: int | None) -> SamplingParams:
-    if seed is None:
-        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+# what a request asks beside its sampling: nothing; penalties (the logits depend on its history,
+# drafts included); stop ids it may meet inside an accepted draft run, after min_tokens; EOS
+EXTRAS = ({}, {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
+          {"stop_token_ids": (19, 22, 231, 413), "min_tokens": 3}, {"ignore_eos": False, "min_tokens": 2})
+
+
+def _params(max_tokens: int, seed: int | None, extra: int) -> SamplingParams:
+    sampling = {"temperature": 0} if seed is None else {"temperature": 0.9, "top_p": 0.95, "seed": seed}
+    return SamplingParams(**{"ignore_eos": True, **sampling, **EXTRAS[extra]}, max_tokens=max_tokens)
 
 
 adds = st.tuples(st.just("add"), st.integers(0, NUM_PROMPTS - 1), st.integers(1, MAX_TOKENS),
                  st.one_of(st.none(), st.none(), st.integers(0, 3)),      # a third seeded sampled
-                 st.integers(1, 6))                                        # prompts i, i+1, ... at once     # a third seeded sampled
+                 st.integers(1, 6),                                        # prompts i, i+1, ... at once
+                 st.sampled_from([0, 0, 1, 2, 3]))                         # EXTRAS
 ops = st.lists(st.one_of(adds, adds, st.tuples(st.just("step"), st.integers(1, 6)),
                          st.tuples(st.just("abort"), st.integers(0, 63))), min_size=6, max_size=30)
 
@@ -102,10 +109,10 @@ def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_po
 
     for op in operations:
         if op[0] == "add":
-            _, first, max_tokens, seed, copies = op
+            _, first, max_tokens, seed, copies, extra = op
             for prompt in (p % NUM_PROMPTS for p in range(first, first + copies)):
                 rid = f"r{len(added)}"
-                params = _params(max_tokens, seed)
+                params = _params(max_tokens, seed, extra)
                 engine.add_request(rid, prompt_pool[prompt], params)
                 added[rid] = (prompt, params)
         elif op[0] == "step":
