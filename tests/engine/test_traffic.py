@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mtpserve.engine.grammar import GrammarSpec
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.tokenizer import Tokenizer
 
@@ -27,7 +28,12 @@ from test_engine import PROMPTS, make_engine
 
 MAX_TOKENS = 32
 NUM_PROMPTS = 10
-MAX_STEPS = 3000            # far beyond any example's need: an engine that never finishes fails
+MAX_STEPS = 3000
+try:
+    import xgrammar  # noqa: F401 - structured output's library (the test extra has it)
+    HAS_GRAMMARS = True
+except ImportError:
+    HAS_GRAMMARS = False            # far beyond any example's need: an engine that never finishes fails
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +55,17 @@ class References:
         self.pool, self.outputs = pool, {}
         self.engine = make_engine(model_dir, k=0, prefix_cache=False)
 
-    def __call__(self, prompt: int, params: SamplingParams) -> list[int]:
+    def __call__(self, prompt: int, params: SamplingParams) -> tuple[list[int], list]:
+        """(tokens, logprob entries) of the request alone."""
         key = (prompt, params)
         if key not in self.outputs:
             self.engine.add_request("alone", self.pool[prompt], params)
-            tokens = []
+            tokens, entries = [], []
             while self.engine.has_work:
                 for ev in self.engine.step():
                     tokens.extend(ev.token_ids)
-            self.outputs[key] = tokens
+                    entries.extend(ev.logprobs or [])
+            self.outputs[key] = tokens, entries
         return self.outputs[key]
 
 
@@ -68,19 +76,25 @@ def references(model_dir, prompt_pool):
 
 # what a request asks beside its sampling: nothing; penalties (the logits depend on its history,
 # drafts included); stop ids it may meet inside an accepted draft run, after min_tokens; EOS
+# (logprobs: the target's distribution at each emitted token, an accepted draft's from the row
+# that checked it); a grammar (its matcher rolled back past rejected drafts, rebuilt on preemption)
 EXTRAS = ({}, {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
-          {"stop_token_ids": (19, 22, 231, 413), "min_tokens": 3}, {"ignore_eos": False, "min_tokens": 2})
+          {"stop_token_ids": (19, 22, 231, 413), "min_tokens": 3}, {"ignore_eos": False, "min_tokens": 2},
+          {"logprobs": 2}, {"grammar": GrammarSpec("regex", r"[a-z_]{1,12}(\.[a-z_]{1,12})*\([a-z0-9, ]{0,40}\)")})
 
 
 def _params(max_tokens: int, seed: int | None, extra: int) -> SamplingParams:
     sampling = {"temperature": 0} if seed is None else {"temperature": 0.9, "top_p": 0.95, "seed": seed}
-    return SamplingParams(**{"ignore_eos": True, **sampling, **EXTRAS[extra]}, max_tokens=max_tokens)
+    asked = {"ignore_eos": "grammar" not in EXTRAS[extra], **sampling, **EXTRAS[extra]}   # a grammar ends with EOS
+    if "min_tokens" in asked:
+        asked["min_tokens"] = min(asked["min_tokens"], max_tokens)
+    return SamplingParams(**asked, max_tokens=max_tokens)
 
 
 adds = st.tuples(st.just("add"), st.integers(0, NUM_PROMPTS - 1), st.integers(1, MAX_TOKENS),
                  st.one_of(st.none(), st.none(), st.integers(0, 3)),      # a third seeded sampled
                  st.integers(1, 6),                                        # prompts i, i+1, ... at once
-                 st.sampled_from([0, 0, 1, 2, 3]))                         # EXTRAS
+                 st.sampled_from([0, 0, 1, 2, 3, 4, 5] if HAS_GRAMMARS else [0, 0, 1, 2, 3, 4]))   # EXTRAS
 ops = st.lists(st.one_of(adds, adds, st.tuples(st.just("step"), st.integers(1, 6)),
                          st.tuples(st.just("abort"), st.integers(0, 63))), min_size=6, max_size=30)
 
@@ -98,11 +112,12 @@ configs = st.fixed_dictionaries({
 def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_pool, references, config, operations):
     engine = make_engine(model_dir, k=config["k"], num_blocks=config["num_blocks"], max_rows=config["max_rows"],
                          budget=config["budget"], batch=config["max_rows"])
-    added, tokens, finished, aborted = {}, {}, set(), set()
+    added, tokens, entries, finished, aborted = {}, {}, {}, set(), set()
 
     def step() -> None:
         for ev in engine.step():
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            entries.setdefault(ev.request_id, []).extend(ev.logprobs or [])
             if ev.finish_reason is not None:
                 finished.add(ev.request_id)
         engine.check_integrity()
@@ -136,5 +151,11 @@ def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_po
     for rid, (prompt, params) in added.items():
         if rid in aborted:
             continue
-        want = references(prompt, params)
+        want, want_entries = references(prompt, params)
         assert tokens.get(rid, []) == want, (rid, prompt, params, config, operations)
+        got_entries = entries.get(rid, [])
+        assert [(t, [b for b, _ in best]) for t, _, best in got_entries] == \
+            [(t, [b for b, _ in best]) for t, _, best in want_entries], (rid, params, config)
+        for (_, lp, best), (_, want_lp, want_best) in zip(got_entries, want_entries):
+            assert lp == pytest.approx(want_lp, abs=1e-4)          # other batch shapes: float rounding only
+            assert [v for _, v in best] == pytest.approx([v for _, v in want_best], abs=1e-4)
