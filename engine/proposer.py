@@ -23,8 +23,7 @@ import numpy as np
 
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import probs, row_argmax, to_host
-from mtpserve.engine.speculative import draw_tokens
+from mtpserve.engine.sampler import draw_tokens, probs, row_argmax, to_host
 
 Array = Any   # numpy or cupy ndarray
 
@@ -179,7 +178,7 @@ class MTPProposer:
 
     def _draft_tokens(self, active: list, logits, index: int):
         """Draft ``index`` of each active request: the argmax when all are greedy, else drawn from
-        the head's processed distribution q (``speculative.draw_tokens`` at that output position:
+        the head's processed distribution q (``sampler.draw_tokens`` at that output position:
         a seeded request's with the noise its target row will draw with); q is returned for
         rejection sampling."""
         params = [s.request.params for s in active]

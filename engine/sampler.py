@@ -5,8 +5,8 @@ passed in by the runner); this module never imports cupy. Random numbers always 
 the request's own ``numpy.random.Generator`` on the host (one uniform per sampled row), and
 only those uniforms go to the device, so a request's tokens depend on its seed and its
 logits, not on which other requests share the batch or on the array module. A seeded
-request's uniforms are keyed by output position (``Request.uniforms``): the same token at
-any draft count.
+request draws instead with noise keyed by (seed, output position) (``sample_keyed``): the same
+token at any draft count (``draw_tokens`` picks the way per request).
 
 Processing order for a row (the order Hugging Face and vLLM use):
 
@@ -172,9 +172,9 @@ class SamplingParams:
 
     @property
     def is_seeded_sampled(self) -> bool:
-        """Sampled with a seed: output token n is drawn at the n-th uniform of its RNG however it
-        is drafted and verified (``Request.uniforms``, ``speculative.accept_step``), so its text
-        is plain sampling's with that seed at any K, in any batch."""
+        """Sampled with a seed: output token n is drawn with the noise of (seed, n) however it is
+        drafted and verified (``sample_keyed``, ``speculative.accept_step``), so its text is
+        plain sampling's with that seed at any K, in any batch."""
         return self.seed is not None and not self.is_greedy
 
     @property
@@ -427,30 +427,21 @@ def sample_keyed(probs_rows, seeds: Sequence[int], positions: Sequence[int], xp=
     return to_host((p.astype(xp.float64) / noise).argmax(axis=1)).astype(np.int64)
 
 
-def sample(
-    logits,
-    params: SamplingParams | Sequence[SamplingParams],
-    rngs: np.random.Generator | Sequence[np.random.Generator],
-    xp=None,
-) -> np.ndarray:
-    """One token id per row of logits [N, V] (host int64 [N]).
-
-    Greedy rows take the argmax (lowest id on ties) and draw nothing from their RNG; other
-    rows draw exactly one uniform from ``rngs[i]`` (a single Generator serves all rows in order).
-    """
+def draw_tokens(probs_rows, requests: Sequence, offsets: Sequence[int], xp=None) -> np.ndarray:
+    """One token (host int64 [N]) from each row of processed probs [N, V]: row i is request i's
+    output position n + offsets[i] (n: its output tokens so far). A seeded request draws with the
+    noise of (its seed, that position) (``sample_keyed``: the same token whoever draws it, at any
+    draft count); any other at its RNG's next uniform (``sample_from_probs``, inverse CDF)."""
     xp = xp or np
-    logits = xp.asarray(logits)
-    num_rows = logits.shape[0]
-    row_params = _rows_params(params, num_rows)
-    row_rngs = per_row_rngs(rngs, num_rows)
-    ids = np.empty(num_rows, dtype=np.int64)
-    greedy = [i for i, p in enumerate(row_params) if p.is_greedy]
-    sampled = [i for i, p in enumerate(row_params) if not p.is_greedy]
-    if greedy:
-        rows = logits if len(greedy) == num_rows else logits[xp.asarray(greedy)]
-        ids[greedy] = to_host(row_argmax(rows, xp))
-    if sampled:
-        rows = logits if len(sampled) == num_rows else logits[xp.asarray(sampled)]
-        uniforms = [row_rngs[i].random() for i in sampled]
-        ids[sampled] = sample_from_probs(probs(rows, [row_params[i] for i in sampled], xp), uniforms, xp)
-    return ids
+    out = np.empty(len(requests), np.int64)
+    seeded = [i for i, r in enumerate(requests) if r.params.is_seeded_sampled]
+    rest = [i for i, r in enumerate(requests) if not r.params.is_seeded_sampled]
+
+    def rows(index: list[int]):
+        return probs_rows if len(index) == len(requests) else probs_rows[xp.asarray(np.array(index))]
+    if seeded:
+        out[seeded] = sample_keyed(rows(seeded), [requests[i].params.seed for i in seeded],
+                                   [requests[i].num_output_tokens + offsets[i] for i in seeded], xp)
+    if rest:
+        out[rest] = sample_from_probs(rows(rest), [requests[i].rng.random() for i in rest], xp)
+    return out

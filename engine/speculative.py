@@ -21,14 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mtpserve.engine.sampler import (
-    per_row_rngs,
-    probs,
-    row_argmax,
-    sample_from_probs,
-    sample_keyed,
-    to_host,
-)
+from mtpserve.engine.sampler import draw_tokens, per_row_rngs, probs, row_argmax, sample_from_probs, to_host
 
 # The most drafts one request may carry in one step: the paged export captures at most
 # state_update_capacity transitions, and its CUDA kernels are built for at most 8 rows per request.
@@ -132,27 +125,6 @@ def verify_sampled_batch(
         ([int(t) for t in draft_tokens[r][: num_accepted[r]]] + [int(final_tokens[r])], int(num_accepted[r]))
         for r in range(num_requests)
     ]
-
-
-def draw_tokens(probs_rows, requests: Sequence, offsets: Sequence[int], xp=None) -> np.ndarray:
-    """One token (host int64 [N]) from each row of probs [N, V]: row i is request i's output
-    position n + offsets[i] (n: its tokens so far). A seeded request draws with the noise keyed
-    by its seed and that position (``sampler.sample_keyed``: the same token whoever draws it, at
-    any K); any other at its RNG's next uniform (inverse CDF)."""
-    xp = xp or np
-    seeded = [i for i, r in enumerate(requests) if r.params.is_seeded_sampled]
-    if not seeded:
-        return sample_from_probs(probs_rows, [r.rng.random() for r in requests], xp)
-    if len(seeded) == len(requests):
-        return sample_keyed(probs_rows, [r.params.seed for r in requests],
-                            [r.num_output_tokens + o for r, o in zip(requests, offsets)], xp)
-    out = np.empty(len(requests), np.int64)
-    rest = [i for i in range(len(requests)) if i not in set(seeded)]
-    out[seeded] = draw_tokens(probs_rows[xp.asarray(np.array(seeded))], [requests[i] for i in seeded],
-                              [offsets[i] for i in seeded], xp)
-    out[rest] = draw_tokens(probs_rows[xp.asarray(np.array(rest))], [requests[i] for i in rest],
-                            [offsets[i] for i in rest], xp)
-    return out
 
 
 @dataclass
