@@ -238,7 +238,7 @@ class EngineLoop:
     def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]],
                    session_id: str | None = None) -> list[RequestStream]:
         """Queue several requests as one arrival, all or none (``submit``'s errors): the owner
-        thread admits them from the same step on, so identical seeded requests are batched alike."""
+        thread admits them from the same step on (a request's n choices start together)."""
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
         footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
