@@ -113,18 +113,20 @@ class SampledRun:
     spec_stats: SpecDecodeStats
 
 
-def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offset: int = 0) -> SampledRun:
+def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offset: int = 0,
+                seeded: bool = False) -> SampledRun:
     """Run NUM_REQUESTS unseeded requests (RNGs seeded here) on PROMPTS[:4] at once, recording at
     which output position each verified draft's q stood, then recompute p at every output position."""
     # one prompt chunk per request (the forward counts below assume it): no prefix-cache boundary
     # cuts, whose extra chunk defers the others' drafts for a step
     engine = make_engine(model_dir, k=K, max_rows=NUM_REQUESTS, batch=NUM_REQUESTS, budget=512, prefix_cache=False)
     params = SamplingParams(**SETTINGS[setting], max_tokens=max_tokens, ignore_eos=True)
-    requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], params) for i in range(NUM_REQUESTS)]
+    requests = [engine.add_request(f"r{i}", PROMPTS[i % 4], dataclasses.replace(params, seed=seed_offset + i)
+                                   if seeded else params) for i in range(NUM_REQUESTS)]
     for i, r in enumerate(requests):
         r.rng = np.random.default_rng(seed_offset + i)
     proposed = []
-    propose = engine.proposer.propose
+    propose = engine.proposer.propose          # (a seeded request's drafts record q = None)
 
     def recording(drafting):
         drafting = list(drafting)
@@ -156,7 +158,8 @@ def sampled_run(model_dir, setting: str, max_tokens: int = MAX_TOKENS, seed_offs
     ends = np.cumsum([len(r.token_ids) for r in requests])
     p = probs(logits[np.concatenate([np.arange(end - max_tokens - 1, end - 1) for end in ends])], params)
     tokens = np.concatenate([r.token_ids[r.num_prompt_tokens:] for r in requests])
-    return SampledRun(p, tokens, np.stack(list(q_at.values())), np.array(list(q_at)), engine.stats)
+    q = [v for v in q_at.values() if v is not None]
+    return SampledRun(p, tokens, np.stack(q) if q else np.zeros((0, p.shape[1])), np.array(list(q_at)), engine.stats)
 
 
 # ---------------------------------------------------------------- the statistics
@@ -204,6 +207,17 @@ def test_sampled_mtp_tokens_are_distributed_as_the_target(model_dir, setting):
     assert stats["zero_probability_tokens"] == 0, stats
     assert stats["pit_chi_square"] < PIT_CRITICAL, stats
     assert abs(stats["acceptance_score_z"]) < Z_CRITICAL, stats
+
+
+@pytest.mark.parametrize("setting", [PLAIN, FILTERED])
+def test_seeded_mtp_tokens_are_distributed_as_the_target(model_dir, setting):
+    """Seeded requests are verified by coupling (their tokens are plain sampling's with keyed
+    noise, tests/engine/test_engine.py): with drafts behind every token, each emitted token is
+    still a draw from its p (no zero-probability token, uniform PIT)."""
+    run = sampled_run(model_dir, setting, seeded=True)
+    assert run.spec_stats.num_accepted_tokens > 0.3 * run.spec_stats.num_draft_tokens
+    stats = {"zero_probability_tokens": zero_probability_tokens(run), "pit_chi_square": pit_chi_square(run)}
+    assert stats["zero_probability_tokens"] == 0 and stats["pit_chi_square"] < PIT_CRITICAL, stats
 
 
 @pytest.mark.parametrize("wrong_rule, setting, max_tokens, caught_by", [
