@@ -56,9 +56,10 @@ PRIOR_ACCEPTANCE = 0.6
 class DraftPolicy:
     """Chooses how many drafts a step's requests carry, and hears how they did.
 
-    ``num_drafts(request) -> int`` in 0..MAX_NUM_DRAFTS is one request's own count (0 turns
-    speculation off for it); ``step_drafts(requests, uniform)`` the counts of a step's decoding
-    requests, one for all under ``uniform`` (captured verify steps). The scheduler still caps
+    ``step_drafts(requests, uniform)`` gives the counts (each in 0..MAX_NUM_DRAFTS; 0 turns
+    speculation off) of a step's decoding requests, one for all under ``uniform`` (captured
+    verify steps): what the scheduler asks. A policy that chooses per request gives
+    ``num_drafts(request)`` instead, which the default ``step_drafts`` asks for each. The scheduler still caps
     the answers by the capture capacity, the step's budget left and what each request may still
     emit. The ``observe_*`` / ``forget`` hooks do nothing here.
     """
@@ -343,15 +344,10 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
     return best
 
 
-@dataclass
-class _Track:
-    ema: AcceptanceEMA
-
-
 class AdaptiveDraftPolicy(DraftPolicy):
     """Per-step draft depth from measured acceptance and step cost; see the module docstring.
 
-    ``step_drafts``, ``num_drafts`` and the ``observe_*`` hooks run on the engine's owner
+    ``step_drafts`` and the ``observe_*`` hooks run on the engine's owner
     thread; ``set_plan`` comes from the worker's reporting thread (a dict swap). ``max_drafts``
     is the engine's cap (the model's capture capacity, at most MAX_NUM_DRAFTS).
     """
@@ -373,7 +369,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._step_index = 1                     # the step about to run, counted from 1
         self._num_calibration: dict[int, int] = {}   # batch-size class -> calibration steps planned
         self._plan: dict[str, int] = {}
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, AcceptanceEMA] = {}     # request id -> its acceptance estimate
         self._lock = threading.Lock()
 
     # ---- from the planner (reporting thread) ---------------------------------------------
@@ -414,7 +410,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return self._last_fit if self._last_fit is not None else self.fit_for(1)
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        self._track(request_id).ema.observe_step(num_drafts, num_accepted)
+        self._track(request_id).observe_step(num_drafts, num_accepted)
         self.replica_acceptance.observe_step(num_drafts, num_accepted)
 
     def forget(self, request_id: str) -> None:
@@ -445,7 +441,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
             tracks = self._tracks
-            alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).ema.value for r in requests]
+            alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
             # the fit is trusted one depth past the deepest it has seen (it climbs a level at a time)
             top = min(top, fit.deepest + 1)
             depth = best_depth(alphas, caps, coefficients, top, uniform)
@@ -467,10 +463,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return depth - 1
         return depth + 1 if (self._step_index // self.explore_interval) % 2 else depth - 1
 
-    def num_drafts(self, request) -> int:
-        return self.step_drafts([request], uniform=False)[0]
-
-    def _track(self, request_id: str) -> _Track:
+    def _track(self, request_id: str) -> AcceptanceEMA:
         """The request's acceptance estimate, made on first use: from the replica's measured
         acceptance, or the planner's prior until there is one."""
         track = self._tracks.get(request_id)
@@ -478,10 +471,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
             measured = self.replica_acceptance.num_trials >= self.min_prior_trials
             start = self.replica_acceptance.value if measured else self.prior
             with self._lock:
-                track = self._tracks[request_id] = _Track(AcceptanceEMA(start))
+                track = self._tracks[request_id] = AcceptanceEMA(start)
         return track
 
     def acceptance(self) -> dict[str, tuple[float, int]]:
         """{request id: (EMA of prefix acceptance, trials seen)} for the report to the planner."""
         with self._lock:
-            return {rid: (t.ema.value, t.ema.num_trials) for rid, t in self._tracks.items()}
+            return {rid: (t.value, t.num_trials) for rid, t in self._tracks.items()}

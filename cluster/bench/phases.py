@@ -97,6 +97,7 @@ class PhaseTimers:
                     self.steps["prefill" if last.has_prefill else "decode"].append(self._step)
         e.step = timed_step
         _install_accept_step()
+        self._accept = self._timed(_ACCEPT_STEP, ACCEPT)   # what the module's accept_step runs in our steps
 
     def _timed(self, fn, name: str):
         @functools.wraps(fn)
@@ -130,17 +131,18 @@ class PhaseTimers:
         return out
 
 
+_ACCEPT_STEP = engine_module.accept_step        # the engine's own, before any wrapping
+
+
 def _install_accept_step() -> None:
     """Route the engine module's accept_step through the timers of the step under way (once)."""
-    accept = engine_module.accept_step
-    if getattr(accept, "_phase_timed", False):
+    if engine_module.accept_step is not _ACCEPT_STEP:
         return
 
-    @functools.wraps(accept)
+    @functools.wraps(_ACCEPT_STEP)
     def timed(*args, **kwargs):
         timers = PhaseTimers._current
-        return accept(*args, **kwargs) if timers is None else timers._timed(accept, ACCEPT)(*args, **kwargs)
-    timed._phase_timed = True
+        return _ACCEPT_STEP(*args, **kwargs) if timers is None else timers._accept(*args, **kwargs)
     engine_module.accept_step = timed
 
 

@@ -260,7 +260,7 @@ def test_exploring_steps_take_a_neighbouring_depth_by_turns():
     ks = []
     for _ in range(16):
         for r in reqs:
-            policy._track(r.request_id).ema.value = 0.6            # hold acceptance where K = 2 is best
+            policy._track(r.request_id).value = 0.6            # hold acceptance where K = 2 is best
         ks.append((policy.explores(2), policy.step_drafts(reqs, uniform=True)[0]))
         policy.observe_step(None)
     best = {k for e, k in ks if not e}
