@@ -243,20 +243,93 @@ def test_cuda_prefix_cache_hits_are_token_identical_to_the_cache_off(model_dir, 
     assert stats.num_requests_hit >= len(prompts) and engine.is_idle_and_empty()
 
 
-@needs_cuda
-def test_cuda_graph_seeded_sampling_is_reproducible(model_dir):
-    """Seeded sampled requests in graph mode with MTP on: the tokens of MTP off on the device,
-    and the same again on the same engine (the second run hits the prefix cache, its steps are
-    cut differently and carry other draft counts: a seed's tokens do not depend on those)."""
+# A seeded request's tokens are a function of its seed and its target distributions, not of K or
+# the batch (sampler.sample_keyed). On the CPU (fp32) that is exact; on the GPU a verify step
+# (1 + K tokens a request) and a decode step are different fp16 forwards, so their logits differ
+# by rounding, and where a draw's race is a near-tie the winner can differ, exactly as a greedy
+# argmax can. A parting that is not a near-tie is a logic error (a wrong position, seed or
+# distribution): that is what this check separates.
+NEAR_TIE = 0.1          # nats between the race's two best entries (p / E in log)
+MAX_PARTED = 3          # of 22 sequences; a logic error parts nearly all of them
+
+
+class RaceRecorder:
+    """Records the two best entries of every seeded target draw's exponential race (the
+    accept step's ``draw_tokens``), by (seed, output position); the last draw of a position is
+    the one whose token was kept."""
+
+    def __init__(self, monkeypatch):
+        from mtpserve.engine import sampler, speculative
+        self.races: dict = {}
+        draw = speculative.draw_tokens
+
+        def recording(probs_rows, requests, offsets, xp=None):
+            out = draw(probs_rows, requests, offsets, xp)
+            for i, r in enumerate(requests):
+                if r.params.is_seeded_sampled:
+                    pos = r.num_output_tokens + offsets[i]
+                    p = sampler.to_host(probs_rows[i]).astype(np.float64)
+                    e = sampler.to_host(sampler.position_noise([r.params.seed], [pos], p.shape[0], xp))[0]
+                    with np.errstate(divide="ignore"):
+                        score = np.log(p) - np.log(e)
+                    a, b = np.argsort(-score)[:2]
+                    self.races[(r.params.seed, pos)] = ({int(a), int(b)}, float(score[a] - score[b]))
+            return out
+        monkeypatch.setattr(speculative, "draw_tokens", recording)
+
+    def take(self) -> dict:
+        races, self.races = self.races, {}
+        return races
+
+
+def seeded_partings(tokens, races, plain, plain_races, seeds) -> list[dict]:
+    """Where each sequence first differs from MTP off's, with both runs' races there."""
+    parted = []
+    for rid in sorted(plain):
+        j = next((n for n, (x, y) in enumerate(zip(tokens[rid], plain[rid])) if x != y), None)
+        if j is not None:
+            key = (seeds[rid], j)
+            parted.append({"request": rid, "position": j, "tokens": {tokens[rid][j], plain[rid][j]},
+                           "race": races.get(key), "plain race": plain_races.get(key)})
+    return parted
+
+
+def assert_partings_are_near_ties(parted: list[dict], num_sequences: int) -> None:
+    print(f"{len(parted)} of {num_sequences} seeded sequences part from MTP off: {parted}")
+    assert len(parted) <= MAX_PARTED, parted
+    for p in parted:
+        for race in (p["race"], p["plain race"]):
+            assert race is not None and race[0] == p["tokens"] and race[1] < NEAR_TIE, \
+                f"{p['request']} parts at output position {p['position']} where the draw was no near-tie: {p}"
+
+
+def check_seeded_mtp_on_equals_off(model_dir, device, monkeypatch) -> None:
+    """Seeded sampled requests, MTP on (K=2) twice on one engine (the second run hits the prefix
+    cache, its steps are cut differently and carry other draft counts) and MTP off: the same
+    tokens, up to near-ties of a race (see NEAR_TIE)."""
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=100 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    engine = engine_on(model_dir, "cuda", k=2, budget=48)
+    seeds = {f"r{i}": 100 + i for i in range(len(PROMPTS))}
+    recorder = RaceRecorder(monkeypatch)
+    engine = engine_on(model_dir, device, k=2, budget=48)
     first, _ = run_all(engine, PROMPTS, params)
+    first_races = recorder.take()
     again, _ = run_all(engine, PROMPTS, params)
-    plain, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48), PROMPTS, params)
-    assert first == plain and again == plain
-    assert _graph_share(engine) > 0.3 and engine.is_idle_and_empty()
-    assert engine.stats.num_accepted_tokens > 0
+    again_races = recorder.take()
+    plain, _ = run_all(engine_on(model_dir, device, k=0, budget=48), PROMPTS, params)
+    plain_races = recorder.take()
+    for tokens, races in ((first, first_races), (again, again_races)):
+        assert_partings_are_near_ties(seeded_partings(tokens, races, plain, plain_races, seeds), len(plain))
+    assert engine.is_idle_and_empty() and engine.stats.num_accepted_tokens > 0
+    if device == "cuda":
+        assert _graph_share(engine) > 0.3
+
+
+@needs_cuda
+def test_cuda_graph_seeded_sampling_is_reproducible(model_dir, monkeypatch):
+    """Graph mode: seeded MTP on == off up to near-ties of fp16 rounding (the first device run
+    had one sequence in 22 part); on the CPU the same holds exactly (test_engine)."""
+    check_seeded_mtp_on_equals_off(model_dir, "cuda", monkeypatch)
 
 
 @needs_cuda
