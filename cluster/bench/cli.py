@@ -8,6 +8,7 @@
     mtpserve bench --replicas 1,2 --concurrency 16,64,256 --max-tokens 32   the Serve app, 1 then 2 replicas
     mtpserve bench --device cuda --replicas 1,all --concurrency 16,64,256  1 replica, then one per GPU
     mtpserve bench --replicas 0,1 --concurrency 1,16 --draft-tokens 0       what HTTP serving adds to TTFT / ITL
+    mtpserve bench --replicas 0,1 --direct-ingress ...                        the same without the proxy hop
     mtpserve bench --replicas 2 --concurrency 16 --kill-replica-after 5     a replica killed mid-load
     mtpserve bench --replicas 2 --soak 300 --concurrency 32                  hostile traffic, a replica killed
     mtpserve bench --serving-overhead --requests 24 --max-tokens 64          HTTP vs in-process latency
@@ -93,6 +94,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--keep-workdir", action="store_true", help="with --nodes: keep the cluster's logs in /tmp")
     g.add_argument("--address", help="with --replicas: deploy onto this Ray cluster instead of a local one")
     g.add_argument("--port", type=int, default=8000, help="with --replicas: Serve's HTTP port")
+    g.add_argument("--direct-ingress", action="store_true",
+                   help="with --replicas 0,1: drive the replica on its own HTTP port (Ray Serve's direct ingress, "
+                        "as `serve --direct-port`: no proxy hop) instead of through the proxy")
     g.add_argument("--serving-overhead", nargs=argparse.REMAINDER, metavar="OPTION",
                    help="instead: TTFT and inter-token latency over HTTP from one CPU replica vs the in-process "
                         "engine, one request at a time; the options after it are that tool's own (--requests, "
@@ -270,6 +274,10 @@ def _bench(args) -> int:
         return _bench_nodes(args)
     if args.soak is not None:
         return _bench_soak(args)
+    if args.direct_ingress and (not args.replicas or args.address or args.kill_replica_after is not None
+                                or not set(args.replicas.split(",")) <= {"0", "1"}):
+        raise ValueError("--direct-ingress measures one replica's own HTTP port on a local Ray: give --replicas 0,1 "
+                         "(or 1), without --address or --kill-replica-after")
     if args.replicas or args.kill_replica_after is not None:
         _check_cluster_args(args, loads)
         draft_tokens = ()

@@ -107,6 +107,9 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
     from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
     runs = []
     modes = routing_modes(args)
+    direct = bool(getattr(args, "direct_ingress", False))
+    if direct:                            # before the local Ray starts: its Serve inherits the switch
+        deploy.enable_direct_ingress(args.port + 1)
     with deploy.connected(args.address or None, quiet=True):
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         replica_counts = parse_replicas(args.replicas, args.device, num_devices(ray, args.device))
@@ -118,18 +121,31 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
             for routing in modes:
                 options = serve_options(args, n, cpus, prefix_routing=routing)
                 label = replica_label(n) + (f", prefix routing {'on' if routing else 'off'}" if len(modes) > 1 else "")
+                label += ", direct ingress" if direct else ""
                 # an app of its own per setting: Ray Serve 2.60's proxies keep a deployment's router
                 # (and the settings its initialize_state got) across a redeploy under the same name
                 app_name = APP_NAME + ("" if routing else "-no-prefix-routing")
                 with deployed(options, args.port, log, app_name=app_name) as url:
+                    if direct:
+                        url = _direct_url(app_name, log)
                     target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
                                         args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
                     for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}")):
                         run.system = label
-                        run.extra.update(num_replicas=n, prefix_routing=routing, replica_share=replica_share(run.records),
+                        run.extra.update(num_replicas=n, prefix_routing=routing, direct_ingress=direct,
+                                         replica_share=replica_share(run.records),
                                          prefix_cache=cached_share(run.records))
                         runs.append(run)
     return runs
+
+
+def _direct_url(app_name: str, log) -> str:
+    """The one replica's own HTTP base URL (direct ingress): no proxy hop."""
+    urls = deploy.direct_urls(app_name, deploy.LOCAL_HOST, 1)
+    if not urls:
+        raise RuntimeError("direct ingress is on, but Serve named no replica port (its API is alpha in Ray 2.60)")
+    log(f"direct ingress: replica {urls[0][0]} at {urls[0][1]}")
+    return urls[0][1]
 
 
 def cached_share(records) -> dict:

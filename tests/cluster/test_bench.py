@@ -313,6 +313,9 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "a head and at least two worker nodes" in capsys.readouterr().err
     assert bench(["--nodes", "3", "--replicas", "2", "--results-dir", str(tmp_path)]) == 2
     assert "starts its own cluster" in capsys.readouterr().err
+    assert bench(["--direct-ingress", "--replicas", "0,2", "--results-dir", str(tmp_path)]) == 2
+    assert "--direct-ingress measures one replica" in capsys.readouterr().err
+    assert bench(["--direct-ingress", "--results-dir", str(tmp_path)]) == 2
     assert not list(tmp_path.iterdir())
 
 

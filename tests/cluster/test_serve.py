@@ -584,6 +584,27 @@ def test_without_address_serve_starts_its_own_ray_even_when_RAY_ADDRESS_names_a_
     assert started == "True" and gcs != ray_cluster["address"]
 
 
+def test_bench_direct_ingress_drives_the_replica_on_its_own_port(tmp_path):
+    """`bench --replicas 0,1 --direct-ingress`: the in-process engine, then one replica driven on
+    its own HTTP port (no proxy hop), every request answered, and what HTTP adds per load."""
+    import json
+    import os
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "bench", "--replicas", "0,1", "--direct-ingress",
+                          "--concurrency", "1,4", "--num-prompts", "8", "--max-tokens", "8", "--draft-tokens", "2",
+                          "--port", "18310", "--no-plot", "--results-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240,
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "direct ingress: replica" in out.stderr and "http://127.0.0.1:18311" in out.stderr, out.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    served = [r for r in report["results"] if r["extra"].get("direct_ingress")]
+    assert [r["label"] for r in served] == ["1 replica, direct ingress"] * 2
+    assert all(r["num_completed"] == 8 and not r["num_failed"] for r in report["results"])
+    assert [row["load"] for row in report["http_overhead"]] == ["C=1", "C=4"]
+    assert all(row["ttft_p50_added_ms"] is not None for row in report["http_overhead"])
+
+
 def test_direct_port_serves_each_replica_without_the_proxy_hop(ray_cluster, model_dir):
     """`--direct-port`: the replica answers on its own port too (Ray Serve's direct ingress), with
     the same greedy output as through the proxy; the flag is refused with --address."""
