@@ -15,9 +15,11 @@
 #    phases of its steps), the 8k shared prefix on/off (issue 12's last goal).
 # c: bundled MTP K=0..3/auto in rounds (the MTP and auto goals), the 1.4 B model at synthetic
 #    acceptance 0.7 in rounds.
+# d: (a diagnostic call) the seeded test in graph mode, HTTP through direct ingress vs in process,
+#    the 1.4 B model's step phases at C=16 with drafts (K=0 / 2 / auto, synthetic 0.7).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c}
+part=${1:?usage: session.sh a|b|c|d}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -61,6 +63,22 @@ c)
   timeout 240 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 1,16 \
     --draft-tokens 0,2,3,auto --synthetic-acceptance 0.7 --rounds 2 --name mid-synthetic-0.7 2>&1 | tail -30
   ;;
-*) echo "usage: session.sh a|b|c" >&2; exit 2 ;;
+d)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step seeded test, graph mode
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py -k seeded 2>&1 | grep -v Warning | tail -12 \
+    | tee "$OUT/test-cuda-seeded.txt"
+  step HTTP direct ingress vs in process, bundled
+  timeout 150 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-direct 2>&1 | grep -v INFO | tail -14
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step 1.4 B phases K=0/2/auto, synthetic 0.7, C=16
+  timeout 150 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 16 \
+    --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --no-plot --name mid-phases-c16 2>&1 | tail -16
+  timeout 100 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 16 \
+    --draft-tokens 0,2 --synthetic-acceptance 0.7 --phases sync --no-plot --name mid-phases-c16-sync 2>&1 | tail -6
+  ;;
+*) echo "usage: session.sh a|b|c|d" >&2; exit 2 ;;
 esac
 step done
