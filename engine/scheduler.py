@@ -15,8 +15,10 @@ drafts:
 
 1. Running requests first, oldest first (decode-first): a decoding request feeds its newest
    token plus K drafts (K from the draft policy, capped by min(7, capture capacity, the step's
-   budget left, its output budget left, the context left)); a running request still in its
-   prompt feeds the next chunk of it.
+   budget left, its output budget left, the context left); under ``uniform_drafts`` not by its
+   output budget: drafts past max_tokens are verified and dropped, as after a stop id, rather
+   than cut, which would make the whole step eager); a running request still in its prompt
+   feeds the next chunk of it.
 2. Then waiting requests, oldest first, are admitted while a state row, KV blocks, budget and
    batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
@@ -286,7 +288,10 @@ class Scheduler:
 
     def _num_drafts(self, req: Request, wanted: int, budget_left: int) -> int:
         context_left = self.context_length - len(req.token_ids)
-        return max(0, min(wanted, self.max_drafts, budget_left, req.max_output_left - 1, context_left))
+        k = min(wanted, self.max_drafts, budget_left, context_left)
+        if not self.uniform_drafts:       # rule 1: one K for all keeps a captured verify step
+            k = min(k, req.max_output_left - 1)
+        return max(0, k)
 
     def _reserve(self, req: Request, num_tokens: int, num_drafts: int) -> bool:
         """Main KV for every fed row; head KV for catch-up + chained rows when drafting."""

@@ -394,7 +394,8 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
     """The adaptive policy with the planner's per-request counts (caps: every other request held
     at one draft): under ``uniform_drafts`` (what the engine sets with CUDA graphs, whose verify
     steps have one shape) every decode step still gives its requests one count, so it can replay
-    a graph; without it the capped requests carry fewer. Greedy output stays MTP-off's."""
+    a graph, requests a token or two from max_tokens included (their drafts past it are verified
+    and dropped); without it the capped requests carry fewer. Greedy output stays MTP-off's."""
     from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, StepCostEstimator
 
     class CheapDrafts(StepCostEstimator):
@@ -418,7 +419,7 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
 
     def schedule():
         plan = original()
-        decoding = [s for s in plan.scheduled if s.num_tokens == 1 and s.request.max_output_left > 4]
+        decoding = [s for s in plan.scheduled if s.num_tokens == 1 and (uniform or s.request.max_output_left > 4)]
         if decoding and not any(s.num_tokens > 1 for s in plan.scheduled):
             counts.append({s.num_drafts for s in decoding})
         return plan

@@ -103,6 +103,7 @@ configs = st.fixed_dictionaries({
     "num_blocks": st.sampled_from([10, 14, 24, 512]),    # 10: room for one long request
     "max_rows": st.sampled_from([2, 4, 16]),
     "budget": st.sampled_from([12, 40, 128]),
+    "uniform": st.booleans(),          # one K a step, as with CUDA graphs (drafts past max_tokens dropped)
 })
 
 
@@ -112,6 +113,7 @@ configs = st.fixed_dictionaries({
 def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_pool, references, config, operations):
     engine = make_engine(model_dir, k=config["k"], num_blocks=config["num_blocks"], max_rows=config["max_rows"],
                          budget=config["budget"], batch=config["max_rows"])
+    engine.scheduler.uniform_drafts = config["uniform"]
     added, tokens, entries, finished, aborted = {}, {}, {}, set(), set()
 
     def step() -> None:
