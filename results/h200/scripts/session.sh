@@ -17,9 +17,11 @@
 #    acceptance 0.7 in rounds.
 # d: (a diagnostic call) the seeded test in graph mode, HTTP through direct ingress vs in process,
 #    the 1.4 B model's step phases at C=16 with drafts (K=0 / 2 / auto, synthetic 0.7).
+# e: test_cuda after a device-path change, the 1.4 B model at synthetic 0.7 and the bundled model
+#    with K=0 / 2 / auto at C=1 / 16 (a session's last call: what its changes did).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d}
+part=${1:?usage: session.sh a|b|c|d|e}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -79,6 +81,20 @@ d)
   timeout 100 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 16 \
     --draft-tokens 0,2 --synthetic-acceptance 0.7 --phases sync --no-plot --name mid-phases-c16-sync 2>&1 | tail -6
   ;;
-*) echo "usage: session.sh a|b|c|d" >&2; exit 2 ;;
+e)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+    | tee "$OUT/test-cuda.txt"
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step 1.4 B K=0/2/auto, synthetic 0.7, C=1/16, phases
+  timeout 170 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 1,16 \
+    --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7-phases 2>&1 | tail -24
+  step bundled K=0/2/auto, C=1/16
+  timeout 90 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+    --name bundled-mtp 2>&1 | tail -14
+  ;;
+*) echo "usage: session.sh a|b|c|d|e" >&2; exit 2 ;;
 esac
 step done
