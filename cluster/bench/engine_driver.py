@@ -191,7 +191,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         step_times.append(t - s)
         last = engine.last_step
         step_shapes.append(None if last is None else
-                           (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed))
+                           (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
+                            last.num_head_rows.bit_length()))
         t -= t0
         for ev in events:
             rec = records[ev.request_id]
@@ -244,11 +245,14 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
     """Steps longer than ``factor`` x the median of their peers: a first-call cost or a stall
     that landed on live traffic. Empty is the goal.
 
-    A step's shape is (requests, rows, prefill or not, graphed or not). Its peers are the steps
-    of its own shape when there are at least ``min_count`` of them (``median_of: "shape"``);
-    else the steps of its kind (prefill or not, graphed or not) with between half and twice its
-    rows, when there are that many (``"similar"``: a burst's one slow step has a shape of its
-    own, and was missed by the own-shape median alone); else it is not judged."""
+    A step's shape is (requests, rows, prefill or not, graphed or not, the power-of-two class
+    of the rows the MTP head caught up on: ``num_head_rows.bit_length()``). Its peers are the
+    steps of its own shape when there are at least ``min_count`` of them (``median_of:
+    "shape"``); else the steps of its kind (prefill or not, graphed or not, a head class at most
+    one apart) with between half and twice its rows, when there are that many (``"similar"``: a
+    burst's one slow step has a shape of its own, and was missed by the own-shape median alone);
+    else it is not judged. (A drafting step whose head catches up on new prompts does that
+    work, not a stall: on the H200 such steps were flagged at 4-6x a steady step's time.)"""
     by_shape: dict[tuple, list[float]] = {}
     for t, shape in zip(seconds, shapes):
         if shape is not None:
@@ -258,9 +262,10 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
     def peers(shape):
         if shape in medians:
             return medians[shape], "shape"
-        _, rows, prefill, graphed = shape
+        _, rows, prefill, graphed, head = shape
         near = sorted(t for other, ts in by_shape.items() for t in ts if other != shape
-                      and other[2:] == (prefill, graphed) and rows / 2 <= other[1] <= rows * 2)
+                      and other[2:4] == (prefill, graphed) and abs(other[4] - head) <= 1
+                      and rows / 2 <= other[1] <= rows * 2)
         return (near[len(near) // 2], "similar") if len(near) >= min_count else (None, None)
 
     flagged = []
@@ -271,7 +276,7 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
         if median is not None and t > factor * median:
             flagged.append({"step": i, "ms": round(t * 1e3, 3), "median_ms": round(median * 1e3, 3),
                             "median_of": of, "requests": shape[0], "rows": shape[1], "prefill": shape[2],
-                            "graphed": shape[3]})
+                            "graphed": shape[3], "head_rows_below": 1 << shape[4]})
     return flagged
 
 

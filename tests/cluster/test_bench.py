@@ -68,9 +68,9 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     """A first-call cost on live traffic shows as one step far above its shape's median; a
     shape that is slow every time (a big prompt chunk) is not flagged, nor a rare shape without
     peers of its kind and size."""
-    decode, chunk = (8, 8, False, True), (4, 2048, True, False)
+    decode, chunk = (8, 8, False, True, 0), (4, 2048, True, False, 0)
     seconds = [0.002] * 20 + [0.020] * 6 + [0.0058, 0.0059, 0.5]
-    shapes = [decode] * 20 + [chunk] * 6 + [decode, decode, (1, 1, False, False)]
+    shapes = [decode] * 20 + [chunk] * 6 + [decode, decode, (1, 1, False, False, 0)]
     flagged = slow_steps(seconds, shapes)
     assert [f["step"] for f in flagged] == []                       # below 3 x the 2 ms median; a rare shape
     seconds[5] = 0.0070
@@ -79,9 +79,17 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     assert flagged[0]["median_ms"] == 2.0 and flagged[0]["median_of"] == "shape"
     # a burst's one slow step has a shape of its own: judged against steps of its kind and size
     seconds += [0.021, 0.4]
-    shapes += [(3, 2000, True, False), (32, 2048 - 96, True, False)]
+    shapes += [(3, 2000, True, False, 0), (32, 2048 - 96, True, False, 0)]
     flagged = slow_steps(seconds, shapes)
     assert [(f["step"], f["median_of"], f["median_ms"]) for f in flagged] == [(5, "shape", 2.0), (30, "similar", 20.0)]
+    # drafting steps: the one whose head catches up on whole prompts is other work, not a stall
+    draft = (8, 24, False, True, 5)
+    seconds += [0.003] * 10 + [0.014, 0.0031]
+    shapes += [draft] * 10 + [(8, 24, False, True, 11), (8, 24, False, True, 6)]
+    flagged = slow_steps(seconds, shapes)
+    assert [f["step"] for f in flagged] == [5, 30]
+    seconds[-1] = 0.0095                  # a stall of a step with a catch-up like its peers' is one
+    assert [(f["step"], f["median_of"]) for f in slow_steps(seconds, shapes)][-1] == (len(seconds) - 1, "similar")
 
 
 def test_theory_and_spec_figures():

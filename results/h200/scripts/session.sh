@@ -84,16 +84,16 @@ d)
 e)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
   step test_cuda
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
     | tee "$OUT/test-cuda.txt"
-  step waiting for the 1.4 B model; wait
-  tail -1 "$OUT/make-mid.txt"
-  step 1.4 B K=0/2/auto, synthetic 0.7, C=1/16, phases
-  timeout 170 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 1,16 \
-    --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7-phases 2>&1 | tail -24
   step bundled K=0/2/auto, C=1/16
   timeout 90 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
     --name bundled-mtp 2>&1 | tail -14
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step 1.4 B K=0/2/auto, synthetic 0.7, C=16, phases
+  timeout 170 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 16 \
+    --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7-phases 2>&1 | tail -20
   ;;
 *) echo "usage: session.sh a|b|c|d|e" >&2; exit 2 ;;
 esac
