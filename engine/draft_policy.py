@@ -18,8 +18,11 @@ is made per step: the depth D in 0..max with the most expected tokens, summed ov
 requests, per predicted second (``best_depth``; each request carries min(D, its cap); one D for
 all under uniform steps). Each batch-size class (1, 2-3, 4-7, ... requests: ``batch_class``)
 has a fit of its own. Until a class's fit exists (its first ``min_steps`` decode steps) its steps
-alternate D = 0 and 1, which is what the fit needs and never costs much; a static guess of the
-cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
+alternate D = 0 and 1, which is what the fit needs and never costs much, unless the nearest
+fitted class says no depth pays for the step: then they stay at 0 (a drafting step there would
+make the head catch up on every position since each request last drafted: as a batch shrank
+through classes, those steps had auto at 0.79x-0.90x K=0 at C=16 on a 2-core CPU). A static
+guess of the cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
 ``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
 keeps seeing more than one depth. While the best depth is 0, only every
 ``idle_explore_interval``-th step (1024) drafts (one token), so acceptance keeps being measured,
@@ -435,16 +438,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
         exploring = False
         fit = self.fit_for(len(requests))
         coefficients = fit.coefficients()
-        if coefficients is None:                         # calibration: 0, 1, 0, 1, ...
-            c = batch_class(len(requests))
+        tracks = self._tracks
+        alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
+        nearest = self._nearest_fit(len(requests)) if coefficients is None else None
+        if coefficients is None and (nearest is None or best_depth(
+                alphas, caps, nearest.coefficients(), min(top, nearest.deepest + 1), uniform) > 0):
+            c = batch_class(len(requests))               # calibration: 0, 1, 0, 1, ...
             depth = self._num_calibration.get(c, 0) % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
-            tracks = self._tracks
-            alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
+            # the class's own fit; or, before it has one, the nearest class's, when that says no
+            # drafting pays (calibrating would pay every request's head catch-up since it last
+            # drafted, for a level the neighbour judged too dear)
+            own = coefficients is not None
             # the fit is trusted one depth past the deepest it has seen (it climbs a level at a time)
-            top = min(top, fit.deepest + 1)
-            depth = best_depth(alphas, caps, coefficients, top, uniform)
+            top = min(top, fit.deepest + 1) if own else 0
+            depth = best_depth(alphas, caps, coefficients, top, uniform) if own else 0
             exploring = self.explores(depth)
             if exploring:
                 depth = self._neighbour(depth)
@@ -454,6 +463,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if exploring:                  # a request the planner holds at 0 measures its acceptance too
             caps = [max(c, 1) for c in caps]
         return [min(depth, c) for c in caps]
+
+    def _nearest_fit(self, num_requests: int) -> StepCostEstimator | None:
+        """The fitted estimator of the batch-size class nearest this one (the larger on a tie:
+        its drafts are the dearer), or None."""
+        c = batch_class(num_requests)
+        fitted = [(abs(k - c), -k, f) for k, f in self.fits.items() if k != c and f.coefficients() is not None]
+        return min(fitted, key=lambda t: t[:2])[2] if fitted else None
 
     def _neighbour(self, depth: int) -> int:
         """An exploring step's depth: one below and one above by turns, within 0..max_drafts."""

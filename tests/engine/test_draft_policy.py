@@ -103,6 +103,25 @@ def test_each_batch_size_class_has_a_fit_of_its_own():
     assert batch_class(1) != batch_class(16) and batch_class(16) == batch_class(31) != batch_class(32)
 
 
+def test_a_new_class_beside_one_where_drafting_does_not_pay_does_not_calibrate():
+    """16 requests where a draft level costs a whole step: K=0. As they finish, the batch falls
+    into classes without a fit of their own; their first steps take the nearest class's verdict
+    (no drafting) instead of calibrating 0, 1, 0, 1, whose drafting steps would make the head
+    catch up on every position since each request last drafted. Beside a class where drafting
+    pays, a new class still calibrates."""
+    dear = linear_cost(1e-3, 1e-3, 1e-3)
+    policy = AdaptiveDraftPolicy(4, prior=0.3, idle_explore_interval=0)
+    many = [_request(f"m{i}") for i in range(16)]
+    _drive(policy, many, accept_all=False, num_steps=40, cost=dear)
+    assert policy.step_drafts(many, uniform=True) == [0] * 16
+    fewer = many[:9]                                   # class 8-15: no fit of its own yet
+    assert policy.fit_for(len(fewer)).coefficients() is None
+    assert _drive(policy, fewer, accept_all=False, num_steps=8, cost=dear) == [0] * 8
+    cheap = AdaptiveDraftPolicy(4, prior=0.9)
+    _drive(cheap, many, accept_all=True, num_steps=60, cost=linear_cost(1e-3, 1e-6, 1e-6))
+    assert [cheap.step_drafts(fewer, uniform=True)[0] for _ in range(4)] == [0, 1, 0, 1]
+
+
 def test_the_depth_falls_on_rejection_and_climbs_back_on_acceptance():
     cost = (1e-3, 1e-5, 3e-4)
     policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8, idle_explore_interval=16), *cost)
