@@ -437,23 +437,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
             top = sorted(caps)[len(caps) // 2] if uniform else max(caps)   # uniform: the planner's median
         exploring = False
         fit = self.fit_for(len(requests))
-        coefficients = fit.coefficients()
-        tracks = self._tracks
-        alphas = [(tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
-        nearest = self._nearest_fit(len(requests)) if coefficients is None else None
-        if coefficients is None and (nearest is None or best_depth(
-                alphas, caps, nearest.coefficients(), min(top, nearest.deepest + 1), uniform) > 0):
-            c = batch_class(len(requests))               # calibration: 0, 1, 0, 1, ...
+        # the own fit; before the class has one, the nearest class's, trusted only to say that no
+        # depth pays (then calibrating would pay every request's head catch-up since it last
+        # drafted, for a level the neighbour judged too dear). A fit is trusted one depth past
+        # the deepest it has seen (it climbs a level at a time).
+        judge = fit if fit.coefficients() is not None else self._nearest_fit(len(requests))
+        depth = None
+        if judge is not None:
+            alphas = [(self._tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
+            depth = best_depth(alphas, caps, judge.coefficients(), min(top, judge.deepest + 1), uniform)
+            if judge is not fit and depth > 0:
+                depth = None
+        if depth is None:                                # calibration: 0, 1, 0, 1, ...
+            c = batch_class(len(requests))
             depth = self._num_calibration.get(c, 0) % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
-            # the class's own fit; or, before it has one, the nearest class's, when that says no
-            # drafting pays (calibrating would pay every request's head catch-up since it last
-            # drafted, for a level the neighbour judged too dear)
-            own = coefficients is not None
-            # the fit is trusted one depth past the deepest it has seen (it climbs a level at a time)
-            top = min(top, fit.deepest + 1) if own else 0
-            depth = best_depth(alphas, caps, coefficients, top, uniform) if own else 0
             exploring = self.explores(depth)
             if exploring:
                 depth = self._neighbour(depth)
