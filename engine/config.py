@@ -164,7 +164,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
-    fused_replay: bool = setting(True, "CUDA: the commit's recurrent replay as one CuPy kernel")
+    fused_replay: bool = setting(True, "CUDA: the commit's partial-keep replay (conv and recurrent rows) in two "
+                                       "CUDA kernels instead of CuPy array code")
     warm_up: bool = setting(True, "CUDA: run every decode batch size once at start (ORT's first call of a "
                                   "shape costs 45-85 ms)")
     cuda_graphs: bool = setting(True, "CUDA: capture every decode and uniform verify step shape as a CUDA graph "

@@ -334,33 +334,45 @@ def test_cuda_graph_seeded_sampling_is_reproducible(model_dir, monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])     # (value heads, key heads): plain and grouped
-def test_fused_replay_kernel_matches_the_array_replay(heads):
-    """The commit's one-kernel recurrent replay equals state_bank.replay_recurrent on every kept count."""
+@pytest.mark.parametrize("conv_dtype", [np.float16, np.float32])
+def test_commit_replay_kernels_match_the_array_replay(heads, conv_dtype):
+    """The commit's two-kernel replay (CommitReplay) equals state_bank.replay_conv and
+    replay_recurrent on every kept count, for rows replayed into the other bank and in place,
+    with the captures inside a larger buffer (a captured step's) or not."""
     import cupy as cp
 
-    from mtpserve.engine.cuda_kernels import FusedRecurrentReplay
-    from mtpserve.engine.state_bank import FixedLayerSpec, replay_recurrent, split_capsule
+    from mtpserve.engine.cuda_kernels import CommitReplay
+    from mtpserve.engine.state_bank import FixedLayerSpec, replay_conv, replay_recurrent, split_capsule
     Hv, Hk = heads
-    C, Dv, Dk, L, R, B = 4, 8, 16, 3, 6, 5
-    layer = FixedLayerSpec(0, 32, 4, Hv, Dv, Hk, Dk)
+    C, Dv, Dk, L, R, B, D, K1 = 4, 8, 16, 3, 6, 5, 24, 3
+    layer = FixedLayerSpec(0, D, K1 + 1, Hv, Dv, Hk, Dk)
     rng = np.random.default_rng(0)
     state = rng.standard_normal((L, 2 * R, Hv, Dv, Dk)).astype(np.float32)
+    conv = rng.standard_normal((L, 2 * R, D, K1)).astype(conv_dtype)
     capsule = rng.standard_normal((L, B, C * layer.capsule_width_per_token)).astype(np.float32)
+    conv_value = rng.standard_normal((L, B, C, D)).astype(conv_dtype)
     decay, key, delta = split_capsule(capsule, layer, C)
     decay[:] = rng.uniform(0.5, 1.0, decay.shape)          # exp(g) lies in (0, 1]
     step_rows = np.array([0, 2, 3, 4])                       # step row 1 is not replayed
     src = np.array([1, 2 + R, 3, 5 + R])                     # active rows in either bank
-    dst = (src + R) % (2 * R)
+    dst = np.array([1 + R, 2, 3, 5 + R])                     # rows 1 and 2 into the other bank, 3 and 5 in place
     kept = np.array([1, 2, 3, 4])
-    want = state.copy()
+    want, want_conv = state.copy(), conv.copy()
     d, k_, dl = (a[:, step_rows] for a in (decay, key, delta))
     want[:, dst] = replay_recurrent(np, state[:, src].copy(), d, k_, dl, kept)
-    for inside_a_larger_buffer in (False, True):     # a captured step's capsule: rows 0..B-1 of a shared buffer
-        got = cp.asarray(state)
-        cap = cp.asarray(capsule)
+    want_conv[:, dst] = replay_conv(np, conv[:, src], conv_value[:, step_rows], kept)
+    replay = CommitReplay(C, Hv, Dv, Hk, Dk, max_parts=8)
+    for inside_a_larger_buffer in (False, True):     # a captured step's captures: rows 0..B-1 of a shared buffer
+        got, got_conv = cp.asarray(state), cp.asarray(conv)
+        cap, value = cp.asarray(capsule), cp.asarray(conv_value)
         if inside_a_larger_buffer:
             shared = cp.full((L, B + 3, capsule.shape[2]), cp.nan, cp.float32)
             shared[:, :B] = cap
             cap = shared[:, :B]
-        FusedRecurrentReplay(C, Hv, Dv, Hk, Dk)(got, cap, *(cp.asarray(a) for a in (step_rows, dst, src, kept)))
+            shared_value = cp.full((L, B + 3, C, D), cp.nan, conv_dtype)
+            shared_value[:, :B] = value
+            value = shared_value[:, :B]
+        assert replay.supports(got_conv, value)
+        replay(got_conv, got, value, cap, step_rows, dst, src, kept)
         np.testing.assert_allclose(got.get(), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(got_conv.get(), want_conv)     # a copy of values: exact

@@ -19,9 +19,12 @@
 #    the 1.4 B model's step phases at C=16 with drafts (K=0 / 2 / auto, synthetic 0.7).
 # e: test_cuda after a device-path change, the 1.4 B model at synthetic 0.7 and the bundled model
 #    with K=0 / 2 / auto at C=1 / 16 (a session's last call: what its changes did).
+# f: (a diagnostic call) step_costs.py on the bundled and the 1.4 B model: each captured graph's
+#    GPU time alone, the commit's, the K=2 step's ceiling at zero host time, cProfile of the loop.
+# g: (a diagnostic call) ncu by kernel of one captured 1.4 B step: decode B=1, verify B=16 x 3.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e}
+part=${1:?usage: session.sh a|b|c|d|e|f|g}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -95,6 +98,30 @@ e)
   timeout 170 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 --concurrency 16 \
     --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7-phases 2>&1 | tail -20
   ;;
-*) echo "usage: session.sh a|b|c|d|e" >&2; exit 2 ;;
+f)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step step costs, bundled
+  timeout 200 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
+    --batches 1,16 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | head -40
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step step costs, 1.4 B
+  timeout 260 python3 results/h200/scripts/step_costs.py $mid "$OUT/step-costs-mid.json" --batches 1,16 \
+    --profile-requests 32 2>&1 | grep -v Warning | tee "$OUT/step-costs-mid.txt" | head -40
+  ;;
+g)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  ncu=(ncu --clock-control none --profile-from-start off --graph-profiling node
+       --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
+  for shape in "1 1" "16 3"; do
+    set -- $shape
+    step ncu 1.4 B B=$1 rows=$2
+    timeout 250 "${ncu[@]}" python3 results/h200/scripts/ncu_graph_step.py $mid $1 $2 > "$OUT/ncu-mid-b$1-r$2.csv" \
+      2> "$OUT/ncu-mid-b$1-r$2.err"
+    grep -h "^# replay" "$OUT/ncu-mid-b$1-r$2.err"; tail -3 "$OUT/ncu-mid-b$1-r$2.err"
+    python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
+  done
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g" >&2; exit 2 ;;
 esac
 step done
