@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from mtpserve.engine.cuda_kernels import argmax_rows, gather_rows
+from mtpserve.engine.cuda_kernels import argmax_rows, copy_rows, gather_rows
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -380,7 +380,12 @@ class HeadGraphs(_GraphSet):
         draft 0    argmax of the logits at each request's last real catch-up row (on the device)
         chained    K-1 forwards of B x 1 rows: row b takes draft i-1 as its token and the head's
                    own hidden state of the row before; positions advance on the device
-        drafts     [B, K] token ids, copied to the host once
+        drafts     [B, K] token ids in ``self.drafts`` (valid until the next step drafts),
+                   copied to the host once
+
+    Both forwards' staging goes to the device before either runs, and each argmax writes its
+    column of the drafts and, in the same kernel, the next chained forward's input ids where
+    that graph reads them: no copy or index op between the forwards but the hidden rows'.
 
     ::
 
@@ -410,6 +415,17 @@ class HeadGraphs(_GraphSet):
         self.hidden_in = xp.zeros((max_rows, m.hidden_size), runner.hidden_dtype)
         self.logits = xp.empty((max_rows, m.vocab_size), m.compute_dtype)
         self.hidden_out = xp.empty((max_rows, m.hidden_size), runner.hidden_dtype)
+        # a step's drafts [batch, K] (flat, row-major: the argmax of forward i writes column i)
+        self.drafts = xp.zeros(max(catalog.batch_sizes) * max(1, self.catch_up_rows - 1), np.int64)
+
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+        """Capture every shape, then run once each CuPy kernel a drafting step launches besides
+        them (CuPy builds a kernel on its first use: 0.16 s each, seen on a live step)."""
+        super().capture_all(progress)
+        gather_rows(self.hidden_in, self.hidden_in, self.xp.zeros((2, 1), np.int64), 0, 1)    # row 0 := row 0
+        for graph in list(self._graphs.values())[:1]:      # the chained rows' advance (+= 1), by dtype
+            graph.inputs.device["past_sequence_lengths"] += 0
+            graph.inputs.device["position_ids"] += 0
 
     def _capture(self, shape: GraphShape) -> None:
         r, head = self.runner, self.runner.manifest.mtp
@@ -417,7 +433,11 @@ class HeadGraphs(_GraphSet):
         b, inputs, host_arrays = _paged_graph_inputs(r.head_session, r.head_kv, r.head_input_names, shape,
                                                      r.manifest.block_size, self.xp, {},
                                                      extra={"last_rows": (np.int64, (shape.batch,)),
-                                                            "gather": (np.int64, (2, T))})
+                                                            "gather": (np.int64, (2, T)),
+                                                            "chain": (np.int64, (2, shape.batch))})
+        host = inputs.writable()
+        host["chain"][0] = np.arange(shape.batch)     # chained row b starts from the head's hidden row at last_rows[b]
+        inputs.upload()
         b.bind_at(head.hidden_input, self.hidden_in[:T])
         b.bind_at(head.logits_output, self.logits[:T], output=True)
         b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
@@ -430,10 +450,10 @@ class HeadGraphs(_GraphSet):
         rows[b]: request b's catch-up rows (the tokens at positions num_head+1 .. num_computed,
         ``past_len`` = num_head, its head block table); hidden[b]: the main model's hidden rows
         of those positions, as ``(array, start, count)`` segments in order."""
-        xp, R, B = self.xp, self.catch_up_rows, len(rows)
+        R, B = self.catch_up_rows, len(rows)
         fed = [len(r.token_ids) for r in rows]
         batch = self.catalog.batch_for(B)
-        if batch is None or not num_drafts or max(fed) > R:
+        if batch is None or not 0 < num_drafts < R or max(fed) > R:
             return None
         kv_len = max(max(r.past_len + R, r.past_len + n + num_drafts - 1) for r, n in zip(rows, fed))
         width = self.catalog.width_for(kv_len)
@@ -441,7 +461,8 @@ class HeadGraphs(_GraphSet):
         chained = self._graphs.get(GraphShape(batch, 1, width, 0))
         if catch_up is None or chained is None:
             return None
-        # catch-up: the rows, their hidden states (one gather per source array), one replay
+        # both forwards' inputs staged and sent first: the argmax after each forward then writes
+        # the next one's input ids on the device, after the copy that would overwrite them
         host = catch_up.inputs.writable()
         ids = host["input_ids"]
         ids[:] = 0
@@ -450,29 +471,31 @@ class HeadGraphs(_GraphSet):
         _fill_rows(host, rows, R, width)
         host["last_rows"][:] = np.arange(batch) * R
         host["last_rows"][:B] += np.asarray(fed) - 1
+        host["chain"][1] = host["last_rows"]
         sources = _gather_plan(hidden, R, host["gather"])
         catch_up.inputs.upload()
-        self._gather_hidden(sources, catch_up.inputs.device["gather"])
-        self._replay(catch_up)
-        last = catch_up.inputs.device["last_rows"]
-        drafts = [argmax_rows(self.logits, rows=last)]
-        state = self.hidden_out[last]
         if num_drafts > 1:
             host = chained.inputs.writable()
-            host["input_ids"][:] = 0
             _fill_rows(host, [PackedRows((), r.past_len + n, r.block_table) for r, n in zip(rows, fed)], 1, width)
             chained.inputs.upload()
-            dev = chained.inputs.device
-            for i in range(1, num_drafts):
-                if i > 1:                                  # the next position of every row
-                    dev["past_sequence_lengths"] += 1
-                    dev["position_ids"] += 1
-                dev["input_ids"][...] = drafts[-1]
-                self.hidden_in[:batch] = state
-                self._replay(chained)
-                drafts.append(argmax_rows(self.logits, num_rows=batch))
-                state = self.hidden_out[:batch]
-        return xp.stack(drafts, axis=1)[:B]
+        dev = chained.inputs.device
+        # catch-up: the rows' hidden states (one gather per source array), one replay, draft 0
+        self._gather_hidden(sources, catch_up.inputs.device["gather"])
+        self._replay(catch_up)
+        out = self.drafts[:batch * num_drafts]
+        argmax_rows(self.logits, rows=catch_up.inputs.device["last_rows"], out=out, out_stride=num_drafts,
+                    also=dev["input_ids"] if num_drafts > 1 else None)
+        for i in range(1, num_drafts):      # chained: draft i from draft i-1 and the head's own hidden row
+            if i == 1:
+                gather_rows(self.hidden_in, self.hidden_out, catch_up.inputs.device["chain"], 0, batch)
+            else:                                          # the next position of every row
+                dev["past_sequence_lengths"] += 1
+                dev["position_ids"] += 1
+                copy_rows(self.hidden_in, self.hidden_out, batch)
+            self._replay(chained)
+            argmax_rows(self.logits, num_rows=batch, out=out[i:], out_stride=num_drafts,
+                        also=dev["input_ids"] if i + 1 < num_drafts else None)
+        return out.reshape(batch, num_drafts)[:B]
 
     def _gather_hidden(self, sources: list[tuple], index) -> None:
         """hidden_in row b*R + i := the i-th pending hidden row of request b: one gather per

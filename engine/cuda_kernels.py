@@ -246,11 +246,11 @@ _ARGMAX_SOURCE = r"""
 __device__ __forceinline__ float as_float(const float x) { return x; }
 __device__ __forceinline__ float as_float(const __half x) { return __half2float(x); }
 
-// out[b] = argmax over logits[rows[b]] (rows = null: row b), the lowest id among equal maxima.
-// One block of 256 threads per output row.
+// out[b * out_stride] = argmax over logits[rows[b]] (rows = null: row b), the lowest id among
+// equal maxima; also[b] the same when also is not null. One block of 256 threads per row.
 template <typename T>
 __device__ void argmax_rows(const T* __restrict__ logits, const long long* __restrict__ rows, long long vocab,
-                            long long* __restrict__ out) {
+                            long long* __restrict__ out, long long out_stride, long long* __restrict__ also) {
     __shared__ float best[256];
     __shared__ long long best_id[256];
     const long long b = blockIdx.x;
@@ -275,21 +275,33 @@ __device__ void argmax_rows(const T* __restrict__ logits, const long long* __res
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) out[b] = best_id[0] < vocab ? best_id[0] : 0;
+    if (threadIdx.x == 0) {
+        const long long v = best_id[0] < vocab ? best_id[0] : 0;
+        out[b * out_stride] = v;
+        if (also) also[b] = v;
+    }
 }
 
 extern "C" __global__ void argmax_rows_f16(const __half* logits, const long long* rows, long long vocab,
-                                           long long* out) { argmax_rows(logits, rows, vocab, out); }
+                                           long long* out, long long out_stride, long long* also) {
+    argmax_rows(logits, rows, vocab, out, out_stride, also);
+}
 extern "C" __global__ void argmax_rows_f32(const float* logits, const long long* rows, long long vocab,
-                                           long long* out) { argmax_rows(logits, rows, vocab, out); }
+                                           long long* out, long long out_stride, long long* also) {
+    argmax_rows(logits, rows, vocab, out, out_stride, also);
+}
 """
 _ARGMAX = {}
 
 
-def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None):
+def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_stride: int = 1, also=None):
     """int64 ``[num_rows]``: the argmax of each row of ``logits`` [N, V] (float16 or float32,
     C-contiguous) or of rows ``rows`` (int64 device indices), lowest id on ties (as numpy and
-    the sampler break them); one kernel launch, where CuPy's reduction costs several."""
+    the sampler break them); one kernel launch, where CuPy's reduction costs several.
+
+    ``out``: where row b's id goes, at ``out[b * out_stride]`` (a column of a [rows, K] buffer
+    with out_stride K); ``also``: an int64 [num_rows] array that gets the ids too (the next
+    captured forward's input ids, written where it reads them)."""
     import cupy
     if not _ARGMAX:
         module = cupy.RawModule(code=_ARGMAX_SOURCE, options=("--std=c++14",))
@@ -298,10 +310,13 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None):
     assert logits.flags.c_contiguous and logits.ndim == 2, "contiguous [N, V] logits"
     n = int(rows.shape[0]) if rows is not None else (num_rows if num_rows is not None else logits.shape[0])
     if out is None:
-        out = cupy.empty(n, cupy.int64)
+        out, out_stride = cupy.empty(n, cupy.int64), 1
+    assert out.dtype == np.int64 and out.flags.c_contiguous and out.size >= (n - 1) * out_stride + 1, "int64 out"
+    assert also is None or (also.dtype == np.int64 and also.flags.c_contiguous and also.size >= n), "int64 also"
     if n:
         _ARGMAX[np.dtype(logits.dtype)]((n,), (256,), (logits, rows if rows is not None else np.uint64(0),
-                                                         np.int64(logits.shape[1]), out))
+                                                         np.int64(logits.shape[1]), out, np.int64(out_stride),
+                                                         also if also is not None else np.uint64(0)))
     return out
 
 
@@ -327,3 +342,15 @@ def gather_rows(dst, src, index, lo: int, hi: int) -> None:
     if hi > lo:
         _GATHER_ROWS(src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), dst,
                      size=(hi - lo) * width)
+
+
+def copy_rows(dst, src, num_rows: int) -> None:
+    """``dst[:num_rows] = src[:num_rows]`` (C-contiguous, one dtype and row width) as one
+    device-to-device copy on the current stream, without CuPy's elementwise launch."""
+    import cupy
+    assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype
+    assert dst.shape[1:] == src.shape[1:] and num_rows <= min(len(dst), len(src))
+    nbytes = num_rows * int(np.prod(dst.shape[1:])) * dst.itemsize
+    if nbytes:
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
