@@ -6,8 +6,9 @@ recurrent rows (the array code costs ~0.9 ms of host time a step in CuPy's index
 measured on the H200's host, against tens of microseconds here).
 
 ``FusedRecurrentReplay`` is the commit's partial-keep replay of the recurrent state
-(``state_bank.replay_recurrent`` in one kernel): each thread owns one state element
-``S[l, row, h, v, k]`` and applies the request's first ``j`` captured transitions in order,
+(``state_bank.replay_recurrent`` in one kernel): a block owns one head's ``[Dv, Dk]`` matrix of
+one layer and request, a thread one column ``k`` of it, and each element ``S[l, row, h, v, k]``
+gets the request's first ``j`` captured transitions in order,
 
     S <- decay[t, h] * S + delta[t, h, v] * key[t, h // G, k]        t = 0 .. j-1,  G = Hv / Hk
 
@@ -20,44 +21,61 @@ The capsule layout is the one ``state_bank.split_capsule`` draws::
                           captured step's capsule is the first B rows of a larger buffer)
     state   [L, 2*R, Hv, Dv, Dk]          (bank, row) at flat index bank * R + row
 
-    thread index  ((((l * P + p) * Hv + h) * Dv + v) * Dk + k)     p = replayed request
+    block  (l * P + p) * Hv + h   (p = replayed request)      thread  k; it loops over v
+    the row's j decays and keys of column k sit in registers (capacity <= MAX_CAPACITY); index
+    arithmetic is 32-bit and once a block (64-bit divisions per element made the first version
+    of this kernel ~9x slower than the state's bytes need on the H200)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+MAX_CAPACITY = 8            # the recurrent kernel keeps a row's captured decays and keys in registers
+
 _SOURCE = r"""
+#define MAX_CAPACITY 8
 extern "C" __global__ void replay_recurrent(
         float* __restrict__ state, const float* __restrict__ capsule,
         const long long* __restrict__ step_row, const long long* __restrict__ dst,
         const long long* __restrict__ src, const long long* __restrict__ kept,
         long long num_layers, long long num_parts, long long num_flat_rows, long long layer_stride,
         int capacity, int Hv, int Dv, int Hk, int Dk) {
-    const long long total = num_layers * num_parts * Hv * Dv * Dk;
-    const long long width = (long long)capacity * (Hv + (long long)Hk * Dk + (long long)Hv * Dv);
     const int G = Hv / Hk;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long r = i;
-        const int k = r % Dk; r /= Dk;
-        const int v = r % Dv; r /= Dv;
-        const int h = r % Hv; r /= Hv;
-        const long long p = r % num_parts;
-        const long long l = r / num_parts;
+    const int heads = (int)(num_layers * num_parts) * Hv;
+    const long long width = (long long)capacity * (Hv + (long long)Hk * Dk + (long long)Hv * Dv);
+    const long long row_size = (long long)Hv * Dv * Dk;
+    for (int lph = blockIdx.x; lph < heads; lph += gridDim.x) {           // one (layer, part, head) a block
+        const int h = lph % Hv;
+        const int p = (lph / Hv) % (int)num_parts;
+        const int l = lph / Hv / (int)num_parts;
         const float* cap = capsule + l * layer_stride + step_row[p] * width;
         const float* decay = cap;                                        // [C, Hv]
         const float* key = cap + (long long)capacity * Hv;               // [C, Hk, Dk]
         const float* delta = key + (long long)capacity * Hk * Dk;        // [C, Hv, Dv]
-        const long long elem = ((long long)h * Dv + v) * Dk + k;
-        const long long row_size = (long long)Hv * Dv * Dk;
-        float s = state[(l * num_flat_rows + src[p]) * row_size + elem];
         const int j = (int)kept[p];
-        for (int t = 0; t < j; ++t) {
-            s = decay[t * Hv + h] * s
-                + delta[((long long)t * Hv + h) * Dv + v] * key[((long long)t * Hk + h / G) * Dk + k];
+        const long long head = (long long)h * Dv * Dk;
+        const float* in = state + (l * num_flat_rows + src[p]) * row_size + head;
+        float* out = state + (l * num_flat_rows + dst[p]) * row_size + head;
+        for (int k = threadIdx.x; k < Dk; k += blockDim.x) {             // a thread: column k, every v
+            float a[MAX_CAPACITY], kk[MAX_CAPACITY];
+#pragma unroll
+            for (int t = 0; t < MAX_CAPACITY; ++t) {
+                if (t < j) {
+                    a[t] = decay[t * Hv + h];
+                    kk[t] = key[((long long)t * Hk + h / G) * Dk + k];
+                }
+            }
+#pragma unroll 4
+            for (int v = 0; v < Dv; ++v) {
+                float s = in[(long long)v * Dk + k];                     // read before written: in place is safe
+#pragma unroll
+                for (int t = 0; t < MAX_CAPACITY; ++t) {
+                    if (t < j) s = a[t] * s + delta[((long long)t * Hv + h) * Dv + v] * kk[t];
+                }
+                out[(long long)v * Dk + k] = s;
+            }
         }
-        state[(l * num_flat_rows + dst[p]) * row_size + elem] = s;
     }
 }
 """
@@ -74,6 +92,8 @@ class FusedRecurrentReplay:
         self.dims = (capacity, num_v_heads, v_head_dim, num_k_heads, k_head_dim)
         if num_v_heads % num_k_heads:
             raise ValueError(f"{num_v_heads} value heads are not a multiple of {num_k_heads} key heads")
+        if capacity > MAX_CAPACITY:
+            raise ValueError(f"capture capacity {capacity} > the kernel's {MAX_CAPACITY}")
         self.kernel = cupy.RawKernel(_SOURCE, "replay_recurrent")
 
     def __call__(self, state_flat, capsule, step_row, dst, src, kept) -> None:
@@ -92,10 +112,9 @@ class FusedRecurrentReplay:
         num_parts = int(step_row.size)
         if num_parts == 0:
             return
-        total = L * num_parts * Hv * Dv * Dk
-        blocks = min(-(-total // self.THREADS), 65535 * 8)
+        threads = min(self.THREADS, -(-Dk // 32) * 32)
         args = [state_flat, capsule] + [cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
-        self.kernel((blocks,), (self.THREADS,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
+        self.kernel((L * num_parts * Hv,), (threads,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
                                                  np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
                                                  np.int32(Hk), np.int32(Dk)))
 

@@ -119,10 +119,11 @@ class Engine:
         spec = _fixed_state_spec(m)
         fused = None
         if self._stream is not None and config.fused_replay:
-            from mtpserve.engine.cuda_kernels import CommitReplay
+            from mtpserve.engine.cuda_kernels import MAX_CAPACITY, CommitReplay
             s = spec.layer_shape
-            fused = CommitReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim,
-                                 config.cache.max_resident_requests)
+            if spec.capacity <= MAX_CAPACITY:          # else the array code replays the commit
+                fused = CommitReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim,
+                                     config.cache.max_resident_requests)
         num_snapshots = 0
         if config.cache.prefix_cache:
             num_snapshots = min(4096, int(config.cache.prefix_snapshot_gib * 2**30) // spec.bytes_per_row(num_banks=1))
