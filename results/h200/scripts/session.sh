@@ -22,9 +22,13 @@
 # f: (a diagnostic call) step_costs.py on the bundled and the 1.4 B model: each captured graph's
 #    GPU time alone, the commit's, the K=2 step's ceiling at zero host time, cProfile of the loop.
 # g: (a diagnostic call) ncu by kernel of one captured 1.4 B step: decode B=1, verify B=16 x 3.
+# h: after host-path changes: test_cuda, the bundled model's step costs (no profile), bundled
+#    K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
+# i: then the 1.4 B model: step costs (no profile), synthetic 0.7 K=0 / 2 / auto at C=1 / 16, and
+#    ncu of its captured decode (B=1) and verify (B=16 x 3) steps.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -111,7 +115,7 @@ f)
   ;;
 g)
   make_mid > "$OUT/make-mid.txt" 2>&1
-  ncu=(ncu --clock-control none --profile-from-start off --graph-profiling node
+  ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
        --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
   for shape in "1 1" "16 3"; do
     set -- $shape
@@ -122,6 +126,39 @@ g)
     python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
   done
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g" >&2; exit 2 ;;
+h)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+    | tee "$OUT/test-cuda.txt"
+  step step costs, bundled
+  timeout 80 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
+    --batches 1,16 --no-profile 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | grep -v onnxruntime
+  step bundled K=0/2/3/auto, C=1/16, 2 rounds
+  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds 2 \
+    --phases on --name bundled-mtp-rounds 2>&1 | tail -24
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  ;;
+i)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step step costs, 1.4 B
+  timeout 70 python3 results/h200/scripts/step_costs.py $mid "$OUT/step-costs-mid.json" --batches 1,16 --no-profile \
+    2>&1 | grep -v Warning | tee "$OUT/step-costs-mid.txt" | grep -v onnxruntime
+  step 1.4 B synthetic 0.7 K=0/2/auto, C=1/16
+  timeout 200 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+    --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7 2>&1 | tail -20
+  ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
+       --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
+  for shape in "1 1" "16 3"; do
+    set -- $shape
+    step ncu 1.4 B B=$1 rows=$2
+    timeout 150 "${ncu[@]}" python3 results/h200/scripts/ncu_graph_step.py $mid $1 $2 > "$OUT/ncu-mid-b$1-r$2.csv" \
+      2> "$OUT/ncu-mid-b$1-r$2.err"
+    grep -h "^# replay" "$OUT/ncu-mid-b$1-r$2.err"; grep -v "^#\|Warning\|onnxruntime" "$OUT/ncu-mid-b$1-r$2.err" | tail -3
+    python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
+  done
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i" >&2; exit 2 ;;
 esac
 step done

@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--profile-requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--acceptance", type=float, default=0.8)
+    ap.add_argument("--no-profile", action="store_true", help="replays, commits and ceilings only")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     k, largest = a.drafts, max(batches)
@@ -159,7 +160,7 @@ def main() -> None:
     result["ceilings"] = ceilings
     rng = np.random.default_rng(0)
     result["profiles"] = []
-    for b in batches:
+    for b in batches if not a.no_profile else []:
         for kk in (0, k):
             p = profile(engine, kk, b, a.profile_requests if b > 1 else max(4, a.profile_requests // 8),
                         a.max_tokens, rng)
