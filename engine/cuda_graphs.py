@@ -285,7 +285,10 @@ class StepGraphs(_GraphSet):
             self.num_device_drafts += 1
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
-        hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
+        hidden = self.hidden[:T]
+        if copy_hidden:                    # one device-to-device copy (with .copy() the replay phase took 0.05 ms more on the H200 host)
+            hidden = self.xp.empty_like(hidden)
+            copy_rows(hidden, self.hidden, T)
         captures = None
         if n > 1:
             captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
