@@ -112,10 +112,13 @@ class MTPProposer:
         their head rows up to num_computed are then in the head's KV (``num_head`` advances)."""
         if not drafting:
             return {}
+        constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
+        graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)
+        if graphed:
+            self._catch_up_long([s.request for s in drafting], self.graphs.catch_up_rows)
         rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
                            s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
-        constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
-        if self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting):
+        if graphed:
             tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
                                        max(s.num_drafts for s in drafting))
             if tokens is not None:                 # [B, K] on the device: read when first needed
@@ -163,6 +166,36 @@ class MTPProposer:
         for rid in constrained:
             self.grammars.rollback(rid)
         return result
+
+    def _catch_up_long(self, requests: list, most: int) -> None:
+        """Requests with more than ``most`` head rows to catch up (a new prompt, a prefix hit,
+        drafting resumed after a pause): all their rows but the last, in one eager head forward
+        (its outputs unused: the rows only fill the head's KV), so this step's drafting still
+        fits a captured shape. Without it one such request made the whole batch draft eagerly,
+        with a host round trip per draft level."""
+        long = [r for r in requests if r.num_computed - r.num_head > most]
+        if not long:
+            return
+        rows, hidden = [], []
+        for r in long:
+            m = r.num_computed - r.num_head - 1
+            rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_head + 1 + m], r.num_head,
+                                   self.head_pool.block_table(r.request_id)))
+            hidden.append(self.pending_rows(r.request_id, 0, m))
+            self._drop_pending(r.request_id, m)
+            r.num_head += m
+        self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
+
+    def _drop_pending(self, request_id: str, count: int) -> None:
+        """Forget the first ``count`` pending hidden rows of a request (their head rows are in)."""
+        kept, left = [], count
+        for arr, start, n in self._pending.get(request_id, []):
+            if left >= n:
+                left -= n
+                continue
+            kept.append((arr, start + left, n - left))
+            left = 0
+        self._pending[request_id] = kept
 
     def _constrained(self, active: list, logits):
         """A copy of the head's logits with each constrained request's row masked by its grammar."""

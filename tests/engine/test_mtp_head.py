@@ -65,3 +65,32 @@ def test_head_drafts_equal_the_non_incremental_reference(model_dir):
     for tokens, num_drafts, drafts in seen:
         assert drafts == reference_drafts(runner, zero, tokens, num_drafts), (
             f"drafts after {len(tokens)} tokens")
+
+
+def test_drafts_after_an_eager_catch_up_of_long_head_rows_equal_the_reference(model_dir):
+    """What captured drafting does for a request with more head rows to catch up than a graph
+    takes (a new prompt, drafting resumed): all its rows but the last in one eager head forward
+    first (``MTPProposer._catch_up_long``). Forced here on every request with 2 rows or more,
+    the drafts still equal the reference: a row, position or hidden state out of place would
+    change them."""
+    engine = make_engine(model_dir, k=K, budget=48)
+    proposer, propose = engine.proposer, engine.proposer.propose
+    caught_up = []
+
+    def catching_up(drafting):
+        before = {s.request.request_id: s.request.num_head for s in drafting}
+        proposer._catch_up_long([s.request for s in drafting], 1)
+        caught_up.extend(s.request.num_head - before[s.request.request_id] for s in drafting)
+        return propose(drafting)
+
+    proposer.propose = catching_up
+    seen = record_drafts(engine)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    run_all(engine, [PROMPTS[0], PROMPTS[2], PROMPTS[13]], [params] * 3)
+    assert max(caught_up) > 8 and sum(1 for n in caught_up if 0 < n <= K) >= 3   # prompts, and accepted drafts
+    runner = Runner(engine.manifest, num_blocks=16)
+    zero = engine.state_bank.spec.zero_states(1)
+    for tokens, num_drafts, drafts in seen:
+        assert drafts == reference_drafts(runner, zero, tokens, num_drafts), (
+            f"drafts after {len(tokens)} tokens")
+    engine.check_integrity()
