@@ -26,9 +26,11 @@
 #    K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
 # i: then the 1.4 B model: step costs (no profile), synthetic 0.7 K=0 / 2 / auto at C=1 / 16, and
 #    ncu of its captured decode (B=1) and verify (B=16 x 3) steps.
+# j: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 3 rounds, the 1.4 B model at synthetic 0.7
+#    K=0 / 2 / auto in 2 rounds (a session's last call: what its changes did).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -159,6 +161,21 @@ i)
     python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
   done
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i" >&2; exit 2 ;;
+j)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+    | tee "$OUT/test-cuda.txt"
+  step bundled K=0/2/3/auto, C=1/16, 3 rounds
+  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds 3 \
+    --phases on --name bundled-mtp-rounds 2>&1 | grep -v "prefill:" | tail -22
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step 1.4 B synthetic 0.7 K=0/2/auto, C=1/16, 2 rounds
+  timeout 260 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+    --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --rounds 2 --phases on \
+    --name mid-synthetic-0.7-rounds 2>&1 | grep -v "prefill:" | tail -16
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j" >&2; exit 2 ;;
 esac
 step done
