@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from mtpserve.engine.cuda_kernels import argmax_rows, copy_rows, gather_rows
+from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, copy_rows, gather_rows
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -426,9 +426,7 @@ class HeadGraphs(_GraphSet):
         them (CuPy builds a kernel on its first use: 0.16 s each, seen on a live step)."""
         super().capture_all(progress)
         gather_rows(self.hidden_in, self.hidden_in, self.xp.zeros((2, 1), np.int64), 0, 1)    # row 0 := row 0
-        for graph in list(self._graphs.values())[:1]:      # the chained rows' advance (+= 1), by dtype
-            graph.inputs.device["past_sequence_lengths"] += 0
-            graph.inputs.device["position_ids"] += 0
+        advance_positions(self.xp.zeros(1, np.int32), self.xp.zeros((3, 1), np.int64), 1)
 
     def _capture(self, shape: GraphShape) -> None:
         r, head = self.runner, self.runner.manifest.mtp
@@ -492,8 +490,7 @@ class HeadGraphs(_GraphSet):
             if i == 1:
                 gather_rows(self.hidden_in, self.hidden_out, catch_up.inputs.device["chain"], 0, batch)
             else:                                          # the next position of every row
-                dev["past_sequence_lengths"] += 1
-                dev["position_ids"] += 1
+                advance_positions(dev["past_sequence_lengths"], dev["position_ids"], batch)
                 copy_rows(self.hidden_in, self.hidden_out, batch)
             self._replay(chained)
             argmax_rows(self.logits, num_rows=batch, out=out[i:], out_stride=num_drafts,

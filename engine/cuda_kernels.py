@@ -373,3 +373,25 @@ def copy_rows(dst, src, num_rows: int) -> None:
     if nbytes:
         cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
+
+
+_ADVANCE = None
+
+
+def advance_positions(past, positions, num_rows: int) -> None:
+    """A chained head forward's next position, in one kernel: ``past[:num_rows] += 1`` (int32)
+    and every row of ``positions`` [3, num_rows] += 1 (int64; CuPy's ``+=`` is one launch each)."""
+    global _ADVANCE
+    import cupy
+    if _ADVANCE is None:
+        _ADVANCE = cupy.ElementwiseKernel(
+            "int64 rows", "raw int32 past, raw int64 positions",
+            """
+            past[i] += 1;
+            positions[i] += 1;
+            positions[rows + i] += 1;
+            positions[2 * rows + i] += 1;
+            """, "mtpserve_advance_positions")
+    assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape == (3, num_rows)
+    assert past.flags.c_contiguous and positions.flags.c_contiguous
+    _ADVANCE(np.int64(num_rows), past, positions, size=num_rows)
