@@ -41,6 +41,28 @@ mid=/tmp/mid
 make_mid() { [[ -f $mid/genai_config.json ]] || "${bench[@]}" --make-model mid --model-out $mid --make-only; }
 fresh_cupy() { CUPY_CACHE_DIR=$(mktemp -d /tmp/cupy-XXXX); export CUPY_CACHE_DIR; }
 step() { echo "=== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
+run_test_cuda() {        # the device tests of this checkout, their summary under $OUT
+  step test_cuda
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+    | tee "$OUT/test-cuda.txt"
+}
+bundled_mtp_rounds() {   # $1 rounds of K=0 / 2 / 3 / auto at C=1 / 16, phases on
+  step bundled K=0/2/3/auto, C=1/16, $1 rounds
+  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds "$1" \
+    --phases on --name bundled-mtp-rounds 2>&1 | grep -v "prefill:" | tail -22
+}
+ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B=1) and verify (B=16 x 3); $1 s each
+  local ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
+             --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
+  for shape in "1 1" "16 3"; do
+    set -- "$1" $shape
+    step ncu 1.4 B B=$2 rows=$3
+    timeout "$1" "${ncu[@]}" python3 results/h200/scripts/ncu_graph_step.py $mid $2 $3 > "$OUT/ncu-mid-b$2-r$3.csv" \
+      2> "$OUT/ncu-mid-b$2-r$3.err"
+    grep -h "^# replay" "$OUT/ncu-mid-b$2-r$3.err"; grep -v "^#\|Warning\|onnxruntime" "$OUT/ncu-mid-b$2-r$3.err" | tail -3
+    python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$2-r$3.csv" "$OUT/ncu-mid-b$2-r$3.json" | head -24
+  done
+}
 
 case $part in
 a)
@@ -117,28 +139,15 @@ f)
   ;;
 g)
   make_mid > "$OUT/make-mid.txt" 2>&1
-  ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
-       --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
-  for shape in "1 1" "16 3"; do
-    set -- $shape
-    step ncu 1.4 B B=$1 rows=$2
-    timeout 250 "${ncu[@]}" python3 results/h200/scripts/ncu_graph_step.py $mid $1 $2 > "$OUT/ncu-mid-b$1-r$2.csv" \
-      2> "$OUT/ncu-mid-b$1-r$2.err"
-    grep -h "^# replay" "$OUT/ncu-mid-b$1-r$2.err"; tail -3 "$OUT/ncu-mid-b$1-r$2.err"
-    python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
-  done
+  ncu_mid_steps 250
   ;;
 h)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
-  step test_cuda
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
-    | tee "$OUT/test-cuda.txt"
+  run_test_cuda
   step step costs, bundled
   timeout 80 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
     --batches 1,16 --no-profile 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | grep -v onnxruntime
-  step bundled K=0/2/3/auto, C=1/16, 2 rounds
-  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds 2 \
-    --phases on --name bundled-mtp-rounds 2>&1 | tail -24
+  bundled_mtp_rounds 2
   step waiting for the 1.4 B model; wait
   tail -1 "$OUT/make-mid.txt"
   ;;
@@ -150,25 +159,12 @@ i)
   step 1.4 B synthetic 0.7 K=0/2/auto, C=1/16
   timeout 200 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
     --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --phases on --name mid-synthetic-0.7 2>&1 | tail -20
-  ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
-       --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
-  for shape in "1 1" "16 3"; do
-    set -- $shape
-    step ncu 1.4 B B=$1 rows=$2
-    timeout 150 "${ncu[@]}" python3 results/h200/scripts/ncu_graph_step.py $mid $1 $2 > "$OUT/ncu-mid-b$1-r$2.csv" \
-      2> "$OUT/ncu-mid-b$1-r$2.err"
-    grep -h "^# replay" "$OUT/ncu-mid-b$1-r$2.err"; grep -v "^#\|Warning\|onnxruntime" "$OUT/ncu-mid-b$1-r$2.err" | tail -3
-    python3 results/h200/scripts/ncu_table.py "$OUT/ncu-mid-b$1-r$2.csv" "$OUT/ncu-mid-b$1-r$2.json" | head -24
-  done
+  ncu_mid_steps 150
   ;;
 j)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
-  step test_cuda
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
-    | tee "$OUT/test-cuda.txt"
-  step bundled K=0/2/3/auto, C=1/16, 3 rounds
-  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds 3 \
-    --phases on --name bundled-mtp-rounds 2>&1 | grep -v "prefill:" | tail -22
+  run_test_cuda
+  bundled_mtp_rounds 3
   step waiting for the 1.4 B model; wait
   tail -1 "$OUT/make-mid.txt"
   step 1.4 B synthetic 0.7 K=0/2/auto, C=1/16, 2 rounds
