@@ -28,9 +28,10 @@
 #    ncu of its captured decode (B=1) and verify (B=16 x 3) steps.
 # j: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 3 rounds, the 1.4 B model at synthetic 0.7
 #    K=0 / 2 / auto in 2 rounds (a session's last call: what its changes did).
+# k: the bundled model, K=0, against og.Engine at C=1 / 8 / 32 (the ">= 2x og.Engine at C=1").
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -172,6 +173,11 @@ j)
     --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --rounds 2 --phases on \
     --name mid-synthetic-0.7-rounds 2>&1 | grep -v "prefill:" | tail -16
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j" >&2; exit 2 ;;
+k)
+  step bundled K=0 vs og.Engine, C=1/8/32
+  timeout 170 "${bench[@]}" --draft-tokens 0 --concurrency 1,8,32 --num-prompts 32 --max-tokens 128 \
+    --compare ortgenai --name bundled-vs-ortgenai 2>&1 | grep -v INFO | tail -14
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k" >&2; exit 2 ;;
 esac
 step done
