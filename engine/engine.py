@@ -78,8 +78,6 @@ class Engine:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         with self.device_context():
             self._build(config, draft_policy)
-            if self._stream is not None and self.proposer is not None:
-                self._reserve_kept_hidden_rows()
             if self.graphs is not None:
                 self.graphs.capture_all()
                 if self.proposer is not None and self.proposer.graphs is not None:
@@ -167,20 +165,6 @@ class Engine:
         self.last_step: StepTiming | None = None    # the latest step that ran something
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
-
-    def _reserve_kept_hidden_rows(self) -> None:
-        """CUDA, MTP on: room in CuPy's pool (on the engine's stream, whose freed blocks only
-        it reuses) for the main model's hidden rows the proposer keeps, a copy of each step's,
-        held until every request in that step drafts again: allocated once and freed, so those
-        copies are split from it. Without it, while a batch did not draft (``auto`` at K=0) each
-        step's copy was a new cudaMalloc, and its main-model replay phase took 0.07 ms more
-        than a K=0 engine's on the H200 (bundled, 16 requests). Room for 512 rows of every
-        resident request."""
-        m = self.manifest
-        nbytes = (self.config.cache.max_resident_requests * 512 * m.hidden_size
-                  * np.dtype(self.runner.hidden_dtype).itemsize)
-        block = self.xp.empty(nbytes, np.uint8)
-        del block
 
     def _step_graphs(self, config: EngineConfig):
         """The captured steps (CUDA): every padded batch size up to the step's request limit, one
