@@ -67,7 +67,8 @@ class WorkerPlan:
     num_blocks_granted: int
     num_rows_granted: int
     num_drafts: dict[str, int] = field(default_factory=dict)   # request id -> K
-    prior_acceptance: float = PRIOR_ACCEPTANCE                  # for requests not planned yet
+    # for requests not planned yet: the cluster's measured acceptance, None until a replica reported trials
+    prior_acceptance: float | None = None
     # the sessions whose cached prefixes a stopped replica handed over (``handover``), sent only
     # when they changed since the report's handover_version (None: unchanged); and their version
     handover_sessions: frozenset[str] | None = None
@@ -108,6 +109,7 @@ class PlannerState:
         self.session_ttl_s = session_ttl_s
         self.max_sessions = max_sessions
         self.prior_acceptance = prior_acceptance
+        self.num_prior_trials = 0          # draft trials behind prior_acceptance (0: still the guess)
         self.reports: dict[str, tuple[WorkerReport, float]] = {}   # replica -> (report, received)
         self.sessions: dict[str, tuple[str, float]] = {}           # session -> (replica, last seen)
         self.drained: set[str] = set()
@@ -128,7 +130,8 @@ class PlannerState:
         loop = report.loop
         plan = WorkerPlan(0 if rid in self.drained else loop.num_usable_blocks,
                           0 if rid in self.drained else loop.num_rows,
-                          prior_acceptance=self.prior_acceptance, handover_version=self.handovers.version)
+                          prior_acceptance=self.prior_acceptance if self.num_prior_trials else None,
+                          handover_version=self.handovers.version)
         if report.handover_version != self.handovers.version:
             plan.handover_sessions = self.handovers.session_ids()
         planned = {}
@@ -144,6 +147,7 @@ class PlannerState:
     def _update_prior(self, report: WorkerReport) -> None:
         """Cluster-wide acceptance: a trial-weighted mean over reported requests, smoothed."""
         trials = sum(n for _, n in report.loop.acceptance.values())
+        self.num_prior_trials += trials
         if trials:
             mean = sum(a * n for a, n in report.loop.acceptance.values()) / trials
             self.prior_acceptance += 0.2 * (mean - self.prior_acceptance)

@@ -21,7 +21,11 @@ has a fit of its own. Until a class's fit exists (its first ``min_steps`` decode
 alternate D = 0 and 1, which is what the fit needs and never costs much, unless the nearest
 fitted class says no depth pays for the step: then they stay at 0 (a drafting step there would
 make the head catch up on every position since each request last drafted: as a batch shrank
-through classes, those steps had auto at 0.79x-0.90x K=0 at C=16 on a 2-core CPU). A static
+through classes, those steps had auto at 0.79x-0.90x K=0 at C=16 on a 2-core CPU). A fit's
+"no depth pays" is taken only on measured acceptance (the replica's ``min_prior_trials`` trials,
+or the planner's cluster-wide value): judged on the guessed prior, the steps keep calibrating
+until the trials are in (else a replica where drafting pays moderately stopped drafting on the
+guess and never measured it). A static
 guess of the cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
 ``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
 keeps seeing more than one depth. While the best depth is 0, only every
@@ -362,6 +366,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
         self.prior = prior                        # the planner's cluster-wide value replaces it
+        self._prior_measured = False              # True once the planner sent its measured prior
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
@@ -381,7 +386,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         acceptance, the start of a new request's estimate until this replica has its own."""
         self._plan = dict(num_drafts)
         if prior is not None:
-            self.prior = prior
+            self.prior, self._prior_measured = prior, True
 
     # ---- the engine's hooks (owner thread) ------------------------------------------------
     def observe_step(self, timing) -> None:
@@ -448,6 +453,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             depth = best_depth(alphas, caps, judge.coefficients(), min(top, judge.deepest + 1), uniform)
             if judge is not fit and depth > 0:
                 depth = None
+            elif judge is fit and depth == 0 and not self._acceptance_known():
+                depth = None         # "no depth pays" judged on the prior alone: measure it first
         if depth is None:                                # calibration: 0, 1, 0, 1, ...
             c = batch_class(len(requests))
             depth = self._num_calibration.get(c, 0) % 2
@@ -462,6 +469,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if exploring:                  # a request the planner holds at 0 measures its acceptance too
             caps = [max(c, 1) for c in caps]
         return [min(depth, c) for c in caps]
+
+    def _acceptance_known(self) -> bool:
+        """Whether the acceptance the depths are judged on was measured (the replica's own
+        ``min_prior_trials`` trials, or the planner's cluster-wide value) rather than the
+        guessed prior: judged on the guess, a replica where drafting pays only moderately
+        found "no depth pays", stopped drafting and so never measured it (a closed-loop
+        simulation at one request with the H200's bundled step costs sat at K=0, 0.93x the
+        best fixed K)."""
+        return self._prior_measured or self.replica_acceptance.num_trials >= self.min_prior_trials
 
     def _nearest_fit(self, num_requests: int) -> StepCostEstimator | None:
         """The fitted estimator of the batch-size class nearest this one (the larger on a tie:

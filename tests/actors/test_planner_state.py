@@ -44,10 +44,13 @@ def test_load_lowers_k_and_fixed_replicas_get_no_plan():
 
 
 def test_prior_follows_the_cluster_acceptance():
+    """The plan carries the cluster's acceptance once some replica measured it; before that no
+    prior (a replica then measures its own before it judges that no depth pays)."""
     planner = PlannerState(prior_acceptance=0.6)
+    assert planner.report(report(), now=0.0).prior_acceptance is None, "no trials reported: nothing measured"
     for t in range(20):
-        planner.report(report(acceptance={"a": (0.1, 50)}), now=t * 0.1)
-    assert planner.prior_acceptance < 0.2
+        plan = planner.report(report(acceptance={"a": (0.1, 50)}), now=0.1 + t * 0.1)
+    assert planner.prior_acceptance < 0.2 and plan.prior_acceptance == planner.prior_acceptance
 
 
 def test_grants_and_drain():

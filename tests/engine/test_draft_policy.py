@@ -287,12 +287,26 @@ def test_exploring_steps_take_a_neighbouring_depth_by_turns():
     explored = [k for e, k in ks if e]
     assert sorted(explored) == [1, 1, 3, 3] and explored[0] != explored[1] and explored[:2] == explored[2:], ks
     zero = measured(AdaptiveDraftPolicy(4, prior=0.05, explore_interval=4, idle_explore_interval=32), 0.0, 1e-3, 0.0)
+    zero.set_plan({}, prior=0.05)                       # a measured acceptance (the planner's), not a guess
     zero._step_index = 4
     assert zero.step_drafts(reqs, uniform=True) == [0] * 4, "held at 0: drafting again costs the head's catch-up"
     zero._step_index = 32
     assert zero.step_drafts(reqs, uniform=True) == [1] * 4, "at K = 0 every idle_explore_interval-th step drafts one"
     zero.set_plan({r.request_id: 0 for r in reqs})
     assert zero.step_drafts(reqs, uniform=False) == [1] * 4, "the planner's 0 too: acceptance keeps moving"
+
+
+def test_no_depth_pays_is_judged_on_measured_acceptance_not_on_the_guess():
+    """With only the guessed prior acceptance, a fit's "no depth pays" does not stop drafting:
+    the steps calibrate (0, 1, 0, 1) until the replica has measured min_prior_trials trials;
+    measured poor, the depth is held at 0."""
+    policy = measured(AdaptiveDraftPolicy(4, prior=0.05, explore_interval=0, idle_explore_interval=0), 0.0, 1e-3, 0.0)
+    reqs = [_request(f"r{i}") for i in range(4)]
+    assert [policy.step_drafts(reqs, uniform=True)[0] for _ in range(4)] == [0, 1, 0, 1]
+    for r in reqs:
+        for _ in range(4):
+            policy.observe_verified(r.request_id, 1, 0)        # 16 trials, every draft rejected
+    assert [policy.step_drafts(reqs, uniform=True)[0] for _ in range(4)] == [0] * 4
 
 
 def test_fixed_draft_policy():
@@ -358,19 +372,33 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
 HOST_BOUND_GPU = (0.5e-3, 23e-6, 0.38e-3, 1e-6)   # the bundled model's graph steps on the H200 (phase probe)
 CHEAP_DRAFTS = (0.6e-3, 5e-6, 0.12e-3, 1e-6)     # drafting pays: K = 1..4 beat K = 0
 COMPUTE_BOUND_CPU = (4.3e-3, 0.7e-3, 1.5e-3, 0.1e-3)   # the bundled model on a 2-core CPU (cProfile)
+MODERATE_DRAFTS = (0.35e-3, 0.05e-3, 0.2e-3, 5e-6)    # the bundled model on the H200 after 2026-12-02: K=0 0.57 ms,
+                                                      # K=2 1.07 ms a step at one request; drafting pays ~1.2x
 
 
-@pytest.mark.parametrize("costs,uniform", [(HOST_BOUND_GPU, True), (CHEAP_DRAFTS, True), (COMPUTE_BOUND_CPU, False)])
+MIXED_ALPHAS = (0.5, 0.9, 0.7)
+BUNDLED_ALPHAS = (0.93, 0.9, 0.95)                    # the bundled model's first-draft acceptance is ~0.9
+
+
+# the bound for auto against the best fixed K. With moderate costs and high acceptance the steps'
+# depth moves with each request's acceptance estimate (1..4 around a best fixed K of 3), which costs
+# ~4%: 0.95 there (before "no depth pays" waited for measured acceptance, 0.89x)
+@pytest.mark.parametrize("costs,uniform,alphas,bound", [(HOST_BOUND_GPU, True, MIXED_ALPHAS, 0.96),
+                                                        (CHEAP_DRAFTS, True, MIXED_ALPHAS, 0.96),
+                                                        (COMPUTE_BOUND_CPU, False, MIXED_ALPHAS, 0.96),
+                                                        (MODERATE_DRAFTS, True, BUNDLED_ALPHAS, 0.95)])
 @pytest.mark.parametrize("batch", [1, 16])
-def test_auto_stays_near_the_best_fixed_k_in_a_closed_loop(costs, uniform, batch):
+def test_auto_stays_near_the_best_fixed_k_in_a_closed_loop(costs, uniform, alphas, bound, batch):
     """--draft-tokens auto's goal, in simulation: within a few percent of the best fixed K and
     never far below K = 0, whether drafting pays or not (the old per-request choice, with a deep
     start-up guess and clipped coefficients, came to 0.87-0.90x of the best in some of these;
-    without the catch-up term in the fit, 0.86x at C=1 with CPU costs)."""
+    without the catch-up term in the fit, 0.86x at C=1 with CPU costs; judging "no depth pays"
+    on the guessed prior acceptance, 0.93x with the moderate costs at one request)."""
     seeds = range(3)           # one seed's best fixed K is the luckiest of five noisy runs
-    fixed = {k: sum(closed_loop(FixedDraftPolicy(k), costs, batch, uniform, s) for s in seeds) for k in range(5)}
-    auto = sum(closed_loop(AdaptiveDraftPolicy(4), costs, batch, uniform, s) for s in seeds)
+    fixed = {k: sum(closed_loop(FixedDraftPolicy(k), costs, batch, uniform, s, alphas=alphas) for s in seeds)
+             for k in range(5)}
+    auto = sum(closed_loop(AdaptiveDraftPolicy(4), costs, batch, uniform, s, alphas=alphas) for s in seeds)
     best = max(fixed, key=fixed.get)
     print(f"{costs} B={batch}: auto {auto / fixed[0]:.3f}x K=0, {auto / fixed[best]:.3f}x the best (K={best}); "
           + " ".join(f"K={k} {v / fixed[0]:.2f}" for k, v in fixed.items()))
-    assert auto >= 0.96 * fixed[best] and auto >= 0.96 * fixed[0]
+    assert auto >= bound * fixed[best] and auto >= 0.96 * fixed[0]
