@@ -33,9 +33,7 @@ import numpy as np
 
 MAX_CAPACITY = 8            # the recurrent kernel keeps a row's captured decays and keys in registers
 
-_SOURCE = r"""
-#define MAX_CAPACITY 8
-extern "C" __global__ void replay_recurrent(
+_SOURCE = f"#define MAX_CAPACITY {MAX_CAPACITY}\n" + r"""extern "C" __global__ void replay_recurrent(
         float* __restrict__ state, const float* __restrict__ capsule,
         const long long* __restrict__ step_row, const long long* __restrict__ dst,
         const long long* __restrict__ src, const long long* __restrict__ kept,
@@ -119,10 +117,9 @@ class FusedRecurrentReplay:
                                                  np.int32(Hk), np.int32(Dk)))
 
 
-_CONV_SOURCE = r"""
-#include <cuda_fp16.h>
-#define MAX_WINDOW 16
+MAX_CONV_WINDOW = 16        # the conv kernel's register window: conv kernel size - 1 at most
 
+_CONV_SOURCE = f"#include <cuda_fp16.h>\n#define MAX_WINDOW {MAX_CONV_WINDOW}\n" + r"""
 // One thread per (layer l, replayed request p, channel d): the request's conv carry row
 // [D, K1] after its first j = kept[p] captured inputs is steps j .. j+K1-1 of
 //     ext = [state^T ; conv_value]      (K1 carried steps, then the C captured ones)
@@ -163,7 +160,6 @@ extern "C" __global__ void replay_conv_f32(float* state, const float* conv_value
     replay_conv(state, conv_value, index, num_layers, num_parts, num_flat_rows, layer_stride, capacity, D, K1);
 }
 """
-MAX_CONV_WINDOW = 16        # the kernel's register window: conv kernel size - 1 at most
 
 
 class CommitReplay:

@@ -523,9 +523,7 @@ class StateBank:
             if self.fused_replay is not None:
                 conv = self.fused_replay.supports(self._conv_flat, captures.conv_value)
                 if not conv:
-                    pi, pd, ps = _upload(self.xp, part, dst[part], src[part])
-                    self._conv_flat[:, pd] = replay_conv(self.xp, self._conv_flat[:, ps], captures.conv_value[:, pi],
-                                                         kept[part])
+                    self._replay_conv(captures, *_upload(self.xp, part, dst[part], src[part]), kept[part])
                 self.fused_replay(self._conv_flat, self._rec_flat, captures.conv_value, captures.recurrent_capsule,
                                   part, dst[part], src[part], kept[part], conv=conv)
             else:
@@ -539,8 +537,7 @@ class StateBank:
         ``kept`` captured transitions of step rows ``pi``; all layers at once (recurrent: in
         layer chunks). Every source is read before its target is written."""
         xp, s, C = self.xp, self.spec.layer_shape, self.spec.capacity
-        conv_value = captures.conv_value[:, pi]                                   # [L, P, C, D]
-        self._conv_flat[:, pd] = replay_conv(xp, self._conv_flat[:, ps], conv_value, kept)
+        self._replay_conv(captures, pi, pd, ps, kept)
         capsule = captures.recurrent_capsule[:, pi]                               # [L, P, C*W]
         bytes_per_layer = len(kept) * 4 * int(np.prod(s.recurrent_shape))
         step = max(1, self.replay_chunk_bytes // bytes_per_layer)
@@ -548,6 +545,11 @@ class StateBank:
             ls = slice(l0, l0 + step)
             decay, key, delta = split_capsule(capsule[ls], s, C)
             self._rec_flat[ls, pd] = replay_recurrent(xp, self._rec_flat[ls, ps], decay, key, delta, kept)
+
+    def _replay_conv(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray) -> None:
+        """The conv half of ``_replay`` (array code): rows ``pd`` := rows ``ps`` advanced by the
+        first ``kept`` captured inputs of step rows ``pi``."""
+        self._conv_flat[:, pd] = replay_conv(self.xp, self._conv_flat[:, ps], captures.conv_value[:, pi], kept)
 
     def _check_step(self, batch: int, present: StepStates, captures: StepCaptures | None,
                     kept_part: np.ndarray) -> None:
