@@ -260,12 +260,14 @@ class StepGraphs(_GraphSet):
 
     # ------------------------------------------------------------------ a step
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
-            copy_hidden: bool, device_drafts=None) -> MainOutputs | None:
+            copy_hidden: bool, device_drafts=None, input_tokens=None) -> MainOutputs | None:
         """Replay the graph of a decode / uniform verify step (rows in the step's order; request
         i feeds ``num_tokens[i]`` new tokens); None if the step has none. ``copy_hidden``: the
         hidden rows are kept past this step (the proposer's catch-up), so they are copied out of
         the shared buffer. ``device_drafts``: ``[B, K]`` on the device, every request's drafts
-        (its rows' draft ids are placeholders then): copied into the input ids on the device."""
+        (its rows' draft ids are placeholders then): copied into the input ids on the device.
+        ``input_tokens``: int64 ``[B]`` on the device, a decode step's input ids (the rows' ids
+        are placeholders then; overlapped decoding), copied likewise."""
         lens = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
         if choice is None:
@@ -283,6 +285,10 @@ class StepGraphs(_GraphSet):
         if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
             graph.inputs.device["input_ids"].reshape(batch, n)[:len(rows), 1:] = device_drafts
             self.num_device_drafts += 1
+        if input_tokens is not None:
+            if n != 1:
+                raise AssertionError("input_tokens feeds a decode step (one row per request)")
+            copy_rows(graph.inputs.device["input_ids"], input_tokens, len(rows))
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]

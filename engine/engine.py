@@ -11,6 +11,11 @@ A step is schedule -> propose -> verify -> commit -> outputs, each owned by one 
                tokens appended up to a stop id or a limit
     outputs    OutputProcessor.process(): text, stop strings; finished requests released
 
+With ``overlap_decode`` (CUDA's default) a step without drafts whose tokens the device can pick
+(greedy) is launched and committed first and lands (tokens read, appended, outputs) later, after
+its continuation, the next decode step of the same requests, has been launched from its tokens on
+the device: the GPU runs one step while the host finishes the one before (pipeline.py).
+
 One owner drives it (a step loop); nothing in here is shared across threads.
 """
 
@@ -33,11 +38,12 @@ from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, load_manifest
 from mtpserve.engine.output import OutputProcessor
+from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, continuation_blocker, overlap_blocker
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import SamplingParams, apply_penalties, token_logprobs
-from mtpserve.engine.scheduler import Scheduler, StepOutput, StepPlan
+from mtpserve.engine.sampler import SamplingParams, apply_penalties, row_argmax, token_logprobs
+from mtpserve.engine.scheduler import ScheduledRequest, Scheduler, StepLayout, StepOutput, StepPlan
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import Tokenizer
@@ -160,6 +166,11 @@ class Engine:
         self.scheduler.uniform_drafts = self.graphs is not None     # a captured verify has one shape
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.overlap = config.overlap_decode if config.overlap_decode is not None else config.device == "cuda"
+        self._readback = TokenReadback(config.cache.max_resident_requests, self.xp)
+        self._in_flight: LaunchedStep | None = None     # launched, not landed (overlapped decoding)
+        self.num_continuations = 0                       # steps launched before the one they follow landed
+        self.overlap_blockers: dict[str, int] = {}       # why a launched step had no continuation, counted
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.last_step: StepTiming | None = None    # the latest step that ran something
@@ -285,7 +296,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -306,13 +317,131 @@ class Engine:
     def _step(self) -> list[TokenEvent]:
         started = time.perf_counter()
         self.last_step = None
-        plan = self.scheduler.schedule()
-        for req in plan.preempted:
-            if self.proposer is not None:
-                self.proposer.forget(req.request_id)
-        if not plan.scheduled:
-            return []
+        flight = self._in_flight
+        if flight is None:
+            plan = self.scheduler.schedule()
+            for req in plan.preempted:
+                if self.proposer is not None:
+                    self.proposer.forget(req.request_id)
+            if not plan.scheduled:
+                return []
+            self.num_steps += 1
+            if not self.overlap or overlap_blocker(plan, self.proposer is not None, self._picks_on_host) is not None:
+                return self._run_step(plan, started)
+            flight = self._launch(plan)
+        self._in_flight = self._continue(flight)
+        events = self._land(flight)
+        self.scheduler.release_finished(keep=set(self._in_flight.plan.request_ids) if self._in_flight else frozenset())
+        plan = flight.plan
+        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, any(s.num_tokens > 1 for s in plan.scheduled),
+                                    time.perf_counter() - started, graphed=flight.graphed)
+        return events
+
+    # ------------------------------------------------------------------ overlapped decoding (pipeline.py)
+    def _launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a step without drafts and commit it (its commit does not depend on its tokens);
+        its greedy tokens go to the host without a wait. ``after``: the launched step whose
+        tokens this one feeds (a continuation)."""
+        replays = self.graphs.num_replays if self.graphs is not None else 0
+        if after is None:
+            out = self._verify(plan, {})
+            logits = self._processed(plan, {}, out.logits)
+        else:
+            out = self._verify_continuation(plan, after)
+            logits = out.logits
+        tokens = self._greedy_tokens(logits, plan.layout.target_row)
+        handle = self._readback.send(tokens)
+        self.scheduler.commit_rows(plan, out.present, [s.num_tokens for s in plan.scheduled], out.captures)
+        return LaunchedStep(plan, tokens, handle, graphed=self.graphs is not None and self.graphs.num_replays > replays)
+
+    def _continue(self, flight: LaunchedStep) -> LaunchedStep | None:
+        """The continuation of ``flight`` launched (one more token per request, its ids those
+        ``flight`` samples, still on the device), or None when it cannot be (the reason counted
+        in ``overlap_blockers``)."""
+        s = self.scheduler
+        why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
+                                   self._host_rule, self.manifest.context_length)
+        if why is None and not all(self.kv_pool.reserve(r.request_id, r.num_computed + 1)
+                                   for r in (x.request for x in flight.plan.scheduled)):
+            why = "no KV block for the next token"
+        if why is not None:
+            key = why.split(" ", 2)[-1] if why.startswith("request ") else why
+            self.overlap_blockers[key] = self.overlap_blockers.get(key, 0) + 1
+            return None
+        scheduled = [ScheduledRequest(x.request, 1) for x in flight.plan.scheduled]
+        for x in scheduled:
+            x.samples = True            # its token is fed as soon as the launched step has it
+        plan = StepPlan(scheduled=scheduled, layout=StepLayout.of(scheduled), request_ids=list(flight.plan.request_ids))
         self.num_steps += 1
+        self.num_continuations += 1
+        return self._launch(plan, after=flight)
+
+    def _verify_continuation(self, plan: StepPlan, after: LaunchedStep):
+        """The continuation's forward: a captured decode step whose input ids are copied from
+        ``after``'s tokens on the device; eagerly (with the host's ids, after a wait) when none fits."""
+        rows = [PackedRows([0], s.request.num_computed, self.kv_pool.block_table(s.request.request_id))
+                for s in plan.scheduled]
+        if self.graphs is not None:
+            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=False, input_tokens=after.tokens)
+            if out is not None:
+                return out
+        rows = [PackedRows([int(t)], r.past_len, r.block_table) for r, t in zip(rows, after.host_tokens(self._readback))]
+        io = self.state_bank.step_buffers(plan.request_ids)
+        return self.runner.run_main(rows, io.past, np.zeros(len(rows), np.int32), present_into=io.present)
+
+    def _land(self, flight: LaunchedStep) -> list[TokenEvent]:
+        """A launched step's tokens read (the wait), appended, and turned into events."""
+        plan = flight.plan
+        tokens = flight.host_tokens(self._readback)
+        sampled = {s.request.request_id: ([int(t)], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
+        updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
+        self._advance_grammars(updates)
+        self.scheduler.cache_prefixes(plan)
+        return self._events(updates, {})
+
+    def _greedy_tokens(self, logits, target_rows: list[int]):
+        """int64 [B]: the argmax of each target row, lowest id on ties as ``accept_step``'s (on
+        CUDA one kernel, no CuPy indexing that could build a kernel on a live step; nothing waits)."""
+        rows = np.asarray(target_rows, np.int64)
+        if self.xp is np or logits.dtype not in (np.float16, np.float32) or not logits.flags.c_contiguous:
+            return row_argmax(logits[self.xp.asarray(rows)], self.xp)
+        from mtpserve.engine.cuda_kernels import argmax_rows
+        if (rows == np.arange(len(rows))).all():
+            return argmax_rows(logits, num_rows=len(rows))
+        return argmax_rows(logits, rows=self.xp.asarray(rows))
+
+    def _picks_on_host(self, s: ScheduledRequest) -> str | None:
+        """Why a scheduled request's part of a step needs the host to pick or score a token from
+        the logits after the step (so the step cannot land later), or None."""
+        r, p = s.request, s.request.params
+        if p.prompt_logprobs is not None and r.num_output_tokens == 0:
+            return "prompt_logprobs"
+        if not s.samples:
+            return None
+        if not p.is_greedy:
+            return "sampled"
+        if p.logprobs is not None:
+            return "logprobs"
+        return None
+
+    def _host_rule(self, r: Request) -> str | None:
+        """Why request r's token after the launched one needs the host first (its history, its
+        grammar's state or its count go into the logits), or None."""
+        p = r.params
+        if not p.is_greedy:
+            return "sampled"
+        if p.logprobs is not None:
+            return "logprobs"
+        if p.has_penalties:
+            return "penalties"
+        if r.request_id in self.grammars:
+            return "grammar"
+        if p.min_tokens > r.num_output_tokens + 1 and r.stop_token_ids:
+            return "min_tokens"
+        return None
+
+    def _run_step(self, plan: StepPlan, started: float) -> list[TokenEvent]:
+        """A step run to its end: propose, verify, accept, commit, outputs."""
         if self.proposer is not None:
             for rid, hit in plan.prefix_hits.items():     # the head catches up on the hit's last block
                 assert hit.hidden is not None, "a prefix-cache snapshot without the head's hidden rows"
@@ -327,15 +456,26 @@ class Engine:
                               self.config.spec.synthetic_acceptance, self._synthetic)
         self._score_prompts(plan, out.logits)
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
-        if self.grammars:
-            for u in updates:
-                if u.new_token_ids and u.request.request_id in self.grammars:
-                    self.grammars.advance(u.request.request_id, u.new_token_ids)
+        self._advance_grammars(updates)
         if self.proposer is not None:
             for u, start in zip(updates, plan.layout.row_start):
                 self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
-        logprobs = self._logprobs(plan, updates, out.logits)
+        events = self._events(updates, self._logprobs(plan, updates, out.logits))
+        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
+                                    any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
+                                    graphed=self.graphs is not None and self.graphs.num_replays > replays,
+                                    num_head_rows=head_rows)
+        return events
+
+    def _advance_grammars(self, updates) -> None:
+        if self.grammars:
+            for u in updates:
+                if u.new_token_ids and u.request.request_id in self.grammars:
+                    self.grammars.advance(u.request.request_id, u.new_token_ids)
+
+    def _events(self, updates, logprobs: dict) -> list[TokenEvent]:
+        """The step's events (text, stop strings); requests that ended are finished."""
         events = []
         for u in updates:
             if u.new_token_ids:
@@ -344,10 +484,6 @@ class Engine:
                 if event.finish_reason is not None:
                     self._finish(u.request, event.finish_reason)
                 events.append(event)
-        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
-                                    any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
-                                    graphed=self.graphs is not None and self.graphs.num_replays > replays,
-                                    num_head_rows=head_rows)
         return events
 
     def _processed(self, plan: StepPlan, drafts: dict, logits):
@@ -472,7 +608,9 @@ class Engine:
         return shared
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(req, reason)
+        # under a launched step that still writes its rows, its pool space goes when that lands
+        flying = self._in_flight is not None and req.request_id in self._in_flight.plan.request_ids
+        self.scheduler.finish(req, reason, release=not flying)
         self.grammars.forget(req.request_id)
         self.draft_policy.forget(req.request_id)
         if self.proposer is not None:
@@ -491,8 +629,8 @@ class Engine:
                 "the proposer holds hidden rows of finished requests")
 
     def is_idle_and_empty(self) -> bool:
-        """No requests, and every pool back to empty."""
-        return self.scheduler.is_idle_and_empty()
+        """No requests, nothing in flight, and every pool back to empty."""
+        return self._in_flight is None and self.scheduler.is_idle_and_empty()
 
 
 def _fixed_state_spec(m: ModelManifest) -> FixedStateSpec:

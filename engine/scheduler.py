@@ -8,7 +8,11 @@ fixed-state bank). A step is
     (the engine runs drafts and the verify forward, and accepts)
     update_from_output(plan, StepOutput) -> one RequestUpdate per scheduled request: pools
                                   committed, accepted tokens appended up to a stop id or a limit
-    finish(request, reason)    releases everything a finished request held
+                                  (= commit_rows + append_tokens, which overlapped decoding
+                                  calls apart: at a step's launch and when it lands)
+    finish(request, reason)    releases everything a finished request held (or, under a step
+                                  still in flight, holds it in ``releasing`` until
+                                  ``release_finished``)
 
 Planning rules. One token budget and one batch limit are shared by prefill chunks, decodes and
 drafts:
@@ -142,6 +146,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.releasing: dict[str, Request] = {}  # finished, pool space held for a step in flight
         self.num_preemptions = 0
         self.stats = SpecDecodeStats()          # every request's verified steps, summed
 
@@ -154,18 +159,32 @@ class Scheduler:
         if req.continues and self.prefix_cache is not None:
             self.prefix_cache.expect_continuation(req.request_id)
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        """End a request (done or cancelled): out of the queues, every pool space released."""
+    def finish(self, req: Request, reason: FinishReason, release: bool = True) -> None:
+        """End a request (done or cancelled): out of the queues, every pool space released.
+        ``release=False``: a launched step still writes its rows (overlapped decoding, see
+        ``pipeline``): it keeps its pool space in ``releasing`` until ``release_finished``."""
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self.release(req)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget_request(req.request_id)
+        if release:
+            self._release_finished(req)
+        else:
+            self.releasing[req.request_id] = req
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+
+    def release_finished(self, keep: set[str] = frozenset()) -> None:
+        """Release the pool space of finished requests held back by ``finish(release=False)``,
+        but for those in ``keep`` (rows of a step still in flight)."""
+        for rid in [rid for rid in self.releasing if rid not in keep]:
+            self._release_finished(self.releasing.pop(rid))
+
+    def _release_finished(self, req: Request) -> None:
+        self.release(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_request(req.request_id)
 
     @property
     def has_work(self) -> bool:
@@ -354,29 +373,48 @@ class Scheduler:
         verified step's (drafted, accepted) here. Finished requests are returned with a reason
         and still hold their pool space until ``finish``.
         """
-        updates, num_fed = [], []
+        kept = []
         for s in plan.scheduled:
+            n = s.num_tokens
+            if s.samples and s.num_drafts:
+                n = output.sampled[s.request.request_id][1] + 1
+            kept.append(n)
+        self.commit_rows(plan, output.present, kept, output.captures)
+        return self.append_tokens(plan, output.sampled, kept)
+
+    def commit_rows(self, plan: StepPlan, present: StepStates, num_kept: list[int],
+                    captures: StepCaptures | None = None) -> None:
+        """The pools keep request i's first ``num_kept[i]`` fed rows: the state bank's commit,
+        then KV and head-KV lengths and ``num_computed``. A step without drafts keeps every fed
+        row whatever it samples, so overlapped decoding commits it when it is launched."""
+        self.state_bank.commit_step(plan.request_ids, present, [s.num_tokens + s.num_drafts for s in plan.scheduled],
+                                    num_kept, captures)
+        for s, kept in zip(plan.scheduled, num_kept):
             r = s.request
-            kept, emitted = s.num_tokens, []
-            if s.samples:
-                emitted, num_accepted = output.sampled[r.request_id]
-                if s.num_drafts:
-                    kept = num_accepted + 1
-                    self.draft_policy.observe_verified(r.request_id, s.num_drafts, num_accepted)
-                r.stats.record_step(s.num_drafts, num_accepted, len(emitted))
-                self.stats.record_step(s.num_drafts, num_accepted, len(emitted))
-            num_fed.append(s.num_tokens + s.num_drafts)
-            updates.append(RequestUpdate(r, emitted, kept))
-        self.state_bank.commit_step(plan.request_ids, output.present, num_fed,
-                                    [u.num_kept for u in updates], output.captures)
-        for s, u in zip(plan.scheduled, updates):
-            r = s.request
-            r.num_computed += u.num_kept
+            r.num_computed += kept
             self.kv_pool.commit(r.request_id, r.num_computed)
             if s.num_drafts:
                 self.head_pool.commit(r.request_id, r.num_head)
-            if u.new_token_ids:
-                u.new_token_ids, u.finish_reason = self._append_until_stop(r, u.new_token_ids)
+
+    def append_tokens(self, plan: StepPlan, sampled: dict[str, tuple[list[int], int]],
+                      num_kept: list[int]) -> list[RequestUpdate]:
+        """Each sampling request's emitted tokens appended (up to a stop id or a limit), its
+        counters and the draft policy told; one update per scheduled request. A request that
+        finished since the step was launched (a dead row of overlapped decoding) gets none."""
+        updates = []
+        for s, kept in zip(plan.scheduled, num_kept):
+            r = s.request
+            u = RequestUpdate(r, [], kept)
+            updates.append(u)
+            if not s.samples or r.request_id not in self.requests:
+                continue
+            emitted, num_accepted = sampled[r.request_id]
+            if s.num_drafts:
+                self.draft_policy.observe_verified(r.request_id, s.num_drafts, num_accepted)
+            r.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+            self.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+            if emitted:
+                u.new_token_ids, u.finish_reason = self._append_until_stop(r, emitted)
         return updates
 
     def cache_prefixes(self, plan: StepPlan, pending_rows=None) -> None:
@@ -387,6 +425,8 @@ class Scheduler:
             return
         for s in plan.scheduled:
             r = s.request
+            if r.request_id not in self.requests:      # finished: its entries go with its release
+                continue
             # a stop id inside an accepted draft run leaves num_computed one past the kept tokens
             num_computed = min(r.num_computed, len(r.token_ids))
             self.prefix_cache.committed(r.request_id, r.token_ids, r.num_prompt_tokens, num_computed,
@@ -420,7 +460,8 @@ class Scheduler:
             assert kv == st == r.num_computed, (
                 f"{r.request_id}: committed KV {kv}, state {st}, engine {r.num_computed}")
         resident = set(self.state_bank.request_ids)
-        assert resident == {r.request_id for r in self.running}, "state rows held by non-running requests"
+        assert resident == {r.request_id for r in self.running} | set(self.releasing), (
+            "state rows held by requests neither running nor finishing under a step in flight")
         assert set(self.kv_pool.request_ids) <= resident, "KV blocks held by non-resident requests"
         if self.head_pool is not None:
             assert set(self.head_pool.request_ids) <= resident, "head KV blocks held by non-resident requests"
@@ -428,10 +469,10 @@ class Scheduler:
         assert queued == set(self.requests), "a live request is in no queue, or a finished one still is"
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
-            self.prefix_cache.check_requests(set(self.requests))
+            self.prefix_cache.check_requests(set(self.requests) | set(self.releasing))
 
     def is_idle_and_empty(self) -> bool:
         """No requests, and every pool back to empty."""
-        return (not self.has_work and self.state_bank.num_resident_rows == 0
+        return (not self.has_work and not self.releasing and self.state_bank.num_resident_rows == 0
                 and self.kv_pool.num_free_blocks == self.kv_pool.num_usable_blocks
                 and (self.head_pool is None or self.head_pool.num_free_blocks == self.head_pool.num_usable_blocks))

@@ -151,6 +151,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prefix-host-gib", type=float, metavar="G",
                    help="with --replicas: the replicas' host tier for evicted prefixes (default: the server's; 0 = "
                         "none, so a small --num-blocks makes the cache's size matter)")
+    g.add_argument("--overlap-decode", default=None, metavar="on|off[,...]",
+                   help="in process: launch each decode step before the previous one's tokens are read (the "
+                        "engine's default: on with CUDA); on,off runs each and compares them ('mtpserve "
+                        "no-overlap')")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
@@ -270,6 +274,8 @@ def _bench(args) -> int:
     loads = _loads(args)
     parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache")      # a bad value fails now, not after a run
     parse_list(args.prefix_routing, _on_off, "--prefix-routing")
+    if args.overlap_decode is not None:
+        parse_list(args.overlap_decode, _on_off, "--overlap-decode")
     if args.nodes is not None:
         return _bench_nodes(args)
     if args.soak is not None:
@@ -350,12 +356,14 @@ def _bench(args) -> int:
                                  args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_rounds, run_engine_sweep
-        for mode in parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache"):
+        overlaps = [None] if args.overlap_decode is None else parse_list(args.overlap_decode, _on_off, "--overlap-decode")
+        for mode, overlap in [(m, o) for m in parse_list(args.prefix_cache, _prefix_mode, "--prefix-cache")
+                              for o in overlaps]:
             sweep = EngineSweep(str(manifest.path), args.device, args.num_threads, draft_tokens, a, loads,
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
-                                "all" if mode == "all" else "reused", args.phases)
+                                "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap)
             if args.rounds > 1:
                 runs = run_engine_rounds(sweep, workload, manifest.block_size, args.rounds, log=_log) + runs
             else:

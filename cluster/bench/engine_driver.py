@@ -43,10 +43,12 @@ class EngineSweep:
     prefix_cache: bool = True
     prefix_snapshots: str = "reused"        # the cache's snapshot policy (engine.config CacheConfig)
     phases: str = "off"                     # per-phase step times (bench/phases.py): off, on or sync
+    overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
 SNAPSHOTS_ALL = "mtpserve snapshots-all"   # ... and with it on, every prompt boundary snapshotted
+NO_OVERLAP = "mtpserve no-overlap"       # ... and with overlapped decoding turned off where it is the default
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
@@ -65,7 +67,8 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
                                           prefix_cache=sweep.prefix_cache, prefix_snapshots=sweep.prefix_snapshots),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
                         spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
-                        max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs)
+                        max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs,
+                        overlap_decode=sweep.overlap_decode)
 
 
 def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:
@@ -157,6 +160,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     records: dict[str, RequestRecord] = {}
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
+    continuations0, blockers0 = engine.num_continuations, dict(engine.overlap_blockers)
     depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
     cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
@@ -231,8 +235,12 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshots": engine.prefix_cache.num_snapshots,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
+    extra["overlap"] = {"on": engine.overlap, "continuations": engine.num_continuations - continuations0,
+                        "blockers": {why: n - blockers0.get(why, 0) for why, n in engine.overlap_blockers.items()
+                                     if n > blockers0.get(why, 0)}}
     system = NO_PREFIX_CACHE if engine.prefix_cache is None else \
-        SNAPSHOTS_ALL if engine.config.cache.prefix_snapshots == "all" else "mtpserve"
+        SNAPSHOTS_ALL if engine.config.cache.prefix_snapshots == "all" else \
+        NO_OVERLAP if sweep.overlap_decode is False else "mtpserve"
     return LoadRun(system, k, engine.config.spec.synthetic_acceptance, load.concurrency, load.request_rate,
                    end if error else max(finished, default=end), list(records.values()), _spec_counts(stats), extra, error)
 

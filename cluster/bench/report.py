@@ -251,6 +251,9 @@ def comparisons(summaries: list[dict]) -> list[dict]:
         uncached = by_key.get(("mtpserve no-prefix-cache", k, load, rnd))
         if system == "mtpserve" and uncached is not None:
             found.append(_ratio("prefix_cache_on_vs_off", s, uncached))
+        no_overlap = by_key.get(("mtpserve no-overlap", k, load, rnd))
+        if system == "mtpserve" and no_overlap is not None:
+            found.append(_ratio("overlap_on_vs_off", s, no_overlap))
         if system == "mtpserve snapshots-all" and uncached is not None:
             found.append(_ratio("snapshots_all_vs_off", s, uncached))
         if k == "auto":

@@ -27,12 +27,12 @@ def _cuda_available() -> bool:
 needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU with onnxruntime-gpu and cupy")
 
 
-def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True):
+def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True, overlap=None):
     return Engine(EngineConfig(str(model_dir), device=device,
                                cache=CacheConfig(num_blocks=512, max_resident_requests=32, prefix_cache=prefix_cache,
                                                  snapshot_interval=16),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
-                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs))
+                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs, overlap_decode=overlap))
 
 
 def _prefill_logits(engine, prompts):
@@ -222,6 +222,30 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert [r for r in eager if eager[r] != graphed[r]] == []
     assert g.num_replays > 0.5 * engine.num_steps
     assert engine.is_idle_and_empty()
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(model_dir, cuda_graphs):
+    """A decode step launched from the previous step's tokens on the device (graphs: copied into
+    the captured step's input ids; eager: read first) gives the tokens, finish reasons and pools
+    of stepping one step at a time, with requests ending under a step in flight."""
+    import dataclasses
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0, max_tokens=64)                   # may stop at EOS
+    params[4] = dataclasses.replace(greedy, stop=["\n"])                      # a stop string
+    ref, ref_reasons = run_all(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs, overlap=False),
+                               PROMPTS, params)
+    engine = engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs)
+    assert engine.overlap, "overlapped decoding is CUDA's default"
+    out, reasons = run_all(engine, PROMPTS, params)
+    print(f"overlap (graphs {cuda_graphs}): {engine.num_continuations} of {engine.num_steps} steps launched "
+          f"before their predecessor landed; no continuation: {engine.overlap_blockers}")
+    assert out == ref and reasons == ref_reasons
+    assert engine.num_continuations > 0.5 * engine.num_steps
+    if cuda_graphs:
+        assert engine.graphs.num_replays > engine.num_continuations / 2
 
 
 @needs_cuda

@@ -29,9 +29,13 @@
 # j: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 3 rounds, the 1.4 B model at synthetic 0.7
 #    K=0 / 2 / auto in 2 rounds (a session's last call: what its changes did).
 # k: the bundled model, K=0, against og.Engine at C=1 / 8 / 32 (the ">= 2x og.Engine at C=1").
+# l: after overlapped decoding: test_cuda, the bundled model K=0 with overlap on / off against
+#    og.Engine at C=1 / 8 / 32, then bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
+# m: the 1.4 B model K=0 with overlap on / off against og.Engine, C=1 / 8 / 32 / 64, fresh kernel
+#    cache (tokens/s, TTFT p99 and batch-1 TPOT against its replay), and its step costs (replays).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -178,6 +182,28 @@ k)
   timeout 170 "${bench[@]}" --draft-tokens 0 --concurrency 1,8,32 --num-prompts 32 --max-tokens 128 \
     --compare ortgenai --name bundled-vs-ortgenai 2>&1 | grep -v INFO | tail -14
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k" >&2; exit 2 ;;
+l)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+    | tee "$OUT/test-cuda.txt"
+  step bundled K=0 overlap on/off vs og.Engine, C=1/8/32
+  timeout 150 "${bench[@]}" --draft-tokens 0 --concurrency 1,8,32 --num-prompts 32 --max-tokens 128 \
+    --overlap-decode on,off --compare ortgenai --name bundled-overlap-vs-ortgenai 2>&1 | grep -v INFO | tail -16
+  bundled_mtp_rounds 2
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  ;;
+m)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step 1.4 B K=0 overlap on/off vs og.Engine, fresh kernel cache
+  (fresh_cupy; timeout 400 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --overlap-decode on,off --compare ortgenai --phases on \
+    --name mid-overlap-vs-ortgenai) 2>&1 | grep -v "INFO\|prefill:" | tail -40
+  step step costs, 1.4 B
+  timeout 70 python3 results/h200/scripts/step_costs.py $mid "$OUT/step-costs-mid.json" --batches 1,16 --no-profile \
+    2>&1 | grep -v Warning | tee "$OUT/step-costs-mid.txt" | grep -v onnxruntime | head -12
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m" >&2; exit 2 ;;
 esac
 step done

@@ -1,0 +1,153 @@
+"""Overlapped decoding (engine/pipeline.py) on the bundled model: a decode step launched before the
+tokens of the step it follows are read gives the same tokens, events and pools as stepping one
+step at a time, through finishes, cancels, arrivals, preemption and requests it must not overlap.
+
+On the CPU nothing runs in parallel (overlap_decode is off by default there); these tests turn it
+on to run the same bookkeeping the CUDA path runs: commit at launch, dead rows, late releases.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.request import FinishReason
+from mtpserve.engine.sampler import SamplingParams
+
+from test_engine import PROMPTS
+
+
+def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0) -> Engine:
+    return Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap,
+                               cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
+                               scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
+                               spec=SpecConfig(draft_tokens=k)))
+
+
+def run(engine: Engine, requests: list[tuple[str, object, SamplingParams]], during=None):
+    """Add ``requests`` (id, prompt, params), step to the end with the pools checked after every
+    step, ``during(engine, step_index)`` after each; (tokens, finish reasons, text) by id."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    tokens, reasons, text = {}, {}, {}
+    i = 0
+    while engine.has_work:
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            text[ev.request_id] = text.get(ev.request_id, "") + ev.text
+            if ev.finish_reason is not None:
+                assert ev.request_id not in reasons, f"{ev.request_id} finished twice"
+                reasons[ev.request_id] = ev.finish_reason
+        engine.check_integrity()
+        if during is not None:
+            during(engine, i)
+        i += 1
+    assert engine.is_idle_and_empty(), "pools not back to empty after every request finished"
+    return tokens, reasons, text
+
+
+def both(model_dir, requests, **kw):
+    """The same requests on an engine stepping one step at a time and on an overlapping one."""
+    plain = run(make(model_dir, False, **kw), requests)
+    engine = make(model_dir, True, **kw)
+    return plain, run(engine, requests), engine
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_greedy_tokens_equal_stepping_one_at_a_time_with_chunked_prefill_and_batching(model_dir):
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    plain, overlapped, engine = both(model_dir, requests)
+    assert overlapped == plain
+    # most decode steps were launched before their predecessor landed
+    assert engine.num_continuations > 0.5 * engine.num_steps, (engine.num_continuations, engine.num_steps,
+                                                               engine.overlap_blockers)
+
+
+def test_stop_ids_stop_strings_and_max_tokens_end_requests_under_a_step_in_flight(model_dir):
+    probe = make(model_dir, False)
+    text = run(probe, [("p", PROMPTS[2], GREEDY)])[2]["p"]
+    ids = probe.tokenizer.encode(text)
+    requests = [  # each ends at a different step, while its continuation is in flight
+        ("stop-string", PROMPTS[2], dataclasses.replace(GREEDY, stop=[text[12:15]])),
+        ("stop-id", PROMPTS[2], dataclasses.replace(GREEDY, stop_token_ids=[ids[7]])),
+        ("eos", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)),
+        *((f"len{n}", PROMPTS[4 + n], dataclasses.replace(GREEDY, max_tokens=n)) for n in (1, 2, 3, 9)),
+    ]
+    plain, overlapped, engine = both(model_dir, requests)
+    assert overlapped == plain
+    assert plain[1]["stop-string"] == plain[1]["stop-id"] == FinishReason.STOP
+    assert [len(plain[0][f"len{n}"]) for n in (1, 2, 3, 9)] == [1, 2, 3, 9]
+    assert engine.num_continuations > 0
+
+
+def test_a_cancel_under_a_step_in_flight_releases_its_row_when_that_step_lands(model_dir):
+    requests = [("a", PROMPTS[0], GREEDY), ("b", PROMPTS[1], GREEDY), ("c", PROMPTS[5], GREEDY)]
+    plain = run(make(model_dir, False), requests)
+    engine = make(model_dir, True)
+    seen = {}
+
+    def cancel(e, i):
+        if i == 8:
+            assert e._in_flight is not None and "b" in e._in_flight.plan.request_ids
+            rows = e.state_bank.num_free_rows
+            assert e.abort("b").finish_reason == FinishReason.ABORT
+            assert e.abort("b") is None                       # once
+            assert e.state_bank.num_free_rows == rows          # its row is still written by the launched step
+            seen["rows"] = rows
+        if i == 9:
+            assert e.state_bank.num_free_rows == seen["rows"] + 1
+    tokens, reasons, _ = run(engine, requests, during=cancel)
+    assert "b" not in reasons and len(tokens["b"]) < len(plain[0]["b"])
+    assert tokens["b"] == plain[0]["b"][:len(tokens["b"])]
+    assert {r: tokens[r] for r in "ac"} == {r: plain[0][r] for r in "ac"}
+
+
+def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
+    first = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])]
+    later = [(f"late{i}", p, GREEDY) for i, p in enumerate(PROMPTS[4:8])]
+    results = []
+    for overlap in (False, True):
+        engine = make(model_dir, overlap)
+
+        def arrive(e, i):
+            if i in (5, 11, 12, 30):
+                rid, prompt, params = later[[5, 11, 12, 30].index(i)]
+                e.add_request(rid, prompt, params)
+        results.append(run(engine, first, during=arrive))
+    assert results[1] == results[0]
+    assert set(results[1][0]) == {r for r, _, _ in first + later}
+    assert engine.overlap_blockers.get("a waiting request can be admitted", 0) > 0
+
+
+def test_preemption_and_requests_it_must_not_overlap_keep_every_output(model_dir):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
+    requests = [
+        *((f"g{i}", PROMPTS[i], GREEDY) for i in range(8)),
+        ("seeded", PROMPTS[9], seeded),
+        ("penalties", PROMPTS[10], dataclasses.replace(GREEDY, repetition_penalty=1.3, presence_penalty=0.5)),
+        ("logprobs", PROMPTS[11], dataclasses.replace(GREEDY, logprobs=2)),
+        ("min-tokens", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40, min_tokens=20)),
+    ]
+    # 24 usable blocks cannot hold 12 requests of ~60 tokens: the scheduler preempts
+    plain, overlapped, engine = both(model_dir, requests, num_blocks=25)
+    assert overlapped == plain
+    assert engine.num_preemptions > 0
+
+
+def test_mtp_engines_and_the_cpu_default_do_not_overlap(model_dir):
+    assert not make(model_dir, None).overlap
+    engine = make(model_dir, True, k=2)
+    run(engine, [("a", PROMPTS[0], GREEDY)])
+    assert engine.num_continuations == 0
+
+
+@pytest.mark.parametrize("max_rows", [2, 3])
+def test_a_full_state_bank_keeps_overlapping_while_requests_wait_for_a_row(model_dir, max_rows):
+    requests = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=12 + 5 * i)) for i, p in enumerate(PROMPTS[:6])]
+    plain, overlapped, engine = both(model_dir, requests, max_rows=max_rows)
+    assert overlapped == plain
+    assert engine.num_continuations > 0
