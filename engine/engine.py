@@ -326,7 +326,7 @@ class Engine:
             if not plan.scheduled:
                 return []
             self.num_steps += 1
-            if not self.overlap or overlap_blocker(plan, self.proposer is not None, self._picks_on_host) is not None:
+            if not self.overlap or overlap_blocker(plan, self._picks_on_host) is not None:
                 return self._run_step(plan, started)
             flight = self._launch(plan)
         self._in_flight = self._continue(flight)
@@ -344,6 +344,7 @@ class Engine:
         tokens this one feeds (a continuation)."""
         replays = self.graphs.num_replays if self.graphs is not None else 0
         if after is None:
+            self._keep_prefix_hits(plan)
             out = self._verify(plan, {})
             logits = self._processed(plan, {}, out.logits)
         else:
@@ -351,7 +352,11 @@ class Engine:
             logits = out.logits
         tokens = self._greedy_tokens(logits, plan.layout.target_row)
         handle = self._readback.send(tokens)
-        self.scheduler.commit_rows(plan, out.present, [s.num_tokens for s in plan.scheduled], out.captures)
+        kept = [s.num_tokens for s in plan.scheduled]
+        self.scheduler.commit_rows(plan, out.present, kept, out.captures)
+        if self.proposer is not None:            # the head's catch-up rows: known without the tokens
+            for s, start, n in zip(plan.scheduled, plan.layout.row_start, kept):
+                self.proposer.keep_hidden(s.request.request_id, out.hidden, start, n)
         return LaunchedStep(plan, tokens, handle, graphed=self.graphs is not None and self.graphs.num_replays > replays)
 
     def _continue(self, flight: LaunchedStep) -> LaunchedStep | None:
@@ -361,8 +366,13 @@ class Engine:
         s = self.scheduler
         why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
                                    self._host_rule, self.manifest.context_length)
-        if why is None and not all(self.kv_pool.reserve(r.request_id, r.num_computed + 1)
-                                   for r in (x.request for x in flight.plan.scheduled)):
+        requests = [x.request for x in flight.plan.scheduled]
+        if why is None and self.proposer is not None:
+            wanted = s.plan_drafts(requests)
+            if any(wanted):
+                s.hold_drafts(requests, wanted)          # the next schedule's plan
+                why = "the draft policy drafts next"
+        if why is None and not all(self.kv_pool.reserve(r.request_id, r.num_computed + 1) for r in requests):
             why = "no KV block for the next token"
         if why is not None:
             key = why.split(" ", 2)[-1] if why.startswith("request ") else why
@@ -382,7 +392,8 @@ class Engine:
         rows = [PackedRows([0], s.request.num_computed, self.kv_pool.block_table(s.request.request_id))
                 for s in plan.scheduled]
         if self.graphs is not None:
-            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=False, input_tokens=after.tokens)
+            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=self.proposer is not None,
+                                  input_tokens=after.tokens)
             if out is not None:
                 return out
         rows = [PackedRows([int(t)], r.past_len, r.block_table) for r, t in zip(rows, after.host_tokens(self._readback))]
@@ -396,7 +407,7 @@ class Engine:
         sampled = {s.request.request_id: ([int(t)], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
         updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
         self._advance_grammars(updates)
-        self.scheduler.cache_prefixes(plan)
+        self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
         return self._events(updates, {})
 
     def _greedy_tokens(self, logits, target_rows: list[int]):
@@ -442,10 +453,7 @@ class Engine:
 
     def _run_step(self, plan: StepPlan, started: float) -> list[TokenEvent]:
         """A step run to its end: propose, verify, accept, commit, outputs."""
-        if self.proposer is not None:
-            for rid, hit in plan.prefix_hits.items():     # the head catches up on the hit's last block
-                assert hit.hidden is not None, "a prefix-cache snapshot without the head's hidden rows"
-                self.proposer.keep_hidden(rid, hit.hidden, 0, len(hit.hidden))
+        self._keep_prefix_hits(plan)
         drafting = [s for s in plan.scheduled if s.num_drafts]
         head_rows = sum(s.request.num_computed - s.request.num_head for s in drafting)
         drafts = self.proposer.propose(drafting) if drafting else {}
@@ -467,6 +475,13 @@ class Engine:
                                     graphed=self.graphs is not None and self.graphs.num_replays > replays,
                                     num_head_rows=head_rows)
         return events
+
+    def _keep_prefix_hits(self, plan: StepPlan) -> None:
+        """The head catches up on each prefix hit's last block, from the entry's hidden rows."""
+        if self.proposer is not None:
+            for rid, hit in plan.prefix_hits.items():
+                assert hit.hidden is not None, "a prefix-cache snapshot without the head's hidden rows"
+                self.proposer.keep_hidden(rid, hit.hidden, 0, len(hit.hidden))
 
     def _advance_grammars(self, updates) -> None:
         if self.grammars:

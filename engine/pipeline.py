@@ -24,7 +24,9 @@ A continuation Q of the launched step P is taken (``continuation_blocker`` says 
 - no request of P finished or was cancelled since P was launched (a **dead row**: its tokens are
   dropped when P lands, and its pool space is released then, not before: a release moves a state
   row, under a step that still writes it);
-- the engine has no MTP proposer (a draft step's commit depends on its acceptance);
+- the draft policy plans no drafts for the next step (a draft step's commit depends on its
+  acceptance: it is scheduled, and run to its end, after P lands; the policy's answer is kept for
+  that schedule); with MTP on, each launched step's hidden rows go to the proposer at launch;
 - Q's KV fits (one more row per request, reserved now).
 
 A request that finishes when P lands (a stop id, a stop string, max_tokens) is a dead row of Q:
@@ -98,12 +100,10 @@ class LaunchedStep:
         return self._host
 
 
-def overlap_blocker(plan: StepPlan, has_proposer: bool, picks_on_host) -> str | None:
+def overlap_blocker(plan: StepPlan, picks_on_host) -> str | None:
     """Why a scheduled step must run to its end before anything else (None: it may be launched
     and land later). ``picks_on_host(s)``: why scheduled request s's part of the step needs the
     host to pick or score a token from its logits after the step (sampled, logprobs), or None."""
-    if has_proposer:
-        return "the engine drafts (MTP)"
     for s in plan.scheduled:
         if s.num_drafts:
             return "the step verifies drafts"

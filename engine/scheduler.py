@@ -143,6 +143,7 @@ class Scheduler:
         self.context_length = context_length
         self.prefix_cache = prefix_cache
         self.uniform_drafts = False             # one draft count per step (rule 4)
+        self._held_drafts: dict[str, int] | None = None    # plan_drafts' kept answer, by request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -303,7 +304,23 @@ class Scheduler:
         """Each decoding request's draft count before the caps, from the policy's plan for the
         step (``DraftPolicy.step_drafts``; one count for all under ``uniform_drafts``)."""
         decoding = [r for r in running if r.is_decoding]
-        return dict(zip((r.request_id for r in decoding), self.draft_policy.step_drafts(decoding, self.uniform_drafts)))
+        return dict(zip((r.request_id for r in decoding), self.plan_drafts(decoding)))
+
+    def plan_drafts(self, decoding: list[Request]) -> list[int]:
+        """The policy's draft counts for the next step of these decoding requests, asked once
+        per step: the answer given to overlapped decoding's check (``pipeline``: a continuation
+        is a step without drafts) is kept and is the next schedule's when it plans the same
+        requests, so a policy's turns (calibrating 0, 1, 0, ...) are not skipped."""
+        held, self._held_drafts = self._held_drafts, None
+        if held is not None and held.keys() == {r.request_id for r in decoding}:
+            return [held[r.request_id] for r in decoding]
+        if not self.max_drafts:
+            return [0] * len(decoding)
+        return self.draft_policy.step_drafts(decoding, self.uniform_drafts)
+
+    def hold_drafts(self, decoding: list[Request], wanted: list[int]) -> None:
+        """Keep ``plan_drafts``' answer for the next schedule of the same requests."""
+        self._held_drafts = dict(zip((r.request_id for r in decoding), wanted))
 
     def _num_drafts(self, req: Request, wanted: int, budget_left: int) -> int:
         context_left = self.context_length - len(req.token_ids)

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtpserve.engine.draft_policy import DraftPolicy
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.request import FinishReason
 from mtpserve.engine.sampler import SamplingParams
@@ -138,11 +139,52 @@ def test_preemption_and_requests_it_must_not_overlap_keep_every_output(model_dir
     assert engine.num_preemptions > 0
 
 
-def test_mtp_engines_and_the_cpu_default_do_not_overlap(model_dir):
+def test_the_cpu_default_is_off_and_a_fixed_draft_count_never_overlaps(model_dir):
     assert not make(model_dir, None).overlap
     engine = make(model_dir, True, k=2)
     run(engine, [("a", PROMPTS[0], GREEDY)])
-    assert engine.num_continuations == 0
+    assert engine.num_continuations == 0 and engine.stats.num_drafts > 0
+
+
+class EveryThirdStepDrafts(DraftPolicy):
+    """A draft policy whose answers go 0, 0, 3, 0, 0, 3, ... however often it is asked."""
+
+    def __init__(self):
+        self.answers, self.draft_steps = [], 0
+
+    def num_drafts(self, request) -> int:
+        return 0
+
+    def observe_step(self, timing) -> None:
+        self.draft_steps += timing is not None and timing.num_head_forwards > 0
+
+    def step_drafts(self, requests, uniform):
+        k = 3 if len(self.answers) % 3 == 2 else 0
+        self.answers.append(k)
+        return [k] * len(requests)
+
+
+def test_mtp_engines_overlap_their_steps_without_drafts_and_keep_every_planned_draft_step(model_dir):
+    """The policy is asked once per step: its answer to a continuation check is the next
+    schedule's, so none of its draft steps is lost (asked again, it would say 0 each time)."""
+    requests = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=120)) for i, p in enumerate(PROMPTS[:6])]
+    plain = run(make(model_dir, False), requests)
+    policy = EveryThirdStepDrafts()
+    engine = Engine(dataclasses.replace(make(model_dir, True, k=3).config), policy)
+    overlapped = run(engine, requests)
+    assert overlapped == plain                             # MTP on, overlapped: the K=0 engine's tokens
+    drafted = sum(1 for k in policy.answers if k)
+    print(f"{engine.num_continuations} continuations of {engine.num_steps} steps; the policy asked "
+          f"{len(policy.answers)} times, {drafted} draft steps planned, {policy.draft_steps} run")
+    assert engine.num_continuations > 0.3 * engine.num_steps
+    assert policy.draft_steps >= drafted - 1 > 15          # the last plan may find the requests finished
+
+
+def test_auto_drafting_overlaps_its_steps_without_drafts_and_keeps_greedy_tokens(model_dir):
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:8])]
+    plain, overlapped, engine = both(model_dir, requests, k="auto")
+    assert overlapped == plain
+    assert engine.num_continuations > 0 and engine.stats.num_drafts > 0
 
 
 @pytest.mark.parametrize("max_rows", [2, 3])
