@@ -33,9 +33,12 @@
 #    og.Engine at C=1 / 8 / 32, then bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
 # m: the 1.4 B model K=0 with overlap on / off against og.Engine, C=1 / 8 / 32 / 64, fresh kernel
 #    cache (tokens/s, TTFT p99 and batch-1 TPOT against its replay), and its step costs (replays).
+# n: after overlap in MTP engines: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds,
+#    the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds each.
+# o: the 1.4 B model K=0, overlap off first, then on, against og.Engine (64 requests): TTFT p99.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -48,7 +51,7 @@ fresh_cupy() { CUPY_CACHE_DIR=$(mktemp -d /tmp/cupy-XXXX); export CUPY_CACHE_DIR
 step() { echo "=== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 run_test_cuda() {        # the device tests of this checkout, their summary under $OUT
   step test_cuda
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
     | tee "$OUT/test-cuda.txt"
 }
 bundled_mtp_rounds() {   # $1 rounds of K=0 / 2 / 3 / auto at C=1 / 16, phases on
@@ -204,6 +207,26 @@ m)
   timeout 70 python3 results/h200/scripts/step_costs.py $mid "$OUT/step-costs-mid.json" --batches 1,16 --no-profile \
     2>&1 | grep -v Warning | tee "$OUT/step-costs-mid.txt" | grep -v onnxruntime | head -12
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m" >&2; exit 2 ;;
+n)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  run_test_cuda
+  bundled_mtp_rounds 2
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  for a in 0.7 0.3; do
+    step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
+    timeout 200 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+      --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
+      --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
+  done
+  ;;
+o)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step 1.4 B K=0 overlap off then on, vs og.Engine, C=1/8/32/64
+  (fresh_cupy; timeout 400 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 64 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --overlap-decode off,on --compare ortgenai --phases on \
+    --name mid-overlap-off-first-vs-ortgenai) 2>&1 | grep -v "INFO\|prefill:" | tail -30
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o" >&2; exit 2 ;;
 esac
 step done
