@@ -224,26 +224,61 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert engine.is_idle_and_empty()
 
 
+def _greedy_run(engine, params) -> tuple[dict, dict, dict]:
+    """(tokens, finish reasons, per token the top-2 logprobs when asked) of PROMPTS, pools checked."""
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r{i}", p, sp)
+    tokens, reasons, tops = {}, {}, {}
+    while engine.has_work:
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            tops.setdefault(ev.request_id, []).extend(ev.logprobs or [])
+            if ev.finish_reason is not None:
+                reasons[ev.request_id] = ev.finish_reason
+        engine.check_integrity()
+    assert engine.is_idle_and_empty()
+    return tokens, reasons, tops
+
+
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs,k", [(True, 0), (False, 0), (True, "auto")])
 def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(model_dir, cuda_graphs, k):
     """A decode step launched from the previous step's tokens on the device (graphs: copied into
     the captured step's input ids; eager: read first) gives the tokens, finish reasons and pools
-    of stepping one step at a time, with requests ending under a step in flight; with auto
-    drafting, its steps without drafts overlap and its draft steps do not."""
+    of stepping one step at a time, with requests ending under a step in flight (K=0: the same
+    forwards in the same order, so exactly). With auto drafting, its steps without drafts
+    overlap and its draft steps do not; its verify forwards have other shapes than MTP off's,
+    whose fp16 logits round differently, so a sequence may part from MTP off's where MTP off's
+    two best tokens were a near-tie (NEAR_TIE in logprob), as in the seeded test."""
     import dataclasses
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
     params[1] = SamplingParams(temperature=0, max_tokens=64)                   # may stop at EOS
     params[4] = dataclasses.replace(greedy, stop=["\n"])                      # a stop string
-    ref, ref_reasons = run_all(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs, overlap=False),
-                               PROMPTS, params)
+    # logprobs (the reference's top two at every token) keep its steps from overlapping anyway
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs,
+                                                   overlap=False),
+                                         [dataclasses.replace(p, logprobs=2) for p in params])
     engine = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=cuda_graphs)
     assert engine.overlap, "overlapped decoding is CUDA's default"
-    out, reasons = run_all(engine, PROMPTS, params)
+    out, reasons, _ = _greedy_run(engine, params)
     print(f"overlap (graphs {cuda_graphs}, K={k}): {engine.num_continuations} of {engine.num_steps} steps launched "
           f"before their predecessor landed; no continuation: {engine.overlap_blockers}")
-    assert out == ref and reasons == ref_reasons
+    parted = []
+    for rid in ref:
+        j = next((n for n, (x, y) in enumerate(zip(out[rid], ref[rid])) if x != y), None)
+        if j is None:
+            assert out[rid] == ref[rid] and reasons[rid] == ref_reasons[rid], rid
+            continue
+        (a, la), (b, lb) = tops[rid][j][2][:2]
+        parted.append({"request": rid, "position": j, "tokens": {out[rid][j], ref[rid][j]},
+                       "top two": {a, b}, "gap": la - lb})
+    print(f"{len(parted)} of {len(ref)} sequences part from stepping one at a time with MTP off: {parted}")
+    if k == 0:
+        assert not parted
+    assert len(parted) <= MAX_PARTED
+    for p in parted:
+        assert p["tokens"] == p["top two"] and p["gap"] < NEAR_TIE, f"a parting that is no near-tie: {p}"
     assert engine.num_continuations > (0.5 * engine.num_steps if k == 0 else 0)
     if cuda_graphs:
         assert engine.graphs.num_replays > engine.num_continuations / 2

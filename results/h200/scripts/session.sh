@@ -36,9 +36,10 @@
 # n: after overlap in MTP engines: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds,
 #    the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds each.
 # o: the 1.4 B model K=0, overlap off first, then on, against og.Engine (64 requests): TTFT p99.
+# p: test_cuda's overlap tests alone (what parted, if anything), then o.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -227,6 +228,18 @@ o)
     --concurrency 1,8,32,64 --draft-tokens 0 --overlap-decode off,on --compare ortgenai --phases on \
     --name mid-overlap-off-first-vs-ortgenai) 2>&1 | grep -v "INFO\|prefill:" | tail -30
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o" >&2; exit 2 ;;
+p)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda, the overlap tests
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py -k overlapped 2>&1 \
+    | grep -v "Warning\|onnxruntime_pybind" | grep "overlap (\|sequences part\|passed\|failed\|Error\|assert" | cut -c1-1500 \
+    | tee "$OUT/test-cuda-overlap.txt"
+  step waiting for the 1.4 B model; wait
+  step 1.4 B K=0 overlap off then on, vs og.Engine, C=1/8/32/64
+  (fresh_cupy; timeout 330 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 64 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --overlap-decode off,on --compare ortgenai --phases on \
+    --name mid-overlap-off-first-vs-ortgenai) 2>&1 | grep -v "INFO\|prefill:\|decode:" | tail -24
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p" >&2; exit 2 ;;
 esac
 step done
