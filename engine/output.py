@@ -4,7 +4,8 @@ Each request carries its own incremental detokenizer (``Request.detokenizer``). 
 as soon as no stop string can still be completed by later tokens: with stop strings, the last
 ``max(len(stop)) - 1`` characters are held back until they are known not to start one. A stop
 string ends the request with its text cut just before the stop string (just after it with
-``include_stop_str_in_output``).
+``include_stop_str_in_output``), and its tokens cut after the one that completed it (a step
+that emits several, under MTP, ends on the token plain decoding ends on).
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ class OutputProcessor:
         stop = req.params.stop
         detok = req.detokenizer
         searched = len(detok.text)
-        detok.add(new_token_ids)
+        # only text that the new tokens could have completed a stop string in
+        start = max(0, searched - max(map(len, stop)) + 1) if stop else 0
+        if stop and len(new_token_ids) > 1:
+            new_token_ids, logprobs = self._until_stop_string(req, new_token_ids, logprobs, start)
+        else:
+            detok.add(new_token_ids)
         text_end = len(detok.text)
         if stop:
-            # only text that the new tokens could have completed a stop string in
-            start = max(0, searched - max(map(len, stop)) + 1)
             hits = [(i, len(s)) for s in stop if (i := detok.text.find(s, start)) >= 0]
             if hits:
                 hit, length = min(hits)
@@ -49,3 +53,21 @@ class OutputProcessor:
             prompt, req.prompt_logprobs = [req.prompt_logprobs[i] for i in sorted(req.prompt_logprobs)], None
         return TokenEvent(req.request_id, new_token_ids, text, finish, req.num_prompt_tokens, req.num_output_tokens,
                           req.num_cached_tokens, logprobs, prompt)
+
+    @staticmethod
+    def _until_stop_string(req: Request, new_token_ids: list[int], logprobs: list | None, start: int):
+        """Several new tokens (a step's accepted drafts and its bonus token) fed one at a time
+        until the text holds a stop string: the tokens after the one that completed it are
+        dropped from the request and the event, so it ends on the token plain decoding ends on
+        (and usage counts what it would)."""
+        detok, stop = req.detokenizer, req.params.stop
+        for n, t in enumerate(new_token_ids, 1):
+            detok.add((t,))
+            if any(detok.text.find(s, start) >= 0 for s in stop):
+                break
+        dropped = len(new_token_ids) - n
+        if dropped:
+            del req.token_ids[-dropped:]
+            new_token_ids = new_token_ids[:n]
+            logprobs = logprobs[:n] if logprobs is not None else None
+        return new_token_ids, logprobs

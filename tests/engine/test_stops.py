@@ -105,3 +105,26 @@ def test_eos_ends_a_request_at_its_first_token(model_dir):
     tokens, reasons, _ = generate(engine, ["if __name__ == '__main__':\n    main()\n"],
                                   [SamplingParams(temperature=0, max_tokens=16)])
     assert len(tokens["r0"]) == 1 and tokens["r0"][0] in eos and reasons["r0"] == FinishReason.STOP
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_stop_string_inside_an_accepted_draft_run_ends_on_mtp_offs_last_token(model_dir, plain_reference, k):
+    """Text, tokens and output counts (usage) of requests ending on a stop string are MTP off's,
+    also where the token completing it came in the middle of a step's emitted run."""
+    probe = make_engine(model_dir, k=0)
+    stops = {}
+    for i in range(len(PROMPTS)):
+        text = probe.tokenizer.decode(plain_reference[f"r{i}"])
+        stops[i] = text[len(text) // 3:len(text) // 3 + 3]        # found in the first third, or earlier
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[stops[i]]) for i in range(len(PROMPTS))]
+    results = {}
+    for kk in (0, k):
+        engine = make_engine(model_dir, k=kk, budget=BUDGET, max_rows=32, batch=32)
+        tokens, reasons, requests = generate(engine, PROMPTS, params)
+        results[kk] = tokens, reasons, {rid: r.num_output_tokens for rid, r in requests.items()}, requests
+    (t0, r0, n0, _), (tk, rk, nk, requests) = results[0], results[k]
+    assert all(r == FinishReason.STOP for r in r0.values())
+    assert tk == t0 and rk == r0 and nk == n0
+    cut = [rid for rid, r in requests.items() if cut_inside_a_step(r)]
+    print(f"K={k}: {len(cut)} of {len(tk)} stop strings completed inside an accepted draft run")
+    assert len(cut) >= 5
