@@ -37,9 +37,11 @@
 #    the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds each.
 # o: the 1.4 B model K=0, overlap off first, then on, against og.Engine (64 requests): TTFT p99.
 # p: test_cuda's overlap tests alone (what parted, if anything), then o.
+# q: (needs the --serve kit) test_cuda, bundled K=0 vs og.Engine, HTTP direct ingress vs in process
+#    (bundled, C=1 / 16), the 1.4 B model's B=1 replay and its C=1 TPOT with overlap on / off.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -240,6 +242,23 @@ p)
     --concurrency 1,8,32,64 --draft-tokens 0 --overlap-decode off,on --compare ortgenai --phases on \
     --name mid-overlap-off-first-vs-ortgenai) 2>&1 | grep -v "INFO\|prefill:\|decode:" | tail -24
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p" >&2; exit 2 ;;
+q)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  run_test_cuda
+  step bundled K=0 vs og.Engine, C=1/8/32
+  timeout 100 "${bench[@]}" --draft-tokens 0 --concurrency 1,8,32 --num-prompts 32 --max-tokens 128 \
+    --compare ortgenai --no-plot --name bundled-vs-ortgenai 2>&1 | grep -v INFO | tail -8
+  step HTTP direct ingress vs in process, bundled
+  timeout 170 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-direct 2>&1 | grep -v INFO | tail -14
+  step waiting for the 1.4 B model; wait
+  step step costs, 1.4 B, B=1
+  timeout 60 python3 results/h200/scripts/step_costs.py $mid "$OUT/step-costs-mid.json" --batches 1 --no-profile \
+    2>&1 | grep "^main\|^head" | tee "$OUT/step-costs-mid.txt"
+  step 1.4 B K=0 C=1 overlap on/off
+  timeout 90 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 24 \
+    --concurrency 1 --draft-tokens 0 --overlap-decode on,off --no-plot --name mid-c1-overlap 2>&1 | grep -v INFO | tail -8
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q" >&2; exit 2 ;;
 esac
 step done
