@@ -14,6 +14,10 @@ and decode-only steps ("decode") are summed apart. A phase's time includes the p
     ├── processed (penalties, min_tokens and grammar masks on the logits), accept_step
     ├── score_prompts, update_from_output ── commit_step (the state bank's commit and replay)
     ├── keep_hidden, cache_prefixes, logprobs, outputs.process
+    ├── launch (overlapped decoding: a step, or the continuation of the one in flight, queued
+    │   and committed) ── verify | main replay, processed, commit_step, keep_hidden
+    ├── land (the step in flight: its tokens read, appended, events) ── cache_prefixes,
+    │   outputs.process
     └── observe_step (the draft policy)
 
 "other" is the step's time outside every outermost phase (the step's own glue). On CUDA the
@@ -38,6 +42,8 @@ PHASES = (
     ("proposer", "propose", "propose"),
     ("proposer.graphs", "draft", "head replay"),
     ("runner", "run_head", "head eager"),
+    ("", "_launch", "launch"),
+    ("", "_land", "land"),
     ("", "_verify", "verify"),
     ("graphs", "run", "main replay"),
     ("runner", "run_main", "main eager"),

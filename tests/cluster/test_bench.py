@@ -298,7 +298,7 @@ def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, 
         ms = p["phases_ms_per_step"]
         outer = [n for n in ms if n in {"schedule", "propose", "verify", "processed", "accept_step", "score_prompts",
                                         "update_from_output", "keep_hidden", "cache_prefixes", "logprobs",
-                                        "outputs.process", "observe_step", "other"}]
+                                        "outputs.process", "launch", "land", "observe_step", "other"}]
         assert sum(ms[n] for n in outer) == pytest.approx(p["ms_per_step"], rel=1e-3, abs=1e-3), kind
         assert ms["main eager"] <= ms["verify"] and ms["commit_step"] <= ms["update_from_output"], kind
         assert {"schedule", "verify", "accept_step", "update_from_output"} <= set(ms), kind
