@@ -70,6 +70,7 @@ class LoopSnapshot:
     draft_cost: float | None = None    # measured cost of a draft level, in plain decode steps
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_steps: int = 0
+    num_overlapped_steps: int = 0      # steps launched before the one they follow landed (engine/pipeline.py)
     step_time_ema_s: float = 0.0
     prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0         # of which served from it
@@ -464,7 +465,7 @@ class EngineLoop:
             max_pending_seen=self._max_pending_seen, sessions=self.sessions.session_ids,
             acceptance=self.policy.acceptance() if self.policy is not None else {},
             draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
-            spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps,
+            spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps, num_overlapped_steps=e.num_continuations,
             step_time_ema_s=self._step_time_ema, **prefix,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())
         self._published_at = now

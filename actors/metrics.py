@@ -13,6 +13,7 @@ follow vLLM's (``vllm:`` -> ``mtpserve:``) so existing dashboards need only a pr
     mtpserve:spec_decode_num_draft_tokens_total           mtpserve:spec_decode_num_accepted_tokens_total
     mtpserve:spec_decode_num_accepted_tokens_per_pos_total{position}
     mtpserve:num_target_forwards_total                    mtpserve:request_errors_total{status}
+    mtpserve:engine_steps_total                           mtpserve:engine_overlapped_steps_total
     mtpserve:session_handover_sessions_total{event}       mtpserve:session_handover_bytes_total{event}
     mtpserve:session_handover_held_bytes                  (the planner's, ``actors/handover.py``)
 
@@ -146,6 +147,9 @@ class _Collector:
             "per_pos": CounterMetricFamily("mtpserve:spec_decode_num_accepted_tokens_per_pos",
                                            "Accepted drafts by position.", labels=labels + ["position"]),
             "forwards": CounterMetricFamily("mtpserve:num_target_forwards", "Target-model forwards that emitted tokens.", labels=labels),
+            "steps": CounterMetricFamily("mtpserve:engine_steps", "Engine steps run.", labels=labels),
+            "overlapped": CounterMetricFamily("mtpserve:engine_overlapped_steps", "Engine steps launched before the "
+                                              "step they follow landed (overlapped decoding).", labels=labels),
             "pc_queries": CounterMetricFamily("mtpserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                               labels=labels),
             "pc_hits": CounterMetricFamily("mtpserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
@@ -177,6 +181,8 @@ class _Collector:
             for pos, n in enumerate(s.accepted_per_position):
                 fam["per_pos"].add_metric(lv + [str(pos)], n)
             fam["forwards"].add_metric(lv, s.num_target_forwards)
+            fam["steps"].add_metric(lv, loop.num_steps)
+            fam["overlapped"].add_metric(lv, loop.num_overlapped_steps)
             fam["pc_queries"].add_metric(lv, loop.prefix_cache_queries)
             fam["pc_hits"].add_metric(lv, loop.prefix_cache_hits)
             fam["pc_blocks"].add_metric(lv, loop.prefix_cache_blocks)

@@ -16,7 +16,7 @@ def test_render_labels_each_replica_and_counts_match_what_was_recorded():
     spec = SpecDecodeStats()
     spec.record_step(3, 2, 3)
     loop = LoopSnapshot(num_usable_blocks=100, num_free_blocks=75, num_rows=8, num_free_rows=6,
-                        num_running=2, num_pending=1, spec=spec)
+                        num_running=2, num_pending=1, spec=spec, num_steps=40, num_overlapped_steps=31)
     text = render_metrics("m", {"r1": (rec.snapshot(), loop), "r2": (MetricsRecorder().snapshot(), None)}).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -34,6 +34,7 @@ def test_render_labels_each_replica_and_counts_match_what_was_recorded():
     assert get("mtpserve:spec_decode_num_draft_tokens_total") == 3
     assert get("mtpserve:spec_decode_num_accepted_tokens_total") == 2
     assert get("mtpserve:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert get("mtpserve:engine_steps_total") == 40 and get("mtpserve:engine_overlapped_steps_total") == 31
     assert get("mtpserve:time_to_first_token_seconds_count", replica="r2") == 0
 
 
