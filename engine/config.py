@@ -172,7 +172,7 @@ class EngineConfig:
                                       "at start and replay them (off: every step runs eagerly, for debugging)")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "
                                                 "are read, so the GPU runs it while the host handles those "
-                                                "(greedy requests without drafts; exact). Default: on with "
+                                                "(steps without drafts, greedy or sampled; exact). Default: on with "
                                                 "CUDA, off on the CPU (nothing runs in parallel there)")
     max_model_len: int | None = setting(None, "longest prompt + output a request may reach (default: the "
                                               "model's context); sizes the KV cache and, on CUDA, the block tables")

@@ -42,7 +42,7 @@ from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, continuation_b
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
-from mtpserve.engine.sampler import SamplingParams, apply_penalties, row_argmax, token_logprobs
+from mtpserve.engine.sampler import SamplingParams, apply_penalties, draw_tokens, probs, row_argmax, token_logprobs
 from mtpserve.engine.scheduler import ScheduledRequest, Scheduler, StepLayout, StepOutput, StepPlan
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
@@ -211,7 +211,7 @@ class Engine:
 
     def warm_up_requests(self) -> None:
         """A few short requests through the whole step path before any user's, in two waves of
-        two (a greedy and a sampled one each): the second wave prefills while the first decodes,
+        two (a greedy and a sampled one each, seeded in the first, not in the second): the second wave prefills while the first decodes,
         so a step carries several decode rows beside several prompt chunks, drafts are verified
         and rolled back (MTP), and greedy and sampled accepts run at batch sizes above one.
         Afterwards the engine is idle and empty, its counters are zero again, and the draft
@@ -225,9 +225,10 @@ class Engine:
         bs, vocab = self.manifest.block_size, self.manifest.vocab_size
         n = 2 + 2 * self.max_drafts
         greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0, max_tokens=n, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0, max_tokens=n, ignore_eos=True)
+        unseeded = dataclasses.replace(seeded, seed=None)     # the other draw (inverse CDF) of the sampler
         for wave in range(2):
-            for i, params in enumerate((greedy, sampled)):
+            for i, params in enumerate((greedy, seeded if wave == 0 else unseeded)):
                 offset = 2 * wave + i                             # distinct prompts: no prefix hits
                 prompt = [(7 * t + 11 + 13 * offset) % vocab for t in range(3 * bs + 5)]
                 self.add_request(f"<warm-up-{offset}>", prompt, params)
@@ -236,7 +237,8 @@ class Engine:
             self.step()
         assert self.is_idle_and_empty(), "the warm-up requests left something behind"
         self.draft_policy.reset_step_costs()
-        self.num_steps, self.last_step = 0, None
+        self.num_steps, self.last_step, self.num_continuations = 0, None, 0
+        self.overlap_blockers.clear()
         self.scheduler.stats = SpecDecodeStats()
         self.scheduler.num_preemptions = 0
         if self.prefix_cache is not None:
@@ -331,6 +333,8 @@ class Engine:
             flight = self._launch(plan)
         self._in_flight = self._continue(flight)
         events = self._land(flight)
+        if self._in_flight is not None and self._in_flight.tokens is None:
+            self._pick_tokens(self._in_flight)          # sampled: drawn now that the step before landed
         self.scheduler.release_finished(keep=set(self._in_flight.plan.request_ids) if self._in_flight else frozenset())
         plan = flight.plan
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, any(s.num_tokens > 1 for s in plan.scheduled),
@@ -339,9 +343,10 @@ class Engine:
 
     # ------------------------------------------------------------------ overlapped decoding (pipeline.py)
     def _launch(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue a step without drafts and commit it (its commit does not depend on its tokens);
-        its greedy tokens go to the host without a wait. ``after``: the launched step whose
-        tokens this one feeds (a continuation)."""
+        """Queue a step without drafts and commit it (its commit does not depend on its tokens).
+        Its tokens are picked on the device and go to the host without a wait, here, or for a
+        continuation with sampled requests after the step before it lands (``_pick_tokens``).
+        ``after``: the launched step whose tokens this one feeds (a continuation)."""
         replays = self.graphs.num_replays if self.graphs is not None else 0
         if after is None:
             self._keep_prefix_hits(plan)
@@ -350,14 +355,34 @@ class Engine:
         else:
             out = self._verify_continuation(plan, after)
             logits = out.logits
-        tokens = self._greedy_tokens(logits, plan.layout.target_row)
-        handle = self._readback.send(tokens)
+        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, logits)
+        if after is None or all(s.request.params.is_greedy for s in plan.scheduled):
+            self._pick_tokens(flight)
         kept = [s.num_tokens for s in plan.scheduled]
         self.scheduler.commit_rows(plan, out.present, kept, out.captures)
         if self.proposer is not None:            # the head's catch-up rows: known without the tokens
             for s, start, n in zip(plan.scheduled, plan.layout.row_start, kept):
                 self.proposer.keep_hidden(s.request.request_id, out.hidden, start, n)
-        return LaunchedStep(plan, tokens, handle, graphed=self.graphs is not None and self.graphs.num_replays > replays)
+        return flight
+
+    def _pick_tokens(self, flight: LaunchedStep) -> None:
+        """The launched step's tokens on the device, as ``accept_step`` picks them (greedy: the
+        argmax; sampled: ``draw_tokens`` on the processed probabilities, each request's draws in
+        step order), and their copy to the host started."""
+        plan, logits, xp = flight.plan, flight.logits, self.xp
+        rows = plan.layout.target_row
+        sampled = [i for i, s in enumerate(plan.scheduled) if s.samples and not s.request.params.is_greedy]
+        tokens = self._greedy_tokens(logits, rows) if len(sampled) < len(rows) else None
+        if sampled:
+            requests = [plan.scheduled[i].request for i in sampled]
+            target = probs(logits[xp.asarray(np.array([rows[i] for i in sampled], np.int64))],
+                           [r.params for r in requests], xp)
+            drawn = draw_tokens(target, requests, [0] * len(requests), xp, on_device=True)
+            if tokens is None:
+                tokens = drawn
+            else:
+                tokens[xp.asarray(np.array(sampled, np.int64))] = drawn
+        flight.tokens, flight.readback, flight.logits = tokens, self._readback.send(tokens), None
 
     def _continue(self, flight: LaunchedStep) -> LaunchedStep | None:
         """The continuation of ``flight`` launched (one more token per request, its ids those
@@ -427,11 +452,7 @@ class Engine:
         r, p = s.request, s.request.params
         if p.prompt_logprobs is not None and r.num_output_tokens == 0:
             return "prompt_logprobs"
-        if not s.samples:
-            return None
-        if not p.is_greedy:
-            return "sampled"
-        if p.logprobs is not None:
+        if s.samples and p.logprobs is not None:
             return "logprobs"
         return None
 
@@ -439,8 +460,6 @@ class Engine:
         """Why request r's token after the launched one needs the host first (its history, its
         grammar's state or its count go into the logits), or None."""
         p = r.params
-        if not p.is_greedy:
-            return "sampled"
         if p.logprobs is not None:
             return "logprobs"
         if p.has_penalties:

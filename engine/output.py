@@ -61,8 +61,10 @@ class OutputProcessor:
         dropped from the request and the event, so it ends on the token plain decoding ends on
         (and usage counts what it would)."""
         detok, stop = req.detokenizer, req.params.stop
-        for n, t in enumerate(new_token_ids, 1):
-            detok.add((t,))
+        n = 0
+        while n < len(new_token_ids):
+            detok.add(new_token_ids[n:n + 1])
+            n += 1
             if any(detok.text.find(s, start) >= 0 for s in stop):
                 break
         dropped = len(new_token_ids) - n

@@ -16,9 +16,9 @@ request, against a 2 ms step of the 1.4 B model).
 
 A continuation Q of the launched step P is taken (``continuation_blocker`` says why not) when:
 
-- every request of P sampled in P (no prompt chunk left), decodes greedily, and needs nothing
-  the host must compute from P's token first (penalties, a grammar, a min_tokens mask,
-  logprobs), and can take one more token after P's (max_tokens, the context);
+- every request of P sampled in P (no prompt chunk left), needs nothing the host must compute
+  from P's token first (penalties, a grammar, a min_tokens mask, logprobs), and can take one more
+  token after P's (max_tokens, the context);
 - P's requests are all the running ones and no waiting request could be admitted now (else the
   scheduler decides the next step, after P lands);
 - no request of P finished or was cancelled since P was launched (a **dead row**: its tokens are
@@ -28,6 +28,13 @@ A continuation Q of the launched step P is taken (``continuation_blocker`` says 
   acceptance: it is scheduled, and run to its end, after P lands; the policy's answer is kept for
   that schedule); with MTP on, each launched step's hidden rows go to the proposer at launch;
 - Q's KV fits (one more row per request, reserved now).
+
+Tokens are picked on the device: greedy rows by one argmax kernel, sampled rows by the sampler's
+own draws (``draw_tokens(on_device=True)``: a seeded request's keyed noise, any other's next
+uniform from its RNG, in the order plain stepping draws them). A continuation with sampled
+requests picks its tokens after P has landed (their positions count P's token; the sampler may
+wait for the device, e.g. top-p's candidate check, and then waits on Q's forward with P's host
+work already done); an all-greedy one picks them at its launch.
 
 A request that finishes when P lands (a stop id, a stop string, max_tokens) is a dead row of Q:
 its event goes out at once, its release waits until Q lands, and Q has no continuation.
@@ -88,9 +95,11 @@ class TokenReadback:
 class LaunchedStep:
     """A step whose device work is queued and whose commit is done, but whose tokens are not read."""
     plan: StepPlan
-    tokens: object                  # int64 [B]: request i's token (the argmax of its target row), device or host
-    readback: tuple                 # TokenReadback handle of ``tokens``
     graphed: bool                   # its forward replayed a captured graph
+    logits: object = None           # its (processed) logits, until its tokens are picked
+    tokens: object = None           # int64 [B]: request i's token (greedy: its target row's argmax; sampled:
+                                    # drawn on the device), once picked
+    readback: tuple | None = None   # TokenReadback handle of ``tokens``
     _host: np.ndarray | None = field(default=None, repr=False)
 
     def host_tokens(self, readback: TokenReadback) -> np.ndarray:

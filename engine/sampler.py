@@ -374,8 +374,9 @@ def per_row_rngs(rngs: np.random.Generator | Sequence[np.random.Generator], num_
     return rngs
 
 
-def sample_from_probs(probs_rows, uniforms, xp=None) -> np.ndarray:
-    """Inverse-CDF sampling: token ids (host int64 [N]) of probs [N, V] at uniforms [N] in [0, 1).
+def sample_from_probs(probs_rows, uniforms, xp=None, on_device: bool = False) -> np.ndarray:
+    """Inverse-CDF sampling: token ids (host int64 [N]; an xp array with ``on_device``, nothing
+    waiting for the device) of probs [N, V] at uniforms [N] in [0, 1).
 
     Row i picks the first token whose cumulative mass exceeds ``uniforms[i] * total``;
     zero-probability tokens can never be picked.
@@ -383,7 +384,11 @@ def sample_from_probs(probs_rows, uniforms, xp=None) -> np.ndarray:
     xp = xp or np
     cdf = xp.cumsum(xp.asarray(probs_rows), axis=1)
     u = xp.asarray(np.asarray(uniforms, dtype=np.float64).reshape(-1, 1), dtype=cdf.dtype)
-    ids = to_host((cdf <= u * cdf[:, -1:]).sum(axis=1)).astype(np.int64)
+    ids = (cdf <= u * cdf[:, -1:]).sum(axis=1).astype(np.int64)
+    if on_device:         # u * total rounded up to total: the last token with mass, for every row
+        last = cdf.shape[1] - 1 - (xp.asarray(probs_rows)[:, ::-1] > 0).argmax(axis=1)
+        return xp.where(ids >= cdf.shape[1], last, ids).astype(np.int64)
+    ids = to_host(ids)
     overshoot = ids >= cdf.shape[1]
     if overshoot.any():  # u * total rounded up to total: take the last token with mass
         positive = to_host(xp.asarray(probs_rows)[np.flatnonzero(overshoot)] > 0)
@@ -415,7 +420,8 @@ def position_noise(seeds: Sequence[int], positions: Sequence[int], vocab_size: i
     return -xp.log(u)
 
 
-def sample_keyed(probs_rows, seeds: Sequence[int], positions: Sequence[int], xp=None) -> np.ndarray:
+def sample_keyed(probs_rows, seeds: Sequence[int], positions: Sequence[int], xp=None,
+                 on_device: bool = False) -> np.ndarray:
     """Token ids (host int64 [N]) of probs [N, V]: row i takes argmax_v p(v) / E_v with E the
     ``position_noise`` of (seeds[i], positions[i]) (the exponential race, the Gumbel-max trick:
     a draw from p, zero-probability tokens never). Two distributions drawn at the same (seed,
@@ -424,24 +430,32 @@ def sample_keyed(probs_rows, seeds: Sequence[int], positions: Sequence[int], xp=
     xp = xp or np
     p = xp.asarray(probs_rows)
     noise = position_noise(seeds, positions, p.shape[1], xp)
-    return to_host((p.astype(xp.float64) / noise).argmax(axis=1)).astype(np.int64)
+    ids = (p.astype(xp.float64) / noise).argmax(axis=1).astype(np.int64)
+    return ids if on_device else to_host(ids)
 
 
-def draw_tokens(probs_rows, requests: Sequence, offsets: Sequence[int], xp=None) -> np.ndarray:
-    """One token (host int64 [N]) from each row of processed probs [N, V]: row i is request i's
-    output position n + offsets[i] (n: its output tokens so far). A seeded request draws with the
-    noise of (its seed, that position) (``sample_keyed``: the same token whoever draws it, at any
-    draft count); any other at its RNG's next uniform (``sample_from_probs``, inverse CDF)."""
+def draw_tokens(probs_rows, requests: Sequence, offsets: Sequence[int], xp=None, on_device: bool = False) -> np.ndarray:
+    """One token (host int64 [N]; an xp array with ``on_device``, nothing waiting for the device)
+    from each row of processed probs [N, V]: row i is request i's output position n + offsets[i]
+    (n: its output tokens so far). A seeded request draws with the noise of (its seed, that
+    position) (``sample_keyed``: the same token whoever draws it, at any draft count); any other
+    at its RNG's next uniform (``sample_from_probs``, inverse CDF)."""
     xp = xp or np
-    out = np.empty(len(requests), np.int64)
     seeded = [i for i, r in enumerate(requests) if r.params.is_seeded_sampled]
     rest = [i for i, r in enumerate(requests) if not r.params.is_seeded_sampled]
+    out = (xp if on_device else np).empty(len(requests), np.int64)
 
     def rows(index: list[int]):
         return probs_rows if len(index) == len(requests) else probs_rows[xp.asarray(np.array(index))]
+
+    def put(index: list[int], ids) -> None:
+        if len(index) == len(requests):
+            out[...] = ids
+        else:
+            out[xp.asarray(np.array(index)) if on_device else index] = ids
     if seeded:
-        out[seeded] = sample_keyed(rows(seeded), [requests[i].params.seed for i in seeded],
-                                   [requests[i].num_output_tokens + offsets[i] for i in seeded], xp)
+        put(seeded, sample_keyed(rows(seeded), [requests[i].params.seed for i in seeded],
+                                 [requests[i].num_output_tokens + offsets[i] for i in seeded], xp, on_device))
     if rest:
-        out[rest] = sample_from_probs(rows(rest), [requests[i].rng.random() for i in rest], xp)
+        put(rest, sample_from_probs(rows(rest), [requests[i].rng.random() for i in rest], xp, on_device))
     return out

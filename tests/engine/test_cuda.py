@@ -285,6 +285,33 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
 
 
 @needs_cuda
+def test_cuda_overlapped_sampled_decoding_draws_what_stepping_one_at_a_time_draws(model_dir):
+    """Sampled tokens drawn on the device (seeded: keyed noise; unseeded: the request's next
+    uniform, its RNG seeded alike in both engines here), greedy ones beside them: the same
+    forwards in the same order as stepping one step at a time, so the same tokens."""
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=48, ignore_eos=True),
+             SamplingParams(temperature=1.0, top_k=20, max_tokens=48, ignore_eos=True),
+             SamplingParams(temperature=0.7, min_p=0.05, top_p=0.95, max_tokens=48),
+             SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)]
+    results = []
+    for overlap in (False, True):
+        engine = engine_on(model_dir, "cuda", budget=48, overlap=overlap)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", p, kinds[i % 4]).rng = np.random.default_rng(i)
+        tokens = {}
+        while engine.has_work:
+            for ev in engine.step():
+                tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            engine.check_integrity()
+        assert engine.is_idle_and_empty()
+        results.append(tokens)
+    print(f"sampled overlap: {engine.num_continuations} of {engine.num_steps} steps launched before their "
+          f"predecessor landed; no continuation: {engine.overlap_blockers}")
+    assert results[1] == results[0]
+    assert engine.num_continuations > 0.5 * engine.num_steps
+
+
+@needs_cuda
 @pytest.mark.parametrize("k", [0, 2])
 def test_cuda_prefix_cache_hits_are_token_identical_to_the_cache_off(model_dir, k):
     """A shared system prompt, then requests that start from its snapshot (shared KV blocks,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -137,6 +138,25 @@ def test_preemption_and_requests_it_must_not_overlap_keep_every_output(model_dir
     plain, overlapped, engine = both(model_dir, requests, num_blocks=25)
     assert overlapped == plain
     assert engine.num_preemptions > 0
+
+
+def test_sampled_requests_overlap_and_draw_what_stepping_one_at_a_time_draws(model_dir):
+    """Seeded requests draw with their (seed, position) noise, any other at its RNG's next
+    uniform: the same draws, in the same order, as stepping one step at a time (each unseeded
+    request's RNG is seeded here, alike in both engines, so its draws can be compared)."""
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=1.0, top_k=20, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0.7, min_p=0.05, top_p=0.95, max_tokens=40),
+             GREEDY]
+    requests = [(f"r{i}", p, kinds[i % 4]) for i, p in enumerate(PROMPTS[:12])]
+    results = []
+    for overlap in (False, True):
+        engine = make(model_dir, overlap)
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params).rng = np.random.default_rng(int(rid[1:]))
+        results.append(run(engine, []))
+    assert results[1] == results[0]
+    assert engine.num_continuations > 0.5 * engine.num_steps, engine.overlap_blockers
 
 
 def test_the_cpu_default_is_off_and_a_fixed_draft_count_never_overlaps(model_dir):
