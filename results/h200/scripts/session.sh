@@ -39,9 +39,10 @@
 # p: test_cuda's overlap tests alone (what parted, if anything), then o.
 # q: (needs the --serve kit) test_cuda, bundled K=0 vs og.Engine, HTTP direct ingress vs in process
 #    (bundled, C=1 / 16), the 1.4 B model's B=1 replay and its C=1 TPOT with overlap on / off.
+# r: (a session's last minutes) test_cuda's sampled overlap test and its greedy K=0 graph case.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -259,6 +260,12 @@ q)
   timeout 90 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 24 \
     --concurrency 1 --draft-tokens 0 --overlap-decode on,off --no-plot --name mid-c1-overlap 2>&1 | grep -v INFO | tail -8
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q" >&2; exit 2 ;;
+r)
+  step test_cuda, sampled and greedy overlap
+  timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "overlapped_sampled or (overlapped and True-0)" 2>&1 | grep -v "Warning\|onnxruntime_pybind" \
+    | grep "overlap\|sequences part\|passed\|failed\|Error\|assert" | cut -c1-1500 | tee "$OUT/test-cuda-overlap.txt"
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r" >&2; exit 2 ;;
 esac
 step done
