@@ -21,8 +21,9 @@ from mtpserve.engine.sampler import SamplingParams
 from test_engine import PROMPTS
 
 
-def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0) -> Engine:
-    return Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap,
+def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0,
+         max_model_len=None) -> Engine:
+    return Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
                                spec=SpecConfig(draft_tokens=k)))
@@ -83,6 +84,15 @@ def test_stop_ids_stop_strings_and_max_tokens_end_requests_under_a_step_in_fligh
     assert overlapped == plain
     assert plain[1]["stop-string"] == plain[1]["stop-id"] == FinishReason.STOP
     assert [len(plain[0][f"len{n}"]) for n in (1, 2, 3, 9)] == [1, 2, 3, 9]
+    assert engine.num_continuations > 0
+
+
+def test_requests_reaching_the_context_end_under_a_step_in_flight_end_there(model_dir):
+    requests = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=200)) for i, p in enumerate(PROMPTS[:6])]
+    plain, overlapped, engine = both(model_dir, requests, max_model_len=64)
+    assert overlapped == plain
+    assert set(plain[1].values()) == {FinishReason.LENGTH}
+    assert all(len(engine.tokenizer.encode(p)) + len(plain[0][rid]) == 64 for rid, p, _ in requests)
     assert engine.num_continuations > 0
 
 
