@@ -335,7 +335,8 @@ class Engine:
         events = self._land(flight)
         if self._in_flight is not None and self._in_flight.tokens is None:
             self._pick_tokens(self._in_flight)          # sampled: drawn now that the step before landed
-        self.scheduler.release_finished(keep=set(self._in_flight.plan.request_ids) if self._in_flight else frozenset())
+        if self.scheduler.releasing:          # dead rows whose step has landed
+            self.scheduler.release_finished(keep=set(self._in_flight.plan.request_ids) if self._in_flight else set())
         plan = flight.plan
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, any(s.num_tokens > 1 for s in plan.scheduled),
                                     time.perf_counter() - started, graphed=flight.graphed)
@@ -372,7 +373,7 @@ class Engine:
         plan, logits, xp = flight.plan, flight.logits, self.xp
         rows = plan.layout.target_row
         sampled = [i for i, s in enumerate(plan.scheduled) if s.samples and not s.request.params.is_greedy]
-        tokens = self._greedy_tokens(logits, rows) if len(sampled) < len(rows) else None
+        tokens = row_argmax(logits, xp, rows) if len(sampled) < len(rows) else None
         if sampled:
             requests = [plan.scheduled[i].request for i in sampled]
             target = probs(logits[xp.asarray(np.array([rows[i] for i in sampled], np.int64))],
@@ -435,17 +436,6 @@ class Engine:
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
         return self._events(updates, {})
 
-    def _greedy_tokens(self, logits, target_rows: list[int]):
-        """int64 [B]: the argmax of each target row, lowest id on ties as ``accept_step``'s (on
-        CUDA one kernel, no CuPy indexing that could build a kernel on a live step; nothing waits)."""
-        rows = np.asarray(target_rows, np.int64)
-        if self.xp is np or logits.dtype not in (np.float16, np.float32) or not logits.flags.c_contiguous:
-            return row_argmax(logits[self.xp.asarray(rows)], self.xp)
-        from mtpserve.engine.cuda_kernels import argmax_rows
-        if (rows == np.arange(len(rows))).all():
-            return argmax_rows(logits, num_rows=len(rows))
-        return argmax_rows(logits, rows=self.xp.asarray(rows))
-
     def _picks_on_host(self, s: ScheduledRequest) -> str | None:
         """Why a scheduled request's part of a step needs the host to pick or score a token from
         the logits after the step (so the step cannot land later), or None."""
@@ -459,9 +449,7 @@ class Engine:
     def _host_rule(self, r: Request) -> str | None:
         """Why request r's token after the launched one needs the host first (its history, its
         grammar's state or its count go into the logits), or None."""
-        p = r.params
-        if p.logprobs is not None:
-            return "logprobs"
+        p = r.params              # (logprobs never get here: such a step is not launched, _picks_on_host)
         if p.has_penalties:
             return "penalties"
         if r.request_id in self.grammars:

@@ -11,8 +11,8 @@ A step whose requests all continue decoding can then be followed at once by its
                                                ^ the host works on P while the GPU runs Q
 
 Without this the GPU waits for the host between steps (the accept's read, the commit's and
-outputs' bookkeeping, the next schedule and launch: ~0.4-0.6 ms a step on the H200 at one
-request, against a 2 ms step of the 1.4 B model).
+outputs' bookkeeping, the next schedule and launch): on the H200 at one request the 1.4 B
+model's decode step replays in 1.98 ms and its TPOT was 2.5-2.64 ms without overlap, 2.09 with.
 
 A continuation Q of the launched step P is taken (``continuation_blocker`` says why not) when:
 
@@ -112,7 +112,7 @@ class LaunchedStep:
 def overlap_blocker(plan: StepPlan, picks_on_host) -> str | None:
     """Why a scheduled step must run to its end before anything else (None: it may be launched
     and land later). ``picks_on_host(s)``: why scheduled request s's part of the step needs the
-    host to pick or score a token from its logits after the step (sampled, logprobs), or None."""
+    host to pick or score a token from its logits after the step (logprobs), or None."""
     for s in plan.scheduled:
         if s.num_drafts:
             return "the step verifies drafts"
@@ -127,16 +127,16 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
     """Why the launched step ``plan`` cannot be followed by its continuation now (None: it can;
     see the module docstring). ``num_running``: the scheduler's running requests (a request of
     the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r)``:
-    why request r's token after this step's needs the host first (penalties, grammar, masks,
-    sampling), or None. Host data only: no GPU or pool in here."""
+    why request r's token after this step's needs the host first (penalties, grammar, a
+    min_tokens mask), or None. Host data only: no GPU or pool in here."""
     if len(plan.scheduled) != num_running:
         return "a request of the step finished, or a running one is not in it"
     if can_admit:
         return "a waiting request can be admitted"
     for s in plan.scheduled:
         r = s.request
-        if not s.samples or s.num_drafts:
-            return f"request {r.request_id} fed a prompt chunk or drafts"
+        if not s.samples:              # (no drafts: overlap_blocker let only such steps launch)
+            return f"request {r.request_id} fed a prompt chunk"
         why = host_rule(r)
         if why is not None:
             return why

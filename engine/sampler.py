@@ -234,12 +234,18 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(int(seed) % 2**64)
 
 
-def row_argmax(logits, xp=np):
-    """[N] int64: each row's argmax, lowest id on ties (on a GPU one kernel: cuda_kernels)."""
+def row_argmax(logits, xp=np, rows: Sequence[int] | None = None):
+    """int64: each row's argmax (of rows ``rows`` only, in their order, when given), lowest id on
+    ties (on a GPU one kernel, ``cuda_kernels.argmax_rows``, with no CuPy indexing)."""
     if xp is np or logits.ndim != 2 or not logits.flags.c_contiguous or logits.dtype not in (np.float16, np.float32):
-        return logits.argmax(axis=1)
+        return (logits if rows is None else logits[xp.asarray(np.asarray(rows, np.int64))]).argmax(axis=1)
     from mtpserve.engine.cuda_kernels import argmax_rows
-    return argmax_rows(logits)
+    if rows is None:
+        return argmax_rows(logits)
+    rows = np.asarray(rows, np.int64)
+    if (rows == np.arange(len(rows))).all():
+        return argmax_rows(logits, num_rows=len(rows))
+    return argmax_rows(logits, rows=xp.asarray(rows))
 
 
 def to_host(array) -> np.ndarray:

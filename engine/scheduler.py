@@ -314,8 +314,6 @@ class Scheduler:
         held, self._held_drafts = self._held_drafts, None
         if held is not None and held.keys() == {r.request_id for r in decoding}:
             return [held[r.request_id] for r in decoding]
-        if not self.max_drafts:
-            return [0] * len(decoding)
         return self.draft_policy.step_drafts(decoding, self.uniform_drafts)
 
     def hold_drafts(self, decoding: list[Request], wanted: list[int]) -> None:
