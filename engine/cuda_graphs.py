@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, copy_rows, gather_rows
+from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, copy_rows, follow_catch_up, follow_verify, gather_rows
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -260,14 +260,18 @@ class StepGraphs(_GraphSet):
 
     # ------------------------------------------------------------------ a step
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
-            copy_hidden: bool, device_drafts=None, input_tokens=None) -> MainOutputs | None:
+            copy_hidden: bool, device_drafts=None, input_tokens=None, after=None) -> MainOutputs | None:
         """Replay the graph of a decode / uniform verify step (rows in the step's order; request
         i feeds ``num_tokens[i]`` new tokens); None if the step has none. ``copy_hidden``: the
         hidden rows are kept past this step (the proposer's catch-up), so they are copied out of
         the shared buffer. ``device_drafts``: ``[B, K]`` on the device, every request's drafts
         (its rows' draft ids are placeholders then): copied into the input ids on the device.
         ``input_tokens``: int64 ``[B]`` on the device, a decode step's input ids (the rows' ids
-        are placeholders then; overlapped decoding), copied likewise."""
+        are placeholders then; overlapped decoding), copied likewise. ``after``: ``(accepted,
+        K1)`` of the launched draft step this verify continues (``pipeline``): the rows were
+        staged as if that step kept all its K1 rows (``past_len`` = its base + K1, id 0
+        placeholders) and are moved to its accepted counts on the device, the fed token being
+        its last emitted one (``cuda_kernels.follow_verify``)."""
         lens = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
         if choice is None:
@@ -289,6 +293,9 @@ class StepGraphs(_GraphSet):
             if n != 1:
                 raise AssertionError("input_tokens feeds a decode step (one row per request)")
             copy_rows(graph.inputs.device["input_ids"], input_tokens, len(rows))
+        if after is not None:
+            dev = graph.inputs.device
+            follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
@@ -447,14 +454,18 @@ class HeadGraphs(_GraphSet):
         b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
         self._add(shape, b, inputs, host_arrays)
 
-    def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int):
+    def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int, after=None):
         """Greedy drafts ``[B, num_drafts]`` (int64, on the device: nothing here waits for the
         GPU; a view of ``self.drafts``, valid until the next call), or None when no captured
         shape fits.
 
         rows[b]: request b's catch-up rows (the tokens at positions num_head+1 .. num_computed,
         ``past_len`` = num_head, its head block table); hidden[b]: the main model's hidden rows
-        of those positions, as ``(array, start, count)`` segments in order."""
+        of those positions, as ``(array, start, count)`` segments in order. ``after``:
+        ``(accepted, K1)`` of the launched draft step whose rows this catches up on: ``rows``
+        and ``hidden`` hold all its K1 rows a request (ids placeholders), and the device takes
+        its emitted tokens as the ids and its accepted counts as the real rows
+        (``cuda_kernels.follow_catch_up``; rows past them are padding)."""
         R, B = self.catch_up_rows, len(rows)
         fed = [len(r.token_ids) for r in rows]
         batch = self.catalog.batch_for(B)
@@ -484,6 +495,11 @@ class HeadGraphs(_GraphSet):
             _fill_rows(host, [PackedRows((), r.past_len + n, r.block_table) for r, n in zip(rows, fed)], 1, width)
             chained.inputs.upload()
         dev = chained.inputs.device
+        if after is not None:
+            cd = catch_up.inputs.device
+            follow_catch_up(after[0], after[1], R, cd["input_ids"], cd["last_rows"], cd["chain"][1])
+            if num_drafts > 1:
+                follow_verify(after[0], after[1], 1, dev["past_sequence_lengths"], dev["position_ids"])
         # catch-up: the rows' hidden states (one gather per source array), one replay, draft 0
         self._gather_hidden(sources, catch_up.inputs.device["gather"])
         self._replay(catch_up)

@@ -38,7 +38,7 @@ _SOURCE = f"#define MAX_CAPACITY {MAX_CAPACITY}\n" + r"""extern "C" __global__ v
         const long long* __restrict__ step_row, const long long* __restrict__ dst,
         const long long* __restrict__ src, const long long* __restrict__ kept,
         long long num_layers, long long num_parts, long long num_flat_rows, long long layer_stride,
-        int capacity, int Hv, int Dv, int Hk, int Dk) {
+        int capacity, int Hv, int Dv, int Hk, int Dk, long long full) {
     const int G = Hv / Hk;
     const int heads = (int)(num_layers * num_parts) * Hv;
     const long long width = (long long)capacity * (Hv + (long long)Hk * Dk + (long long)Hv * Dv);
@@ -51,6 +51,7 @@ _SOURCE = f"#define MAX_CAPACITY {MAX_CAPACITY}\n" + r"""extern "C" __global__ v
         const float* decay = cap;                                        // [C, Hv]
         const float* key = cap + (long long)capacity * Hv;               // [C, Hk, Dk]
         const float* delta = key + (long long)capacity * Hk * Dk;        // [C, Hv, Dv]
+        if (kept[p] >= full) continue;                                   // keeps every row: present stays
         const int j = (int)kept[p];
         const long long head = (long long)h * Dv * Dk;
         const float* in = state + (l * num_flat_rows + src[p]) * row_size + head;
@@ -94,10 +95,11 @@ class FusedRecurrentReplay:
             raise ValueError(f"capture capacity {capacity} > the kernel's {MAX_CAPACITY}")
         self.kernel = cupy.RawKernel(_SOURCE, "replay_recurrent")
 
-    def __call__(self, state_flat, capsule, step_row, dst, src, kept) -> None:
+    def __call__(self, state_flat, capsule, step_row, dst, src, kept, full: int | None = None) -> None:
         """state_flat [L, 2R, Hv, Dv, Dk] float32 (written in place at rows dst), capsule
         [L, B, C*W] float32 (each layer's [B, C*W] contiguous; the layers any stride apart);
-        step_row / dst / src / kept: int64 device arrays [P]."""
+        step_row / dst / src / kept: int64 device arrays [P]. ``full``: rows with kept >= full
+        are left as they are (they keep every fed row: the step's present is already there)."""
         cp = self.cupy
         C, Hv, Dv, Hk, Dk = self.dims
         L, flat_rows = state_flat.shape[:2]
@@ -114,7 +116,8 @@ class FusedRecurrentReplay:
         args = [state_flat, capsule] + [cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
         self.kernel((L * num_parts * Hv,), (threads,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
                                                  np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
-                                                 np.int32(Hk), np.int32(Dk)))
+                                                 np.int32(Hk), np.int32(Dk),
+                                                 np.int64(C + 1 if full is None else full)))
 
 
 MAX_CONV_WINDOW = 16        # the conv kernel's register window: conv kernel size - 1 at most
@@ -129,7 +132,8 @@ _CONV_SOURCE = f"#include <cuda_fp16.h>\n#define MAX_WINDOW {MAX_CONV_WINDOW}\n"
 template <typename T>
 __device__ void replay_conv(T* __restrict__ state, const T* __restrict__ conv_value,
                             const long long* __restrict__ index, long long num_layers, long long num_parts,
-                            long long num_flat_rows, long long layer_stride, int capacity, int D, int K1) {
+                            long long num_flat_rows, long long layer_stride, int capacity, int D, int K1,
+                            long long full) {
     const long long total = num_layers * num_parts * D;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -137,6 +141,7 @@ __device__ void replay_conv(T* __restrict__ state, const T* __restrict__ conv_va
         const long long p = (i / D) % num_parts;
         const long long l = i / D / num_parts;
         const long long j = index[3 * num_parts + p];
+        if (j >= full) continue;                  // keeps every row: the step's present stays
         const T* src = state + ((l * num_flat_rows + index[2 * num_parts + p]) * D + d) * K1;
         T* dst = state + ((l * num_flat_rows + index[num_parts + p]) * D + d) * K1;
         const T* cap = conv_value + l * layer_stride + index[p] * (long long)capacity * D + d;
@@ -151,13 +156,13 @@ __device__ void replay_conv(T* __restrict__ state, const T* __restrict__ conv_va
 
 extern "C" __global__ void replay_conv_f16(__half* state, const __half* conv_value, const long long* index,
         long long num_layers, long long num_parts, long long num_flat_rows, long long layer_stride,
-        int capacity, int D, int K1) {
-    replay_conv(state, conv_value, index, num_layers, num_parts, num_flat_rows, layer_stride, capacity, D, K1);
+        int capacity, int D, int K1, long long full) {
+    replay_conv(state, conv_value, index, num_layers, num_parts, num_flat_rows, layer_stride, capacity, D, K1, full);
 }
 extern "C" __global__ void replay_conv_f32(float* state, const float* conv_value, const long long* index,
         long long num_layers, long long num_parts, long long num_flat_rows, long long layer_stride,
-        int capacity, int D, int K1) {
-    replay_conv(state, conv_value, index, num_layers, num_parts, num_flat_rows, layer_stride, capacity, D, K1);
+        int capacity, int D, int K1, long long full) {
+    replay_conv(state, conv_value, index, num_layers, num_parts, num_flat_rows, layer_stride, capacity, D, K1, full);
 }
 """
 
@@ -198,26 +203,36 @@ class CommitReplay:
                 and conv_value.strides[1] == conv_value.strides[2] * conv_value.shape[2])
 
     def __call__(self, conv_flat, rec_flat, conv_value, capsule, step_row: np.ndarray, dst: np.ndarray,
-                 src: np.ndarray, kept: np.ndarray, conv: bool = True) -> None:
+                 src: np.ndarray, kept, conv: bool = True, full: int | None = None) -> None:
         """conv_flat [L, 2R, D, K1] and rec_flat [L, 2R, Hv, Dv, Dk] written at rows ``dst``;
-        conv_value [L, B, C, D] and capsule [L, B, C*W] the step's captures; the four index
-        arrays on the host (int64, one entry per replayed request). ``conv=False``: only the
-        recurrent rows (the caller replays conv itself)."""
+        conv_value [L, B, C, D] and capsule [L, B, C*W] the step's captures; ``step_row``,
+        ``dst`` and ``src`` on the host (int64, one entry per replayed request); ``kept`` on the
+        host too, or an int64 device array (a launched step's accepted counts, never read by the
+        host: copied on the device into the index block). ``full``: rows with kept >= full are
+        skipped (they keep every fed row). ``conv=False``: only the recurrent rows (the caller
+        replays conv itself)."""
         cp = self.cupy
         P = len(step_row)
         if P == 0:
             return
         if P > self.max_parts:
             raise AssertionError(f"{P} replayed rows > the staging's {self.max_parts}")
+        on_device = not isinstance(kept, np.ndarray)
         self._sent.synchronize()
         host = self._host
-        for i, a in enumerate((step_row, dst, src, kept)):
+        for i, a in enumerate((step_row, dst, src) if on_device else (step_row, dst, src, kept)):
             host[i * P:(i + 1) * P] = a
         stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, 4 * P * 8,
+        sent = (3 if on_device else 4) * P
+        cp.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, sent * 8,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         self._sent.record(stream)
         index = self._device[:4 * P]
+        if on_device:
+            assert kept.dtype == np.int64 and kept.flags.c_contiguous and kept.size == P, "int64 [P] kept"
+            cp.cuda.runtime.memcpyAsync(index[3 * P:].data.ptr, kept.data.ptr, P * 8,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        full = self.capacity + 1 if full is None else full
         if conv:
             L, flat_rows, D, K1 = conv_flat.shape
             total = L * P * D
@@ -225,8 +240,112 @@ class CommitReplay:
                 (min(-(-total // self.THREADS), 65535 * 8),), (self.THREADS,),
                 (conv_flat, conv_value, index, np.int64(L), np.int64(P), np.int64(flat_rows),
                  np.int64(conv_value.strides[0] // conv_value.itemsize), np.int32(self.capacity),
-                 np.int32(D), np.int32(K1)))
-        self.recurrent(rec_flat, capsule, index[:P], index[P:2 * P], index[2 * P:3 * P], index[3 * P:])
+                 np.int32(D), np.int32(K1), np.int64(full)))
+        self.recurrent(rec_flat, capsule, index[:P], index[P:2 * P], index[2 * P:3 * P], index[3 * P:], full=full)
+
+
+_ACCEPT_SOURCE = r"""
+// A launched draft step's greedy acceptance and what the step after it reads, on the device.
+// accepted [B, K + 2] (int64): row b = the K + 1 tokens the step emits when it keeps all its
+// rows (columns past kept - 1 are what a longer acceptance would have emitted), then kept.
+extern "C" __global__ void accept_drafts(const long long* target, const long long* drafts,
+                                         const long long* synthetic, int B, int K,
+                                         long long* accepted, long long* kept) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    const long long* t = target + (long long)b * (K + 1);
+    const long long* d = drafts + (long long)b * K;
+    int n = 0;
+    if (synthetic) n = (int)synthetic[b];                     // benchmarks: accepted without a check
+    else while (n < K && d[n] == t[n]) ++n;
+    long long* row = accepted + (long long)b * (K + 2);
+    for (int i = 0; i <= K; ++i) row[i] = i < n ? d[i] : t[i];
+    row[K + 1] = n + 1;
+    kept[b] = n + 1;
+}
+
+// The rows of the step after it were staged for the longest acceptance (K1 = K + 1 kept rows):
+// every position moves by kept - K1 (<= 0), and the first row's id is the last emitted token.
+// past [B] int32; positions [3, T] int64, n rows a request; ids [T] (null: left alone).
+extern "C" __global__ void follow_verify(const long long* accepted, int K1, int B, int n,
+                                         int* past, long long* positions, long long T, long long* ids) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    const long long* row = accepted + (long long)b * (K1 + 1);
+    const long long kept = row[K1], shift = kept - K1;
+    past[b] += (int)shift;
+    for (int i = 0; i < n; ++i)
+        for (int r = 0; r < 3; ++r) positions[r * T + (long long)b * n + i] += shift;
+    if (ids) ids[(long long)b * n] = row[kept - 1];
+}
+
+// The head's catch-up on the kept rows: ids of rows b*R .. b*R + K1 - 1 := the emitted tokens
+// (rows past kept are padding), the last real row (and the chained start) moved by kept - K1.
+extern "C" __global__ void follow_catch_up(const long long* accepted, int K1, int B, int R,
+                                           long long* ids, long long* last_rows, long long* chain_from) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    const long long* row = accepted + (long long)b * (K1 + 1);
+    for (int i = 0; i < K1; ++i) ids[(long long)b * R + i] = row[i];
+    last_rows[b] += row[K1] - K1;
+    chain_from[b] = last_rows[b];
+}
+"""
+_ACCEPT = {}
+
+
+def _accept_kernel(name: str):
+    import cupy
+    if not _ACCEPT:
+        module = cupy.RawModule(code=_ACCEPT_SOURCE, options=("--std=c++14",))
+        for n in ("accept_drafts", "follow_verify", "follow_catch_up"):
+            _ACCEPT[n] = module.get_function(n)
+    return _ACCEPT[name]
+
+
+def _int64(*arrays) -> None:
+    for a in arrays:
+        assert a.dtype == np.int64 and a.flags.c_contiguous, "contiguous int64 arrays"
+
+
+def accept_drafts(target, drafts, synthetic=None):
+    """``(accepted [B, K + 2], kept [B])`` int64 on the device from a uniform draft step's target
+    argmaxes ``target`` [B, K + 1] and its drafts [B, K] (``pipeline.accept_drafts`` is the
+    host's version and the reference); ``synthetic`` [B]: accepted counts given (benchmarks)."""
+    import cupy
+    B, K = int(drafts.shape[0]), int(drafts.shape[1])
+    target, drafts = cupy.ascontiguousarray(target), cupy.ascontiguousarray(drafts)
+    _int64(target, drafts)
+    accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
+    if synthetic is not None:
+        synthetic = cupy.asarray(synthetic, cupy.int64)
+    _accept_kernel("accept_drafts")((-(-B // 64),), (64,), (target, drafts, synthetic if synthetic is not None
+                                                             else np.uint64(0), np.int32(B), np.int32(K),
+                                                             accepted, kept))
+    return accepted, kept
+
+
+def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None) -> None:
+    """Move a staged step's first ``B = len(accepted)`` requests (``num_rows`` rows each) from the
+    positions staged for ``num_kept_staged`` kept rows to the accepted ones; ``ids``: row 0 of
+    each request := the accepted step's last emitted token (a verify's fed token)."""
+    B = int(accepted.shape[0])
+    assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape[0] == 3
+    _int64(accepted, positions, *(() if ids is None else (ids,)))
+    _accept_kernel("follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
+                                                           np.int32(num_rows), past, positions,
+                                                           np.int64(positions.shape[1]),
+                                                           ids if ids is not None else np.uint64(0)))
+
+
+def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, last_rows, chain_from) -> None:
+    """A head catch-up staged for ``num_kept_staged`` rows a request: its ids := the accepted
+    step's emitted tokens, its last real rows (and the chained forward's start rows) moved to
+    the accepted counts."""
+    B = int(accepted.shape[0])
+    _int64(accepted, ids, last_rows, chain_from)
+    _accept_kernel("follow_catch_up")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
+                                                             np.int32(rows_per_request), ids, last_rows, chain_from))
 
 
 _MASK_ROWS = None

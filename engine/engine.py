@@ -38,7 +38,7 @@ from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, load_manifest
 from mtpserve.engine.output import OutputProcessor
-from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, continuation_blocker, overlap_blocker
+from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, accept_drafts, continuation_blocker, overlap_blocker
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
@@ -167,9 +167,11 @@ class Engine:
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.overlap = config.overlap_decode if config.overlap_decode is not None else config.device == "cuda"
-        self._readback = TokenReadback(config.cache.max_resident_requests, self.xp)
+        # a step's tokens: one a request, or a draft step's K + 1 emitted and the kept count
+        self._readback = TokenReadback(config.cache.max_resident_requests * (self.max_drafts + 2), self.xp)
         self._in_flight: LaunchedStep | None = None     # launched, not landed (overlapped decoding)
         self.num_continuations = 0                       # steps launched before the one they follow landed
+        self.num_draft_continuations = 0                 # ... of them draft steps after a draft step
         self.overlap_blockers: dict[str, int] = {}       # why a launched step had no continuation, counted
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -237,7 +239,7 @@ class Engine:
             self.step()
         assert self.is_idle_and_empty(), "the warm-up requests left something behind"
         self.draft_policy.reset_step_costs()
-        self.num_steps, self.last_step, self.num_continuations = 0, None, 0
+        self.num_steps, self.last_step, self.num_continuations, self.num_draft_continuations = 0, None, 0, 0
         self.overlap_blockers.clear()
         self.scheduler.stats = SpecDecodeStats()
         self.scheduler.num_preemptions = 0
@@ -328,7 +330,7 @@ class Engine:
             if not plan.scheduled:
                 return []
             self.num_steps += 1
-            if not self.overlap or overlap_blocker(plan, self._picks_on_host) is not None:
+            if not self.overlap or overlap_blocker(plan, self._picks_on_host, self._host_rule) is not None:
                 return self._run_step(plan, started)
             flight = self._launch(plan)
         self._in_flight = self._continue(flight)
@@ -338,8 +340,9 @@ class Engine:
         if self.scheduler.releasing:          # dead rows whose step has landed
             self.scheduler.release_finished(keep=set(self._in_flight.plan.request_ids) if self._in_flight else set())
         plan = flight.plan
-        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, any(s.num_tokens > 1 for s in plan.scheduled),
-                                    time.perf_counter() - started, graphed=flight.graphed)
+        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, flight.num_drafts,
+                                    any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
+                                    graphed=flight.graphed, num_head_rows=flight.num_head_rows)
         return events
 
     # ------------------------------------------------------------------ overlapped decoding (pipeline.py)
@@ -347,7 +350,10 @@ class Engine:
         """Queue a step without drafts and commit it (its commit does not depend on its tokens).
         Its tokens are picked on the device and go to the host without a wait, here, or for a
         continuation with sampled requests after the step before it lands (``_pick_tokens``).
-        ``after``: the launched step whose tokens this one feeds (a continuation)."""
+        ``after``: the launched step whose tokens this one feeds (a continuation). A step with
+        drafts goes to ``_launch_drafting``."""
+        if plan.scheduled[0].num_drafts:
+            return self._launch_drafting(plan, after)
         replays = self.graphs.num_replays if self.graphs is not None else 0
         if after is None:
             self._keep_prefix_hits(plan)
@@ -386,31 +392,144 @@ class Engine:
         flight.tokens, flight.readback, flight.logits = tokens, self._readback.send(tokens), None
 
     def _continue(self, flight: LaunchedStep) -> LaunchedStep | None:
-        """The continuation of ``flight`` launched (one more token per request, its ids those
-        ``flight`` samples, still on the device), or None when it cannot be (the reason counted
-        in ``overlap_blockers``)."""
+        """The continuation of ``flight`` launched, or None when it cannot be (the reason counted
+        in ``overlap_blockers``): after a decode step one more token per request, its ids those
+        ``flight`` samples, still on the device; after a draft step a draft step again, from
+        its acceptance on the device (``_launch_drafting``)."""
         s = self.scheduler
-        why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
-                                   self._host_rule, self.manifest.context_length)
         requests = [x.request for x in flight.plan.scheduled]
+        why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
+                                   self._host_rule, self.manifest.context_length,
+                                   self.max_drafts if flight.num_drafts else 0)
+        k = 0
         if why is None and self.proposer is not None:
             wanted = s.plan_drafts(requests)
-            if any(wanted):
-                s.hold_drafts(requests, wanted)          # the next schedule's plan
+            if flight.num_drafts:
+                k, why = self._next_drafts(flight, wanted)
+            elif any(wanted):
                 why = "the draft policy drafts next"
-        if why is None and not all(self.kv_pool.reserve(r.request_id, r.num_computed + 1) for r in requests):
-            why = "no KV block for the next token"
+            if why is not None:
+                s.hold_drafts(requests, wanted)          # the next schedule's plan
+        if why is None:
+            # KV for the rows the continuation feeds, counting every row ``flight`` may keep
+            ahead = flight.num_drafts + 1 if flight.num_drafts else 0
+            if not all(self.kv_pool.reserve(r.request_id, r.num_computed + ahead + 1 + k) for r in requests):
+                why = "no KV block for the next token"
+            elif k and not all(self.head_pool.reserve(r.request_id, r.num_computed + ahead + k - 1) for r in requests):
+                why = "no KV block for the next token"
         if why is not None:
             key = why.split(" ", 2)[-1] if why.startswith("request ") else why
             self.overlap_blockers[key] = self.overlap_blockers.get(key, 0) + 1
             return None
-        scheduled = [ScheduledRequest(x.request, 1) for x in flight.plan.scheduled]
+        scheduled = [ScheduledRequest(x.request, 1, k) for x in flight.plan.scheduled]
         for x in scheduled:
             x.samples = True            # its token is fed as soon as the launched step has it
         plan = StepPlan(scheduled=scheduled, layout=StepLayout.of(scheduled), request_ids=list(flight.plan.request_ids))
         self.num_steps += 1
         self.num_continuations += 1
+        if k:
+            self.num_draft_continuations += 1
+            flight.followed = True       # the continuation's head catches up on its rows
         return self._launch(plan, after=flight)
+
+    def _next_drafts(self, flight: LaunchedStep, wanted: list[int]) -> tuple[int, str | None]:
+        """A draft continuation's K from the policy's answer ``wanted``, as the scheduler would
+        plan it (one K for all, within the step's budget and the drafts' cap), or why there is
+        none. Without uniform drafts (no CUDA graphs) the scheduler caps a request's K by its
+        output left (rule 1), so its requests need room for both steps' tokens; with them, a
+        request that ends in ``flight`` is a dead row of the continuation."""
+        k = wanted[0]
+        if not k or any(w != k for w in wanted):
+            return 0, "the draft policy plans no drafts next, or differing ones"
+        k = min(k, self.max_drafts)
+        if len(wanted) * (1 + k) > self.config.scheduler.max_tokens_per_step:
+            return 0, "the draft step exceeds the step's token budget"
+        if not self.scheduler.uniform_drafts:       # a request's K would be capped by its output left
+            ahead = flight.num_drafts + 1
+            for x in flight.plan.scheduled:
+                if x.request.max_output_left <= ahead + k:
+                    return 0, f"request {x.request.request_id} may end within the next draft step"
+        return k, None
+
+    # ------------------------------------------------------------------ draft steps in flight (pipeline.py)
+    def _launch_drafting(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a draft step (every request greedy, one token and K drafts each) and its accept
+        and state commit on the device; the host learns the accepted counts when it lands.
+        ``after``: the launched draft step it continues (its rows are drafted and verified from
+        that step's acceptance on the device)."""
+        xp, B, K = self.xp, len(plan.scheduled), plan.scheduled[0].num_drafts
+        replays = self.graphs.num_replays if self.graphs is not None else 0
+        if after is None:
+            self._keep_prefix_hits(plan)
+            head_rows = sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
+            drafts = self.proposer.propose(plan.scheduled)
+            out = self._verify(plan, drafts)
+        else:
+            head_rows = B * (after.num_drafts + 1)
+            drafts = self.proposer.propose(plan.scheduled, after=after)
+            out = self._verify_after(plan, drafts, after)
+        on_device = self._device_drafts(plan, drafts)
+        draft_ids = on_device.array if on_device is not None else xp.asarray(
+            np.array([drafts[rid].tokens for rid in plan.request_ids], np.int64))
+        target = row_argmax(out.logits, xp).reshape(B, K + 1)     # every row checks a draft or gives the bonus
+        synthetic = None
+        if self._synthetic is not None:                           # the draws accept_step makes, in its order
+            a = self.config.spec.synthetic_acceptance
+            synthetic = np.array([int(np.argmin(np.append(self._synthetic.random(K) < a, False))) for _ in range(B)])
+        if xp is np:
+            accepted, kept = accept_drafts(target, draft_ids, synthetic)
+        else:
+            from mtpserve.engine.cuda_kernels import accept_drafts as accept_on_device
+            accepted, kept = accept_on_device(target, draft_ids, synthetic)
+        self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
+        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
+                              num_drafts=K, hidden=out.hidden, source=self._readback,
+                              num_head_rows=head_rows)
+        flight.readback = self._readback.send(accepted.reshape(-1))
+        return flight
+
+    def _verify_after(self, plan: StepPlan, drafts: dict, after: LaunchedStep):
+        """The verify of a draft continuation: a captured step staged as if ``after`` kept all
+        its rows and moved to its acceptance on the device; eagerly from the host's copy of that
+        acceptance (a wait) when no graph fits."""
+        k1 = after.num_drafts + 1
+        tables = [self.kv_pool.block_table(rid) for rid in plan.request_ids]
+        if self.graphs is not None:
+            on_device = self._device_drafts(plan, drafts)
+            rows = [PackedRows([0] * (1 + s.num_drafts) if on_device is not None else [0] + drafts[rid].tokens,
+                               s.request.num_computed + k1, t)
+                    for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
+            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
+                                  device_drafts=on_device.array if on_device is not None else None,
+                                  after=(after.tokens, k1))
+            if out is not None:
+                return out
+        accepted = after.host_tokens()
+        rows = []
+        for b, (s, rid, t) in enumerate(zip(plan.scheduled, plan.request_ids, tables)):
+            kept = int(accepted[b, k1])
+            rows.append(PackedRows([int(accepted[b, kept - 1])] + drafts[rid].tokens, s.request.num_computed + kept, t))
+        io = self.state_bank.step_buffers(plan.request_ids)
+        capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
+        return self.runner.run_main(rows, io.past, capture, present_into=io.present)
+
+    def _land_drafting(self, flight: LaunchedStep) -> list[TokenEvent]:
+        """A launched draft step's acceptance read (the wait): the host's side of its commit
+        (lengths; the head's pending rows, or its catch-up if a continuation did it), its
+        tokens appended, its events."""
+        plan, k1 = flight.plan, flight.num_drafts + 1
+        accepted = flight.host_tokens()
+        kept = [int(n) for n in accepted[:, k1]]
+        live = [s.request.request_id in self.scheduler.requests for s in plan.scheduled]
+        self.scheduler.commit_lengths(plan, kept, head_caught_up=flight.followed)
+        if not flight.followed:
+            for s, start, n, alive in zip(plan.scheduled, plan.layout.row_start, kept, live):
+                if alive:
+                    self.proposer.keep_hidden(s.request.request_id, flight.hidden, start, n)
+        sampled = {rid: (accepted[b, :kept[b]].tolist(), kept[b] - 1) for b, rid in enumerate(plan.request_ids)}
+        updates = self.scheduler.append_tokens(plan, sampled, kept)
+        self.scheduler.cache_prefixes(plan, self.proposer.pending_rows)
+        return self._events(updates, {})
 
     def _verify_continuation(self, plan: StepPlan, after: LaunchedStep):
         """The continuation's forward: a captured decode step whose input ids are copied from
@@ -428,6 +547,8 @@ class Engine:
 
     def _land(self, flight: LaunchedStep) -> list[TokenEvent]:
         """A launched step's tokens read (the wait), appended, and turned into events."""
+        if flight.num_drafts:
+            return self._land_drafting(flight)
         plan = flight.plan
         tokens = flight.host_tokens(self._readback)
         sampled = {s.request.request_id: ([int(t)], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
@@ -446,15 +567,15 @@ class Engine:
             return "logprobs"
         return None
 
-    def _host_rule(self, r: Request) -> str | None:
-        """Why request r's token after the launched one needs the host first (its history, its
-        grammar's state or its count go into the logits), or None."""
+    def _host_rule(self, r: Request, ahead: int) -> str | None:
+        """Why request r's logits from its output position ``num_output_tokens + ahead`` on need
+        the host first (its history, its grammar's state or its count go into them), or None."""
         p = r.params              # (logprobs never get here: such a step is not launched, _picks_on_host)
         if p.has_penalties:
             return "penalties"
         if r.request_id in self.grammars:
             return "grammar"
-        if p.min_tokens > r.num_output_tokens + 1 and r.stop_token_ids:
+        if p.min_tokens > r.num_output_tokens + ahead and r.stop_token_ids:
             return "min_tokens"
         return None
 

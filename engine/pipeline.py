@@ -93,29 +93,73 @@ class TokenReadback:
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is queued and whose commit is done, but whose tokens are not read."""
+    """A step whose device work is queued and whose commit is done, but whose tokens are not read.
+
+    A draft step (``num_drafts`` = K > 0) is committed on the device only (its state rows, by
+    its accepted counts there); the host's lengths and tokens follow when it lands."""
     plan: StepPlan
     graphed: bool                   # its forward replayed a captured graph
     logits: object = None           # its (processed) logits, until its tokens are picked
     tokens: object = None           # int64 [B]: request i's token (greedy: its target row's argmax; sampled:
-                                    # drawn on the device), once picked
+                                    # drawn on the device), once picked; a draft step: ``accepted``
     readback: tuple | None = None   # TokenReadback handle of ``tokens``
+    num_drafts: int = 0             # K of a draft step (every request verified K drafts)
+    hidden: object = None           # a draft step's main hidden rows [B * (K + 1), H] (the head's next catch-up)
+    followed: bool = False          # a draft step's continuation caught the head up on its rows
+    num_head_rows: int = 0          # head rows its drafting caught up on (the step's timing)
+    source: TokenReadback | None = field(default=None, repr=False)    # where ``readback`` was sent
     _host: np.ndarray | None = field(default=None, repr=False)
 
-    def host_tokens(self, readback: TokenReadback) -> np.ndarray:
-        """The tokens on the host (the first call waits for the copy)."""
+    def host_tokens(self, readback: TokenReadback | None = None) -> np.ndarray:
+        """The tokens on the host (the first call waits for the copy); a draft step's ``[B, K + 2]``:
+        request i's emitted tokens ``[i, :kept]``, then ``kept`` at ``[i, K + 1]``."""
         if self._host is None:
-            self._host = readback.receive(self.readback)
+            self._host = (readback or self.source).receive(self.readback)
+            if self.num_drafts:
+                self._host = self._host.reshape(len(self.plan.scheduled), self.num_drafts + 2)
         return self._host
 
 
-def overlap_blocker(plan: StepPlan, picks_on_host) -> str | None:
+def accept_drafts(target: np.ndarray, drafts: np.ndarray, synthetic: np.ndarray | None = None):
+    """A uniform draft step's greedy acceptance as arrays, the host's version of
+    ``cuda_kernels.accept_drafts`` (and its reference): ``target`` [B, K + 1] the target rows'
+    argmaxes, ``drafts`` [B, K]; ``synthetic`` [B]: accepted counts given (benchmarks).
+    Returns ``(accepted [B, K + 2], kept [B])``::
+
+        drafts     d0 d1 d2           target  t0 t1 t2 t3       d0 == t0, d1 != t1: 1 accepted
+        accepted   d0 t1 t2 t3 | 2    (emitted: d0 t1; t2 t3 would follow a longer acceptance)
+    """
+    B, K = drafts.shape
+    if synthetic is None:
+        n = np.cumprod(drafts == target[:, :K], axis=1).sum(axis=1) if K else np.zeros(B, np.int64)
+    else:
+        n = np.asarray(synthetic, np.int64)
+    cols = np.arange(K + 1)[None, :]
+    padded = np.concatenate([drafts, np.zeros((B, 1), np.int64)], axis=1)
+    accepted = np.empty((B, K + 2), np.int64)
+    accepted[:, :K + 1] = np.where(cols < n[:, None], padded, target)
+    accepted[:, K + 1] = n + 1
+    return accepted, accepted[:, K + 1].copy()
+
+
+def overlap_blocker(plan: StepPlan, picks_on_host, host_rule) -> str | None:
     """Why a scheduled step must run to its end before anything else (None: it may be launched
     and land later). ``picks_on_host(s)``: why scheduled request s's part of the step needs the
-    host to pick or score a token from its logits after the step (logprobs), or None."""
+    host to pick or score a token from its logits after the step (logprobs), or None;
+    ``host_rule(r, 0)``: why request r's logits need the host (penalties, a grammar, a
+    min_tokens mask), which a draft step's device accept does not apply."""
+    drafts = plan.scheduled[0].num_drafts if plan.scheduled else 0
     for s in plan.scheduled:
-        if s.num_drafts:
-            return "the step verifies drafts"
+        if drafts:
+            if s.num_drafts != drafts or s.num_tokens != 1:
+                return "the step's draft counts differ"
+            if not s.request.params.is_greedy:
+                return "a sampled request verifies drafts"
+            why = host_rule(s.request, 0)
+            if why is not None:
+                return why
+        elif s.num_drafts:
+            return "the step's draft counts differ"
         why = picks_on_host(s)
         if why is not None:
             return why
@@ -123,23 +167,27 @@ def overlap_blocker(plan: StepPlan, picks_on_host) -> str | None:
 
 
 def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
-                         host_rule, context_length: int) -> str | None:
+                         host_rule, context_length: int, num_drafts: int = 0) -> str | None:
     """Why the launched step ``plan`` cannot be followed by its continuation now (None: it can;
     see the module docstring). ``num_running``: the scheduler's running requests (a request of
-    the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r)``:
-    why request r's token after this step's needs the host first (penalties, grammar, a
-    min_tokens mask), or None. Host data only: no GPU or pool in here."""
+    the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r,
+    ahead)``: why request r's token ``ahead`` tokens after this step's needs the host first
+    (penalties, grammar, a min_tokens mask), or None; ``num_drafts``: the continuation's K (a
+    draft continuation of a draft step). Host data only: no GPU or pool in here."""
     if len(plan.scheduled) != num_running:
         return "a request of the step finished, or a running one is not in it"
     if can_admit:
         return "a waiting request can be admitted"
+    ahead = 1 + plan.scheduled[0].num_drafts if plan.scheduled else 1     # tokens the step may emit
     for s in plan.scheduled:
         r = s.request
-        if not s.samples:              # (no drafts: overlap_blocker let only such steps launch)
+        if not s.samples:              # (only a decode step's requests sample all: no prompt chunk)
             return f"request {r.request_id} fed a prompt chunk"
-        why = host_rule(r)
+        why = host_rule(r, 1)          # (the step emits at least one token)
         if why is not None:
             return why
-        if r.max_output_left < 2 or len(r.token_ids) + 2 > context_length:
+        if len(r.token_ids) + ahead + 1 + num_drafts > context_length:
+            return f"request {r.request_id} reaches the context end"
+        if ahead == 1 and r.max_output_left <= 1:     # (a saving: a draft step's may end with a dead row)
             return f"request {r.request_id} ends with the step's token"
     return None

@@ -107,11 +107,19 @@ class MTPProposer:
     def request_ids(self) -> set[str]:
         return set(self._pending)
 
-    def propose(self, drafting: list) -> dict[str, Drafts]:
+    def propose(self, drafting: list, after=None) -> dict[str, Drafts]:
         """Drafts of every scheduled request with ``num_drafts > 0`` (``ScheduledRequest``s);
-        their head rows up to num_computed are then in the head's KV (``num_head`` advances)."""
+        their head rows up to num_computed are then in the head's KV (``num_head`` advances).
+
+        ``after``: the launched draft step (``pipeline.LaunchedStep``) that every one of them was
+        in, whose rows are committed on the device but not yet on the host: the head catches up
+        on its kept rows from its hidden rows and emitted tokens (on the device when captured
+        forwards fit; else from their host copy, a wait), and ``num_head`` advances when that
+        step lands (the engine's ``_land``)."""
         if not drafting:
             return {}
+        if after is not None:
+            return self._propose_after(drafting, after)
         constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
         graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)
         if graphed:
@@ -122,15 +130,46 @@ class MTPProposer:
             tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
                                        max(s.num_drafts for s in drafting))
             if tokens is not None:                 # [B, K] on the device: read when first needed
-                shared, result = DeviceDrafts(tokens), {}
-                for b, s in enumerate(drafting):
+                for s in drafting:
                     self._pending.pop(s.request.request_id, None)
                     s.request.num_head = s.request.num_computed
-                    result[s.request.request_id] = Drafts(None, [None] * s.num_drafts, shared, b)
-                return result
+                return self._device_result(drafting, tokens)
         hidden = [arr[start:start + count] for s in drafting
                   for arr, start, count in self._pending.pop(s.request.request_id, [])]
-        out = self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
+        for s in drafting:
+            s.request.num_head = s.request.num_computed
+        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden),
+                                 constrained)
+
+    def _propose_after(self, drafting: list, after) -> dict[str, Drafts]:
+        """``propose`` after the launched draft step ``after`` (see there)."""
+        k1 = after.num_drafts + 1
+        tables = [self.head_pool.block_table(s.request.request_id) for s in drafting]
+        starts = after.plan.layout.row_start
+        if self.graphs is not None:
+            rows = [PackedRows([0] * k1, s.request.num_head, t) for s, t in zip(drafting, tables)]
+            tokens = self.graphs.draft(rows, [[(after.hidden, start, k1)] for start in starts],
+                                       max(s.num_drafts for s in drafting), after=(after.tokens, k1))
+            if tokens is not None:
+                return self._device_result(drafting, tokens)
+        accepted = after.host_tokens()
+        rows, hidden = [], []
+        for b, (s, t) in enumerate(zip(drafting, tables)):
+            kept = int(accepted[b, k1])
+            rows.append(PackedRows(accepted[b, :kept].tolist(), s.request.num_head, t))
+            hidden.append(after.hidden[starts[b]:starts[b] + kept])
+        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden), [])
+
+    @staticmethod
+    def _device_result(drafting: list, tokens) -> dict[str, Drafts]:
+        shared = DeviceDrafts(tokens)
+        return {s.request.request_id: Drafts(None, [None] * s.num_drafts, shared, b) for b, s in enumerate(drafting)}
+
+    def _draft_eager(self, drafting: list, rows: list[PackedRows], hidden, constrained: list) -> dict[str, Drafts]:
+        """Eager drafting: one head forward over each request's catch-up ``rows`` (its last row
+        gives draft 0), then chained single-row forwards; request j's draft i sits at position
+        ``rows[j].past_len + len(rows[j].token_ids) + i - 1``."""
+        out = self.runner.run_head(rows, hidden)
         last = np.cumsum([len(p.token_ids) for p in rows]) - 1
         if last[-1] == len(rows) - 1:                  # one catch-up row each: all rows are last rows
             logits, head_hidden = out.logits, out.hidden
@@ -138,13 +177,14 @@ class MTPProposer:
             last = self.xp.asarray(last)
             logits, head_hidden = out.logits[last], out.hidden[last]
         result: dict[str, Drafts] = {}
-        for s in drafting:
-            s.request.num_head = s.request.num_computed
+        after_rows = {}
+        for s, r in zip(drafting, rows):
             result[s.request.request_id] = Drafts([], [])
+            after_rows[s.request.request_id] = r.past_len + len(r.token_ids)
         active = drafting
         for i in range(max(s.num_drafts for s in drafting)):
             if i > 0:
-                rows = [PackedRows([result[s.request.request_id].tokens[-1]], s.request.num_computed + i - 1,
+                rows = [PackedRows([result[s.request.request_id].tokens[-1]], after_rows[s.request.request_id] + i - 1,
                                    self.head_pool.block_table(s.request.request_id)) for s in active]
                 out = self.runner.run_head(rows, head_hidden)
                 logits, head_hidden = out.logits, out.hidden

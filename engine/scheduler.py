@@ -411,6 +411,27 @@ class Scheduler:
             if s.num_drafts:
                 self.head_pool.commit(r.request_id, r.num_head)
 
+    def commit_states_on_device(self, plan: StepPlan, present: StepStates, num_kept, captures: StepCaptures) -> None:
+        """A launched draft step's state commit by its accepted counts ``num_kept`` (an array on
+        the device the host has not read; every request fed 1 + K rows): the host's lengths
+        follow with ``commit_lengths`` when it lands."""
+        self.state_bank.commit_step_on_device(plan.request_ids, present, 1 + plan.scheduled[0].num_drafts,
+                                              num_kept, captures)
+
+    def commit_lengths(self, plan: StepPlan, num_kept: list[int], head_caught_up: bool) -> None:
+        """The host's side of ``commit_states_on_device`` once the counts are read: state, KV and
+        head-KV lengths and ``num_computed`` of every request still running (a dead row's go
+        with its release). ``head_caught_up``: the next step's drafting already caught the head
+        up on the kept rows (``num_head`` = ``num_computed``)."""
+        live = [(s.request, k) for s, k in zip(plan.scheduled, num_kept) if s.request.request_id in self.requests]
+        self.state_bank.advance_committed([r.request_id for r, _ in live], [k for _, k in live])
+        for r, kept in live:
+            r.num_computed += kept
+            self.kv_pool.commit(r.request_id, r.num_computed)
+            if head_caught_up:
+                r.num_head = r.num_computed
+            self.head_pool.commit(r.request_id, r.num_head)
+
     def append_tokens(self, plan: StepPlan, sampled: dict[str, tuple[list[int], int]],
                       num_kept: list[int]) -> list[RequestUpdate]:
         """Each sampling request's emitted tokens appended (up to a stop id or a limit), its

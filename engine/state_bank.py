@@ -498,6 +498,42 @@ class StateBank:
         a row whose active bank it is, in place) and become active there; committed lengths
         advance by ``num_kept``. Nothing visible changes if an argument is rejected.
         """
+        rows, kept = self._commit(request_ids, present, num_fed, num_kept, captures)
+        self._committed[rows] += kept
+
+    def commit_step_on_device(self, request_ids: Sequence[str], present: StepStates, num_fed: int, kept,
+                              captures: StepCaptures) -> None:
+        """``commit_step`` of a step in which every request fed ``num_fed`` rows and keeps
+        ``kept[i]`` of them, 1 <= kept <= num_fed, where ``kept`` is an int64 array of the bank's
+        module that the host has not read (a launched draft step's acceptance, on the device).
+        With the fused replay and the in-place present (a captured step's) nothing here waits
+        for the device: the replay kernels skip the rows that keep everything. Otherwise the
+        counts are read first (a wait on CUDA; free on the CPU). Every row is active in the
+        target bank on return; the committed lengths advance with ``advance_committed`` once the
+        host has the counts."""
+        fused = self.fused_replay
+        if (self.xp is np or fused is None or present is not self._in_place
+                or not fused.supports(self._conv_flat, captures.conv_value)):
+            from mtpserve.engine.sampler import to_host
+            self._commit(request_ids, present, [num_fed] * len(request_ids), to_host(kept), captures)
+            return
+        rows = self._host_rows(request_ids)
+        self._in_place = None
+        if len(rows) > fused.max_parts:
+            raise AssertionError(f"{len(rows)} rows > the fused replay's {fused.max_parts}")
+        self._check_step(len(rows), present, captures, np.array([num_fed - 1]))
+        target = 1 - int(self._active[rows[0]])
+        fused(self._conv_flat, self._rec_flat, captures.conv_value, captures.recurrent_capsule,
+              np.arange(len(rows)), target * self.max_rows + rows, self._active_flat(rows), kept, full=num_fed)
+        self._active[rows] = target
+
+    def advance_committed(self, request_ids: Sequence[str], num_kept: Sequence[int]) -> None:
+        """A ``commit_step_on_device``'s committed lengths, once the host has the kept counts."""
+        self._committed[self._host_rows(request_ids)] += np.asarray(num_kept, np.int64)
+
+    def _commit(self, request_ids: Sequence[str], present: StepStates, num_fed: Sequence[int],
+                num_kept: Sequence[int], captures: StepCaptures | None) -> tuple[np.ndarray, np.ndarray]:
+        """``commit_step`` but the committed lengths; (the rows, the kept counts)."""
         fed, kept = np.asarray(num_fed, np.int64), np.asarray(num_kept, np.int64)
         if not len(request_ids) == len(fed) == len(kept):
             raise AssertionError("request_ids, num_fed and num_kept differ in length")
@@ -530,7 +566,7 @@ class StateBank:
                 pi, pd, ps = _upload(self.xp, part, dst[part], src[part])
                 self._replay(captures, pi, pd, ps, kept[part])
         self._active[rows[kept > 0]] = target
-        self._committed[rows] += kept
+        return rows, kept
 
     def _replay(self, captures: StepCaptures, pi, pd, ps, kept: np.ndarray) -> None:
         """Target rows ``pd`` := active rows ``ps`` (possibly the same rows) advanced by the first

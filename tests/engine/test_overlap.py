@@ -22,11 +22,14 @@ from test_engine import PROMPTS
 
 
 def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0,
-         max_model_len=None) -> Engine:
-    return Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
+         max_model_len=None, synthetic=None, uniform=False) -> Engine:
+    """``uniform``: the scheduler plans one K for every request of a step, as with CUDA graphs."""
+    engine = Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
-                               spec=SpecConfig(draft_tokens=k)))
+                               spec=SpecConfig(draft_tokens=k, synthetic_acceptance=synthetic)))
+    engine.scheduler.uniform_drafts = engine.scheduler.uniform_drafts or uniform
+    return engine
 
 
 def run(engine: Engine, requests: list[tuple[str, object, SamplingParams]], during=None):
@@ -169,11 +172,83 @@ def test_sampled_requests_overlap_and_draw_what_stepping_one_at_a_time_draws(mod
     assert engine.num_continuations > 0.5 * engine.num_steps, engine.overlap_blockers
 
 
-def test_the_cpu_default_is_off_and_a_fixed_draft_count_never_overlaps(model_dir):
+def test_the_cpu_default_is_off(model_dir):
     assert not make(model_dir, None).overlap
+
+
+def _spec_counts(engine: Engine) -> tuple:
+    st = engine.stats
+    return st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.num_emitted_tokens
+
+
+@pytest.mark.parametrize("k,uniform", [(2, False), (3, True)])
+def test_draft_steps_overlap_and_keep_the_tokens_and_acceptance_of_stepping_one_at_a_time(model_dir, k, uniform):
+    """A draft step is launched before the one it follows has landed: its drafts come from that
+    step's acceptance on the device, and its tokens, acceptance and pools are stepping's (and
+    MTP off's), through batching, chunked prefill, stop ids, stop strings and max_tokens (with
+    uniform drafts, as under CUDA graphs, a request ending in a step is a dead row of the next)."""
+    probe = make(model_dir, False)
+    text = run(probe, [("p", PROMPTS[2], GREEDY)])[2]["p"]
+    ids = probe.tokenizer.encode(text)
+    requests = [*((f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:6])),
+                ("stop-string", PROMPTS[2], dataclasses.replace(GREEDY, stop=[text[20:24]])),
+                ("stop-id", PROMPTS[2], dataclasses.replace(GREEDY, stop_token_ids=[ids[11]])),
+                ("eos", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)),
+                ("len13", PROMPTS[7], dataclasses.replace(GREEDY, max_tokens=13))]
+    mtp_off = run(make(model_dir, False), requests)
+    stepping = make(model_dir, False, k=k, uniform=uniform)
+    plain = run(stepping, requests)
+    engine = make(model_dir, True, k=k, uniform=uniform)
+    draft_steps = []
+    overlapped = run(engine, requests, during=lambda e, i: draft_steps.append(e.last_step.num_head_forwards > 0))
+    assert overlapped == plain == mtp_off
+    assert _spec_counts(engine) == _spec_counts(stepping)
+    print(f"K={k} uniform={uniform}: {engine.num_draft_continuations} draft continuations of {sum(draft_steps)} draft steps; "
+          f"{engine.overlap_blockers}")
+    assert engine.num_draft_continuations > 0.5 * sum(draft_steps)
+
+
+def test_synthetic_acceptance_draws_in_stepping_order_with_draft_steps_in_flight(model_dir):
+    """Benchmarks' synthetic acceptance accepts drafts without checking them (the tokens then
+    differ from MTP off's): the overlapped engine accepts the same drafts as stepping."""
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:6])]
+    plain = run(make(model_dir, False, k=3, synthetic=0.6), requests)
+    engine = make(model_dir, True, k=3, synthetic=0.6)
+    assert run(engine, requests) == plain
+    assert engine.num_draft_continuations > 0
+
+
+def test_a_cancel_under_a_draft_step_in_flight_releases_its_row_when_that_step_lands(model_dir):
+    requests = [("a", PROMPTS[0], GREEDY), ("b", PROMPTS[1], GREEDY), ("c", PROMPTS[5], GREEDY)]
+    plain = run(make(model_dir, False), requests)
     engine = make(model_dir, True, k=2)
-    run(engine, [("a", PROMPTS[0], GREEDY)])
-    assert engine.num_continuations == 0 and engine.stats.num_drafts > 0
+    seen = {}
+
+    def cancel(e, i):
+        if "rows" not in seen and e._in_flight is not None and e._in_flight.num_drafts and i > 4:
+            rows = e.state_bank.num_free_rows
+            assert e.abort("b").finish_reason == FinishReason.ABORT
+            assert e.state_bank.num_free_rows == rows          # its row is still written by the launched step
+            seen["rows"], seen["at"] = rows, i
+        elif "at" in seen and i == seen["at"] + 1:
+            assert e.state_bank.num_free_rows == seen["rows"] + 1
+    tokens, reasons, _ = run(engine, requests, during=cancel)
+    assert "at" in seen and "b" not in reasons and len(tokens["b"]) < len(plain[0]["b"])
+    assert tokens["b"] == plain[0]["b"][:len(tokens["b"])]
+    assert {r: tokens[r] for r in "ac"} == {r: plain[0][r] for r in "ac"}
+
+
+def test_draft_steps_in_flight_near_the_context_end_and_under_preemption_keep_every_output(model_dir):
+    ends = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=200)) for i, p in enumerate(PROMPTS[:6])]
+    plain = run(make(model_dir, False, max_model_len=64), ends)
+    engine = make(model_dir, True, k=3, max_model_len=64)
+    assert run(engine, ends) == plain
+    assert engine.num_draft_continuations > 0
+    crowded = [(f"g{i}", PROMPTS[i], GREEDY) for i in range(10)]
+    plain = run(make(model_dir, False, num_blocks=25), crowded)
+    engine = make(model_dir, True, k=2, num_blocks=25)
+    assert run(engine, crowded) == plain
+    assert engine.num_preemptions > 0 and engine.num_draft_continuations > 0
 
 
 class EveryThirdStepDrafts(DraftPolicy):
