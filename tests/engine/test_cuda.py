@@ -129,6 +129,9 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
           f"{engine.graphs.num_device_drafts} took their drafts from the device, "
           f"{head.num_replays} head graph replays ({head.num_graphs} head graphs)")
     assert engine.graphs.num_replays > 0 and head.num_replays > 0 and engine.graphs.num_device_drafts > 0
+    print(f"K={k}: {engine.num_draft_continuations} draft steps launched from the acceptance of the one before "
+          f"(on the device); no continuation: {engine.overlap_blockers}")
+    assert engine.num_draft_continuations > 0
     # drafts that reach the verify from the device are the eager head's drafts: wrong ones would
     # leave the output as it is (rejected) but lose acceptance
     eager = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=False)
@@ -203,6 +206,51 @@ def test_argmax_and_row_gather_kernels_match_numpy():
     np.testing.assert_array_equal(got.get(), expected)
 
 
+@needs_cuda
+def test_accept_and_follow_kernels_match_the_host_acceptance():
+    """The device accept of a draft step equals ``pipeline.accept_drafts`` (checked and
+    synthetic counts), and the next step's staged rows move by exactly its accepted counts."""
+    import cupy as cp
+
+    from mtpserve.engine.cuda_kernels import accept_drafts, follow_catch_up, follow_verify
+    from mtpserve.engine.pipeline import accept_drafts as host_accept
+    rng = np.random.default_rng(3)
+    B, K = 6, 3
+    target = rng.integers(0, 50, (B, K + 1))
+    drafts = target[:, :K].copy()
+    for b, n in enumerate([0, 1, 2, 3, 3, 1]):               # request b's drafts match its first n targets
+        if n < K:
+            drafts[b, n] = target[b, n] + 1
+    for synthetic in (None, np.array([2, 0, 3, 1, 0, 3])):
+        want, want_kept = host_accept(target, drafts, synthetic)
+        got, kept = accept_drafts(cp.asarray(target), cp.asarray(drafts), synthetic)
+        np.testing.assert_array_equal(got.get(), want)
+        np.testing.assert_array_equal(kept.get(), want_kept)
+    want, kept = host_accept(target, drafts)
+    assert kept.tolist() == [1, 2, 3, 4, 4, 2]
+    n, T = 1 + K, (B + 2) * (1 + K)                           # a verify of 1 + K rows a request, 2 padding
+    past = rng.integers(10, 90, B + 2).astype(np.int32)
+    positions = (np.repeat(past.astype(np.int64), n) + np.tile(np.arange(n), B + 2))[None].repeat(3, 0)
+    ids = np.zeros(T, np.int64)
+    d_past, d_pos, d_ids = cp.asarray(past), cp.asarray(positions), cp.asarray(ids)
+    follow_verify(cp.asarray(want), K + 1, n, d_past, d_pos, d_ids)
+    shift = np.concatenate([kept - (K + 1), [0, 0]])
+    np.testing.assert_array_equal(d_past.get(), past + shift)
+    np.testing.assert_array_equal(d_pos.get(), positions + np.repeat(shift, n)[None])
+    expect_ids = ids.copy()
+    expect_ids[np.arange(B) * n] = want[np.arange(B), kept - 1]
+    np.testing.assert_array_equal(d_ids.get(), expect_ids)
+    R = K + 2                                                  # catch-up rows a request (1 + the most drafts)
+    head_ids, last = cp.zeros((B + 1) * R, cp.int64), cp.asarray(np.arange(B + 1) * R + K)
+    chain = cp.zeros(B + 1, cp.int64)
+    follow_catch_up(cp.asarray(want), K + 1, R, head_ids, last, chain)
+    expect = np.zeros(((B + 1), R), np.int64)
+    expect[:B, :K + 1] = want[:, :K + 1]
+    np.testing.assert_array_equal(head_ids.get().reshape(B + 1, R), expect)
+    np.testing.assert_array_equal(last.get(), np.append(np.arange(B) * R + kept - 1, B * R + K))
+    np.testing.assert_array_equal(chain.get()[:B], np.arange(B) * R + kept - 1)
+
+
 def _graph_share(engine) -> float:
     g = engine.graphs
     return g.num_replays / max(1, engine.num_steps)
@@ -241,13 +289,14 @@ def _greedy_run(engine, params) -> tuple[dict, dict, dict]:
 
 
 @needs_cuda
-@pytest.mark.parametrize("cuda_graphs,k", [(True, 0), (False, 0), (True, "auto")])
+@pytest.mark.parametrize("cuda_graphs,k", [(True, 0), (False, 0), (True, "auto"), (True, 2), (False, 3)])
 def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(model_dir, cuda_graphs, k):
     """A decode step launched from the previous step's tokens on the device (graphs: copied into
     the captured step's input ids; eager: read first) gives the tokens, finish reasons and pools
     of stepping one step at a time, with requests ending under a step in flight (K=0: the same
-    forwards in the same order, so exactly). With auto drafting, its steps without drafts
-    overlap and its draft steps do not; its verify forwards have other shapes than MTP off's,
+    forwards in the same order, so exactly). With drafts (K=2, 3, auto) a draft step is launched
+    from the acceptance of the one before, on the device (graphs: its staged rows moved there;
+    eager: the acceptance read first); its verify forwards have other shapes than MTP off's,
     whose fp16 logits round differently, so a sequence may part from MTP off's where MTP off's
     two best tokens were a near-tie (NEAR_TIE in logprob), as in the seeded test."""
     import dataclasses
@@ -280,6 +329,8 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
     for p in parted:
         assert p["tokens"] == p["top two"] and p["gap"] < NEAR_TIE, f"a parting that is no near-tie: {p}"
     assert engine.num_continuations > (0.5 * engine.num_steps if k == 0 else 0)
+    if isinstance(k, int) and k > 0:
+        assert engine.num_draft_continuations > 0
     if cuda_graphs:
         assert engine.graphs.num_replays > engine.num_continuations / 2
 
@@ -463,3 +514,10 @@ def test_commit_replay_kernels_match_the_array_replay(heads, conv_dtype):
         replay(got_conv, got, value, cap, step_rows, dst, src, kept)
         np.testing.assert_allclose(got.get(), want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(got_conv.get(), want_conv)     # a copy of values: exact
+    # kept counts on the device (a launched draft step's): rows keeping all `full` are left alone
+    got, got_conv = cp.asarray(state), cp.asarray(conv)
+    replay(got_conv, got, cp.asarray(conv_value), cp.asarray(capsule), step_rows, dst, src, cp.asarray(kept), full=4)
+    skipped_want, skipped_conv = want.copy(), want_conv.copy()
+    skipped_want[:, dst[3]], skipped_conv[:, dst[3]] = state[:, dst[3]], conv[:, dst[3]]
+    np.testing.assert_allclose(got.get(), skipped_want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got_conv.get(), skipped_conv)
