@@ -40,9 +40,11 @@
 # q: (needs the --serve kit) test_cuda, bundled K=0 vs og.Engine, HTTP direct ingress vs in process
 #    (bundled, C=1 / 16), the 1.4 B model's B=1 replay and its C=1 TPOT with overlap on / off.
 # r: (a session's last minutes) test_cuda's sampled overlap test and its greedy K=0 graph case.
+# s: after draft steps in flight: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
+# t: the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds each.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -266,6 +268,22 @@ r)
     -k "overlapped_sampled or (overlapped and True-0)" 2>&1 | grep -v "Warning\|onnxruntime_pybind" \
     | grep "overlap\|sequences part\|passed\|failed\|Error\|assert" | cut -c1-1500 | tee "$OUT/test-cuda-overlap.txt"
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r" >&2; exit 2 ;;
+s)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  run_test_cuda
+  bundled_mtp_rounds 2
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  ;;
+t)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  for a in 0.7 0.3; do
+    step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
+    timeout 250 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+      --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
+      --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
+  done
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t" >&2; exit 2 ;;
 esac
 step done
