@@ -393,16 +393,19 @@ MAX_PARTED = 3          # of 22 sequences; a logic error parts nearly all of the
 
 class RaceRecorder:
     """Records the two best entries of every seeded target draw's exponential race (the
-    accept step's ``draw_tokens``), by (seed, output position); the last draw of a position is
-    the one whose token was kept."""
+    accept step's ``draw_tokens``, and the overlapped engine's own for a launched step's
+    tokens), by (seed, output position); the last draw of a position is the one whose token
+    was kept."""
 
     def __init__(self, monkeypatch):
-        from mtpserve.engine import sampler, speculative
+        from mtpserve.engine import engine, sampler, speculative
         self.races: dict = {}
-        draw = speculative.draw_tokens
+        for module in (speculative, engine):
+            monkeypatch.setattr(module, "draw_tokens", self._recording(module.draw_tokens, sampler))
 
-        def recording(probs_rows, requests, offsets, xp=None):
-            out = draw(probs_rows, requests, offsets, xp)
+    def _recording(self, draw, sampler):
+        def recording(probs_rows, requests, offsets, xp=None, **kw):
+            out = draw(probs_rows, requests, offsets, xp, **kw)
             for i, r in enumerate(requests):
                 if r.params.is_seeded_sampled:
                     pos = r.num_output_tokens + offsets[i]
@@ -413,7 +416,7 @@ class RaceRecorder:
                     a, b = np.argsort(-score)[:2]
                     self.races[(r.params.seed, pos)] = ({int(a), int(b)}, float(score[a] - score[b]))
             return out
-        monkeypatch.setattr(speculative, "draw_tokens", recording)
+        return recording
 
     def take(self) -> dict:
         races, self.races = self.races, {}
