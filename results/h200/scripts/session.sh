@@ -42,9 +42,10 @@
 # r: (a session's last minutes) test_cuda's sampled overlap test and its greedy K=0 graph case.
 # s: after draft steps in flight: test_cuda, bundled K=0 / 2 / 3 / auto at C=1 / 16 in 2 rounds.
 # t: the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds each.
+# u: test_cuda's seeded test (its partings printed), then t.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -275,15 +276,22 @@ s)
   step waiting for the 1.4 B model; wait
   tail -1 "$OUT/make-mid.txt"
   ;;
-t)
-  make_mid > "$OUT/make-mid.txt" 2>&1
+t|u)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  if [[ $part == u ]]; then
+    step test_cuda, the seeded test
+    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py -k seeded_sampling 2>&1 \
+      | grep -v "Warning\|onnxruntime_pybind" | grep "seeded sequences\|passed\|failed\|Error\|assert" | cut -c1-2500 \
+      | tee "$OUT/test-cuda-seeded.txt"
+  fi
+  step waiting for the 1.4 B model; wait
   for a in 0.7 0.3; do
     step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
-    timeout 250 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+    timeout 230 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
       --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
       --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
   done
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t" >&2; exit 2 ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u" >&2; exit 2 ;;
 esac
 step done
