@@ -11,10 +11,11 @@ A step is schedule -> propose -> verify -> commit -> outputs, each owned by one 
                tokens appended up to a stop id or a limit
     outputs    OutputProcessor.process(): text, stop strings; finished requests released
 
-With ``overlap_decode`` (CUDA's default) a step without drafts whose tokens the device can pick
-(greedy) is launched and committed first and lands (tokens read, appended, outputs) later, after
-its continuation, the next decode step of the same requests, has been launched from its tokens on
-the device: the GPU runs one step while the host finishes the one before (pipeline.py).
+With ``overlap_decode`` (CUDA's default) a step without drafts is launched and committed first
+and lands (tokens read, appended, outputs) later, after its continuation, the next decode step of
+the same requests, has been launched from its tokens on the device; a greedy draft step is
+accepted and its states committed on the device, and the next draft step is launched from that
+acceptance: the GPU runs one step while the host finishes the one before (pipeline.py).
 
 One owner drives it (a step loop); nothing in here is shared across threads.
 """

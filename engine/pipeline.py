@@ -1,4 +1,4 @@
-"""Overlapped decoding: the next decode step is launched before this step's tokens are read.
+"""Overlapped decoding: the next step is launched before this step's tokens are read.
 
 A step without drafts keeps every row it feeds, so its commit (state bank, KV lengths,
 ``num_computed``) does not depend on the tokens it samples: it is done when the step is
@@ -24,10 +24,12 @@ A continuation Q of the launched step P is taken (``continuation_blocker`` says 
 - no request of P finished or was cancelled since P was launched (a **dead row**: its tokens are
   dropped when P lands, and its pool space is released then, not before: a release moves a state
   row, under a step that still writes it);
-- the draft policy plans no drafts for the next step (a draft step's commit depends on its
-  acceptance: it is scheduled, and run to its end, after P lands; the policy's answer is kept for
-  that schedule); with MTP on, each launched step's hidden rows go to the proposer at launch;
-- Q's KV fits (one more row per request, reserved now).
+- after a step without drafts, the draft policy plans none for the next step; after a draft
+  step, one K for every request within the step's budget (see "Draft steps in flight" below).
+  Otherwise the policy's answer is kept for the next schedule, after P lands, so none of its
+  turns is skipped; with MTP on, a step without drafts hands its hidden rows to the proposer at
+  launch;
+- Q's KV fits (its rows, counted from P's longest acceptance, reserved now).
 
 Tokens are picked on the device: greedy rows by one argmax kernel, sampled rows by the sampler's
 own draws (``draw_tokens(on_device=True)``: a seeded request's keyed noise, any other's next
@@ -40,6 +42,25 @@ A request that finishes when P lands (a stop id, a stop string, max_tokens) is a
 its event goes out at once, its release waits until Q lands, and Q has no continuation.
 Greedy output is the same token for token with and without overlap: Q computes exactly the step
 the scheduler would have planned next, from the same state.
+
+**Draft steps in flight.** A greedy draft step P (every request 1 token + the same K drafts; no
+penalties, grammar, min_tokens mask or logprobs: ``overlap_blocker``) is accepted and committed on
+the device: the target rows' argmaxes against the drafts give each request's emitted tokens and
+kept rows (``accept_drafts``; ``cuda_kernels.accept_drafts``), the state bank replays the rows
+that keep fewer than 1 + K from those counts (``StateBank.commit_step_on_device``), and only those
+two arrays go to the host. Its continuation Q (the policy plans one K' for all) is staged as if
+P kept all its rows, and moved on the device::
+
+    P's accepted [B, K + 2]    | e0 e1 .. eK | kept |       e_i: the tokens P emits (first ``kept``)
+    Q's head catch-up          ids e0 .. eK at num_head + i; last real row at kept - 1; P's hidden rows
+    Q's chained head rows      positions base + kept + i - 1     (staged: base + K + 1 + i - 1)
+    Q's verify                 ids [e(kept-1), Q's drafts], positions base + kept + j (staged: + K + 1)
+
+(``cuda_kernels.follow_catch_up`` / ``follow_verify``; base = P's num_computed, which the host
+still has: lengths, ``num_computed`` and ``num_head`` advance when P lands, ``commit_lengths``.)
+Q's KV is reserved for P's longest acceptance. Where no captured graph fits (or on the CPU) Q
+reads P's acceptance first and runs from the host's copy. Rows of P that a request did not keep
+hold KV that Q's rows overwrite before anything reads it.
 """
 
 from __future__ import annotations
