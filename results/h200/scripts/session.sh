@@ -66,6 +66,14 @@ bundled_mtp_rounds() {   # $1 rounds of K=0 / 2 / 3 / auto at C=1 / 16, phases o
   timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds "$1" \
     --phases on --name bundled-mtp-rounds 2>&1 | grep -v "prefill:" | tail -22
 }
+mid_synthetic_rounds() { # the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds; $1 s each
+  for a in 0.7 0.3; do
+    step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
+    timeout "$1" "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
+      --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
+      --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
+  done
+}
 ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B=1) and verify (B=16 x 3); $1 s each
   local ncu=(ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling node
              --metrics gpu__time_duration.sum,dram__bytes.sum --csv)
@@ -220,12 +228,7 @@ n)
   bundled_mtp_rounds 2
   step waiting for the 1.4 B model; wait
   tail -1 "$OUT/make-mid.txt"
-  for a in 0.7 0.3; do
-    step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
-    timeout 200 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
-      --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
-      --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
-  done
+  mid_synthetic_rounds 200
   ;;
 o)
   make_mid > "$OUT/make-mid.txt" 2>&1
@@ -285,12 +288,7 @@ t|u)
       | tee "$OUT/test-cuda-seeded.txt"
   fi
   step waiting for the 1.4 B model; wait
-  for a in 0.7 0.3; do
-    step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
-    timeout 230 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
-      --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
-      --name mid-synthetic-$a-rounds 2>&1 | grep -v "prefill:" | tail -14
-  done
+  mid_synthetic_rounds 230
   ;;
 *) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u" >&2; exit 2 ;;
 esac
