@@ -466,7 +466,7 @@ class Engine:
             drafts = self.proposer.propose(plan.scheduled)
             out = self._verify(plan, drafts)
         else:
-            head_rows = B * (after.num_drafts + 1)
+            head_rows = 0                  # set when ``after`` lands: its kept rows
             drafts = self.proposer.propose(plan.scheduled, after=after)
             out = self._verify_after(plan, drafts, after)
         on_device = self._device_drafts(plan, drafts)
@@ -523,6 +523,8 @@ class Engine:
         kept = [int(n) for n in accepted[:, k1]]
         live = [s.request.request_id in self.scheduler.requests for s in plan.scheduled]
         self.scheduler.commit_lengths(plan, kept, head_caught_up=flight.followed)
+        if flight.followed and self._in_flight is not None:     # the rows its continuation's head caught up on
+            self._in_flight.num_head_rows = sum(kept)
         if not flight.followed:
             for s, start, n, alive in zip(plan.scheduled, plan.layout.row_start, kept, live):
                 if alive:

@@ -161,6 +161,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
     continuations0, blockers0 = engine.num_continuations, dict(engine.overlap_blockers)
+    draft_continuations0 = engine.num_draft_continuations
     depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
     cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
@@ -236,6 +237,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
     extra["overlap"] = {"on": engine.overlap, "continuations": engine.num_continuations - continuations0,
+                        "draft_continuations": engine.num_draft_continuations - draft_continuations0,
                         "blockers": {why: n - blockers0.get(why, 0) for why, n in engine.overlap_blockers.items()
                                      if n > blockers0.get(why, 0)}}
     system = NO_PREFIX_CACHE if engine.prefix_cache is None else \

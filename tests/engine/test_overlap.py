@@ -196,16 +196,27 @@ def test_draft_steps_overlap_and_keep_the_tokens_and_acceptance_of_stepping_one_
                 ("eos", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)),
                 ("len13", PROMPTS[7], dataclasses.replace(GREEDY, max_tokens=13))]
     mtp_off = run(make(model_dir, False), requests)
+    shapes = {False: [], True: []}         # what each draft step ran, as the draft policy's cost fit sees it
+
+    def shape(e, i):
+        t = e.last_step
+        if t is not None and t.num_head_forwards:
+            shapes[e.overlap].append((t.num_requests, t.num_main_tokens, t.num_head_forwards, t.num_head_rows))
     stepping = make(model_dir, False, k=k, uniform=uniform)
     plain = run(stepping, requests)
     engine = make(model_dir, True, k=k, uniform=uniform)
-    draft_steps = []
-    overlapped = run(engine, requests, during=lambda e, i: draft_steps.append(e.last_step.num_head_forwards > 0))
+    overlapped = run(engine, requests, during=shape)
+    num_draft_steps = len(shapes[True])
     assert overlapped == plain == mtp_off
     assert _spec_counts(engine) == _spec_counts(stepping)
-    print(f"K={k} uniform={uniform}: {engine.num_draft_continuations} draft continuations of {sum(draft_steps)} draft steps; "
-          f"{engine.overlap_blockers}")
-    assert engine.num_draft_continuations > 0.5 * sum(draft_steps)
+    if not uniform:    # no stop: no dead row, the same steps (the head rows each caught up on included)
+        shapes[True].clear()
+        for overlap in (False, True):
+            run(make(model_dir, overlap, k=k), requests[:6], during=shape)
+        assert shapes[True] == shapes[False] and len(shapes[True]) > 10
+    print(f"K={k} uniform={uniform}: {engine.num_draft_continuations} draft continuations of {num_draft_steps} draft "
+          f"steps; {engine.overlap_blockers}")
+    assert engine.num_draft_continuations > 0.5 * num_draft_steps
 
 
 def test_synthetic_acceptance_draws_in_stepping_order_with_draft_steps_in_flight(model_dir):
