@@ -402,15 +402,13 @@ class Engine:
         why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
                                    self._host_rule, self.manifest.context_length,
                                    self.max_drafts if flight.num_drafts else 0)
-        k = 0
+        k, wanted = 0, None
         if why is None and self.proposer is not None:
             wanted = s.plan_drafts(requests)
             if flight.num_drafts:
                 k, why = self._next_drafts(flight, wanted)
             elif any(wanted):
                 why = "the draft policy drafts next"
-            if why is not None:
-                s.hold_drafts(requests, wanted)          # the next schedule's plan
         if why is None:
             # KV for the rows the continuation feeds, counting every row ``flight`` may keep
             ahead = flight.num_drafts + 1 if flight.num_drafts else 0
@@ -419,6 +417,8 @@ class Engine:
             elif k and not all(self.head_pool.reserve(r.request_id, r.num_computed + ahead + k - 1) for r in requests):
                 why = "no KV block for the next token"
         if why is not None:
+            if wanted is not None:
+                s.hold_drafts(requests, wanted)          # the policy's answer is the next schedule's plan
             key = why.split(" ", 2)[-1] if why.startswith("request ") else why
             self.overlap_blockers[key] = self.overlap_blockers.get(key, 0) + 1
             return None
