@@ -325,6 +325,15 @@ def accept_drafts(target, drafts, synthetic=None):
     return accepted, kept
 
 
+def warm_up_accept() -> None:
+    """Build and run once the accept and follow kernels (NVRTC compiles a module on its first
+    use: ~0.1 s, which would otherwise fall on the first live draft step in flight)."""
+    import cupy
+    accepted, _ = accept_drafts(cupy.zeros((1, 2), cupy.int64), cupy.zeros((1, 1), cupy.int64))
+    follow_verify(accepted, 2, 1, cupy.zeros(1, cupy.int32), cupy.zeros((3, 1), cupy.int64), cupy.zeros(1, cupy.int64))
+    follow_catch_up(accepted, 2, 2, cupy.zeros(2, cupy.int64), cupy.zeros(1, cupy.int64), cupy.zeros(1, cupy.int64))
+
+
 def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None) -> None:
     """Move a staged step's first ``B = len(accepted)`` requests (``num_rows`` rows each) from the
     positions staged for ``num_kept_staged`` kept rows to the accepted ones; ``ids``: row 0 of

@@ -199,7 +199,9 @@ class Engine:
         PagedAttention pays 45-85 ms on the first call of each shape, which would otherwise land
         on live steps (with CUDA graphs, on the decode steps that cannot replay one). Then the
         state bank's indexing kernels at every size class a step can need
-        (``StateBank.warm_up_kernels``: CuPy builds one on its first use)."""
+        (``StateBank.warm_up_kernels``: CuPy builds one on its first use), and with MTP the
+        kernels of a draft step in flight (``cuda_kernels.warm_up_accept``: a 0.1 s build seen
+        on the first such live step)."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
@@ -210,6 +212,9 @@ class Engine:
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
         self.state_bank.warm_up_kernels(largest)
+        if self.proposer is not None:         # a draft step in flight's accept (no warm-up request reaches it)
+            from mtpserve.engine.cuda_kernels import warm_up_accept
+            warm_up_accept()
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def warm_up_requests(self) -> None:

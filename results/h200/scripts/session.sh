@@ -45,9 +45,10 @@
 # u: test_cuda's seeded test (its partings printed), then t.
 # v: (a diagnostic call) step_costs.py on the bundled model with draft steps in flight: replays,
 #    commits, and the cProfile of the overlapped step loop at K=2 and K=0, B=1 / 16.
+# w: test_cuda, then v (after the accept kernels' warm-up at start).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -292,11 +293,12 @@ t|u)
   step waiting for the 1.4 B model; wait
   mid_synthetic_rounds 230
   ;;
-v)
+v|w)
+  [[ $part == w ]] && run_test_cuda
   step step costs, bundled, draft steps in flight
   timeout 300 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
     --batches 1,16 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | head -90
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v" >&2; exit 2 ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w" >&2; exit 2 ;;
 esac
 step done
