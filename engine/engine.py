@@ -395,7 +395,7 @@ class Engine:
                 tokens = drawn
             else:
                 tokens[xp.asarray(np.array(sampled, np.int64))] = drawn
-        flight.tokens, flight.readback, flight.logits = tokens, self._readback.send(tokens), None
+        flight.tokens, flight.readback, flight.source, flight.logits = tokens, self._readback.send(tokens), self._readback, None
 
     def _continue(self, flight: LaunchedStep) -> LaunchedStep | None:
         """The continuation of ``flight`` launched, or None when it cannot be (the reason counted
@@ -465,8 +465,7 @@ class Engine:
         that step's acceptance on the device)."""
         xp, B, K = self.xp, len(plan.scheduled), plan.scheduled[0].num_drafts
         replays = self.graphs.num_replays if self.graphs is not None else 0
-        if after is None:
-            self._keep_prefix_hits(plan)
+        if after is None:           # (no prefix hit: a step that admits a request carries its prompt, no drafts)
             head_rows = sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
             drafts = self.proposer.propose(plan.scheduled)
             out = self._verify(plan, drafts)
@@ -549,7 +548,7 @@ class Engine:
                                   input_tokens=after.tokens)
             if out is not None:
                 return out
-        rows = [PackedRows([int(t)], r.past_len, r.block_table) for r, t in zip(rows, after.host_tokens(self._readback))]
+        rows = [PackedRows([int(t)], r.past_len, r.block_table) for r, t in zip(rows, after.host_tokens())]
         io = self.state_bank.step_buffers(plan.request_ids)
         return self.runner.run_main(rows, io.past, np.zeros(len(rows), np.int32), present_into=io.present)
 
@@ -558,7 +557,7 @@ class Engine:
         if flight.num_drafts:
             return self._land_drafting(flight)
         plan = flight.plan
-        tokens = flight.host_tokens(self._readback)
+        tokens = flight.host_tokens()
         sampled = {s.request.request_id: ([int(t)], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
         updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
         self._advance_grammars(updates)

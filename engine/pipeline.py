@@ -128,14 +128,14 @@ class LaunchedStep:
     hidden: object = None           # a draft step's main hidden rows [B * (K + 1), H] (the head's next catch-up)
     followed: bool = False          # a draft step's continuation caught the head up on its rows
     num_head_rows: int = 0          # head rows its drafting caught up on (the step's timing)
-    source: TokenReadback | None = field(default=None, repr=False)    # where ``readback`` was sent
+    source: TokenReadback | None = field(default=None, repr=False)    # where ``tokens`` were sent
     _host: np.ndarray | None = field(default=None, repr=False)
 
-    def host_tokens(self, readback: TokenReadback | None = None) -> np.ndarray:
+    def host_tokens(self) -> np.ndarray:
         """The tokens on the host (the first call waits for the copy); a draft step's ``[B, K + 2]``:
         request i's emitted tokens ``[i, :kept]``, then ``kept`` at ``[i, K + 1]``."""
         if self._host is None:
-            self._host = (readback or self.source).receive(self.readback)
+            self._host = self.source.receive(self.readback)
             if self.num_drafts:
                 self._host = self._host.reshape(len(self.plan.scheduled), self.num_drafts + 2)
         return self._host
@@ -192,9 +192,10 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
     """Why the launched step ``plan`` cannot be followed by its continuation now (None: it can;
     see the module docstring). ``num_running``: the scheduler's running requests (a request of
     the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r,
-    ahead)``: why request r's token ``ahead`` tokens after this step's needs the host first
-    (penalties, grammar, a min_tokens mask), or None; ``num_drafts``: the continuation's K (a
-    draft continuation of a draft step). Host data only: no GPU or pool in here."""
+    ahead)``: why request r's logits from its output position ``ahead`` on need the host first
+    (penalties, grammar, a min_tokens mask), or None; ``num_drafts``: the most drafts the
+    continuation may carry (its rows must stay inside the context). Host data only: no GPU or
+    pool in here."""
     if len(plan.scheduled) != num_running:
         return "a request of the step finished, or a running one is not in it"
     if can_admit:

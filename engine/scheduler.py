@@ -308,9 +308,10 @@ class Scheduler:
 
     def plan_drafts(self, decoding: list[Request]) -> list[int]:
         """The policy's draft counts for the next step of these decoding requests, asked once
-        per step: the answer given to overlapped decoding's check (``pipeline``: a continuation
-        is a step without drafts) is kept and is the next schedule's when it plans the same
-        requests, so a policy's turns (calibrating 0, 1, 0, ...) are not skipped."""
+        per step: the answer given to overlapped decoding's check (``pipeline``: whether a
+        continuation is launched, and with which K) is kept when none is, and is the next
+        schedule's when it plans the same requests, so a policy's turns (calibrating 0, 1, 0,
+        ...) are not skipped."""
         held, self._held_drafts = self._held_drafts, None
         if held is not None and held.keys() == {r.request_id for r in decoding}:
             return [held[r.request_id] for r in decoding]
@@ -404,12 +405,7 @@ class Scheduler:
         row whatever it samples, so overlapped decoding commits it when it is launched."""
         self.state_bank.commit_step(plan.request_ids, present, [s.num_tokens + s.num_drafts for s in plan.scheduled],
                                     num_kept, captures)
-        for s, kept in zip(plan.scheduled, num_kept):
-            r = s.request
-            r.num_computed += kept
-            self.kv_pool.commit(r.request_id, r.num_computed)
-            if s.num_drafts:
-                self.head_pool.commit(r.request_id, r.num_head)
+        self._advance_lengths(list(zip(plan.scheduled, num_kept)))
 
     def commit_states_on_device(self, plan: StepPlan, present: StepStates, num_kept, captures: StepCaptures) -> None:
         """A launched draft step's state commit by its accepted counts ``num_kept`` (an array on
@@ -423,14 +419,22 @@ class Scheduler:
         head-KV lengths and ``num_computed`` of every request still running (a dead row's go
         with its release). ``head_caught_up``: the next step's drafting already caught the head
         up on the kept rows (``num_head`` = ``num_computed``)."""
-        live = [(s.request, k) for s, k in zip(plan.scheduled, num_kept) if s.request.request_id in self.requests]
-        self.state_bank.advance_committed([r.request_id for r, _ in live], [k for _, k in live])
-        for r, kept in live:
-            r.num_computed += kept
+        live = [(s, k) for s, k in zip(plan.scheduled, num_kept) if s.request.request_id in self.requests]
+        self.state_bank.advance_committed([s.request.request_id for s, _ in live], [k for _, k in live])
+        self._advance_lengths(live, head_caught_up)
+
+    def _advance_lengths(self, kept: list[tuple[ScheduledRequest, int]], head_caught_up: bool = False) -> None:
+        """``num_computed`` and the KV length of each (scheduled request, rows kept), and a
+        drafting request's head-KV length (``num_head``, = ``num_computed`` when the next step's
+        drafting already caught the head up on the kept rows)."""
+        for s, n in kept:
+            r = s.request
+            r.num_computed += n
             self.kv_pool.commit(r.request_id, r.num_computed)
-            if head_caught_up:
-                r.num_head = r.num_computed
-            self.head_pool.commit(r.request_id, r.num_head)
+            if s.num_drafts:
+                if head_caught_up:
+                    r.num_head = r.num_computed
+                self.head_pool.commit(r.request_id, r.num_head)
 
     def append_tokens(self, plan: StepPlan, sampled: dict[str, tuple[list[int], int]],
                       num_kept: list[int]) -> list[RequestUpdate]:
