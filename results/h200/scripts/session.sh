@@ -46,9 +46,10 @@
 # v: (a diagnostic call) step_costs.py on the bundled model with draft steps in flight: replays,
 #    commits, and the cProfile of the overlapped step loop at K=2 and K=0, B=1 / 16.
 # w: test_cuda, then v (after the accept kernels' warm-up at start).
+# x: (the session's last seconds) test_cuda's overlap tests and MTP on == off.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -299,6 +300,11 @@ v|w)
   timeout 300 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
     --batches 1,16 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | head -90
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w" >&2; exit 2 ;;
+x)
+  step test_cuda, overlap and MTP on == off
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py -k "overlapped or mtp_on_is" 2>&1 \
+    | grep -v "Warning\|onnxruntime_pybind" | tail -4 | tee "$OUT/test-cuda-overlap.txt"
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x" >&2; exit 2 ;;
 esac
 step done
