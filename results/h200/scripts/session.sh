@@ -47,9 +47,12 @@
 #    commits, and the cProfile of the overlapped step loop at K=2 and K=0, B=1 / 16.
 # w: test_cuda, then v (after the accept kernels' warm-up at start).
 # x: (the session's last seconds) test_cuda's overlap tests and MTP on == off.
+# y: test_cuda, HTTP direct ingress vs in process (bundled, C=1 / 16), then scripts/http_profile.sh:
+#    the replica's CPU per streamed token and py-spy of it and the engine process at C=16, with
+#    the route on its own thread (Serve's default) and on Serve's loop.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -305,6 +308,16 @@ x)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py -k "overlapped or mtp_on_is" 2>&1 \
     | grep -v "Warning\|onnxruntime_pybind" | tail -4 | tee "$OUT/test-cuda-overlap.txt"
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x" >&2; exit 2 ;;
+y)
+  run_test_cuda
+  step HTTP direct ingress vs in process, bundled
+  timeout 170 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-direct 2>&1 | grep -v INFO | tail -14
+  step HTTP profile, user code on its own thread
+  timeout 140 bash results/h200/scripts/http_profile.sh own-thread
+  step HTTP profile, user code on Serve\'s loop
+  timeout 140 bash results/h200/scripts/http_profile.sh serve-loop RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y" >&2; exit 2 ;;
 esac
 step done
