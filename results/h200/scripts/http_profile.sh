@@ -34,4 +34,5 @@ timeout 20 "$pyspy" record -p $replica -d 6 -r 250 -f raw -o "$dir/replica-threa
 timeout 20 "$pyspy" record -p $engine -d 6 -r 250 -f raw -o "$dir/engine-threads.raw" --threads --nonblocking > /dev/null 2>&1
 wait $bench_pid
 kill -INT $serve_pid; sleep 5; kill $serve_pid 2>/dev/null; ray stop --force > /dev/null 2>&1
-ls -la "$dir" | tail -8
+tar -czf "$OUT/http-profile-$label.tgz" -C "$OUT" "http-profile-$label" && rm -rf "$dir"   # one file: a call returns few
+ls -la "$OUT/http-profile-$label.tgz"
