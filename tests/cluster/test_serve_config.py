@@ -14,7 +14,7 @@ requests = pytest.importorskip("requests")
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from mtpserve.cluster.app import ServeOptions, build_app, setting_names  # noqa: E402
+from mtpserve.cluster.app import ROUTES_THREAD_ENV, ServeOptions, build_app, setting_names  # noqa: E402
 from mtpserve.cluster.local_cluster import REPLICA_RESOURCE  # noqa: E402
 from mtpserve.engine.bundled import BUNDLED_MODEL_REF, MODEL_DIR, resolve_model_dir  # noqa: E402
 
@@ -55,6 +55,15 @@ def test_a_replica_resource_pins_each_replica_and_the_bundled_model_travels_by_r
     assert resolve_model_dir(BUNDLED_MODEL_REF) == str(MODEL_DIR)
     plain = build_app(ServeOptions.from_flat(num_replicas=1))._bound_deployment
     assert "resources" not in plain.ray_actor_options
+
+
+def test_replicas_run_their_routes_on_serves_loop_unless_told_not_to():
+    """By default each replica process starts with Serve's switch that runs the HTTP routes on its
+    own event loop (no thread hop per streamed chunk); off leaves Serve's default thread."""
+    on = build_app(ServeOptions.from_flat(num_replicas=1))._bound_deployment
+    assert on.ray_actor_options["runtime_env"]["env_vars"] == {ROUTES_THREAD_ENV: "0"}
+    off = build_app(ServeOptions.from_flat(num_replicas=1, routes_on_serve_loop=False))._bound_deployment
+    assert "runtime_env" not in off.ray_actor_options
 
 
 def test_session_handover_flags_reach_the_worker_and_serves_stop_deadline():
