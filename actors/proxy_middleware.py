@@ -50,7 +50,12 @@ def install(environ=os.environ) -> None:
 
 
 def middlewares() -> list:
-    """Serve's proxy callback: the middlewares to wrap its ASGI app with."""
+    """Serve's proxy callback: the middlewares to wrap its ASGI app with. None in a replica,
+    which calls it too for its own HTTP port (direct ingress): there the replica answers for
+    itself and nothing routes, and each streamed chunk would pay one more wrapper."""
+    from ray.serve.context import _get_internal_replica_context
+    if _get_internal_replica_context() is not None:
+        return []
     from starlette.middleware import Middleware
     return [Middleware(ReplicaLossMiddleware), Middleware(PromptHeadMiddleware)]
 

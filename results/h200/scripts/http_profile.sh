@@ -2,13 +2,14 @@
 # Where a direct-ingress replica's time goes at C=16 (bundled model, CUDA): `mtpserve serve` with
 # --direct-port, `bench --url` against the replica's own port, the replica's and the engine
 # process's CPU seconds over the load (per streamed token), and py-spy of both (GIL holder and
-# all threads, idle left out). Usage: http_profile.sh LABEL [ENV=VALUE ...] (under session.sh).
+# all threads, idle left out), in one file $OUT/http-profile-LABEL.tgz.
+# Usage: http_profile.sh LABEL [SERVE_FLAG ...] (under session.sh; DEVICE=cpu to try it here).
 set -uo pipefail
 label=$1; shift
 pyspy=$(ls /tmp/site/bin/py-spy 2>/dev/null || command -v py-spy)
 dir="$OUT/http-profile-$label"; mkdir -p "$dir"
-env "$@" python3 -m mtpserve.cluster.cli serve --device "${DEVICE:-cuda}" --port 8000 --direct-port 8100 --engine-process on --draft-tokens 0 \
-  > "$dir/serve.txt" 2>&1 &
+python3 -m mtpserve.cluster.cli serve --device "${DEVICE:-cuda}" --port 8000 --direct-port 8100 --engine-process on --draft-tokens 0 \
+  "$@" > "$dir/serve.txt" 2>&1 &
 serve_pid=$!
 for _ in $(seq 120); do grep -q "Ctrl-C to stop" "$dir/serve.txt" && break; sleep 1; done
 replica=$(pgrep -f "ServeReplica:mtpserve" | head -1); engine=$(pgrep -f "mtpserve.actors.engine_process" | head -1)

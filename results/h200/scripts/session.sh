@@ -50,9 +50,12 @@
 # y: test_cuda, HTTP direct ingress vs in process (bundled, C=1 / 16), then scripts/http_profile.sh:
 #    the replica's CPU per streamed token and py-spy of it and the engine process at C=16, with
 #    the route on its own thread (Serve's default) and on Serve's loop.
+# z: HTTP vs in process in one run: direct ingress at C=16 with 256 prompts (past the start-up
+#    burst), the proxy at C=1 / 16; the replica's profile (routes on Serve's loop, no proxy
+#    middlewares in it); bundled K=0 / 2 / 3 / auto at C=1 / 16 with 128 prompts, 2 rounds.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y}
+part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -314,10 +317,23 @@ y)
   timeout 170 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
     --draft-tokens 0 --no-plot --name bundled-http-direct 2>&1 | grep -v INFO | tail -14
   step HTTP profile, user code on its own thread
-  timeout 140 bash results/h200/scripts/http_profile.sh own-thread
+  timeout 140 bash results/h200/scripts/http_profile.sh own-thread --routes-on-serve-loop off
   step HTTP profile, user code on Serve\'s loop
-  timeout 140 bash results/h200/scripts/http_profile.sh serve-loop RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0
+  timeout 140 bash results/h200/scripts/http_profile.sh serve-loop --routes-on-serve-loop on
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y" >&2; exit 2 ;;
+z)
+  step HTTP direct ingress vs in process, bundled, C=16, 256 prompts
+  timeout 150 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 16 --num-prompts 256 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-direct-c16 2>&1 | grep -v INFO | tail -9
+  step HTTP through the proxy vs in process, bundled, C=1 / 16, 64 prompts
+  timeout 150 "${bench[@]}" --replicas 0,1 --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-proxy 2>&1 | grep -v INFO | tail -11
+  step HTTP profile, routes on Serve\'s loop, no proxy middlewares in the replica
+  timeout 140 bash results/h200/scripts/http_profile.sh serve-loop
+  step bundled K=0/2/3/auto, C=1/16, 128 prompts, 2 rounds
+  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 128 --max-tokens 128 --rounds 2 \
+    --phases on --name bundled-mtp-rounds-128 2>&1 | grep -v "prefill:" | tail -22
+  ;;
+*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z" >&2; exit 2 ;;
 esac
 step done
