@@ -52,7 +52,7 @@
 #    the route on its own thread (Serve's default) and on Serve's loop.
 # z: HTTP vs in process in one run: direct ingress at C=16 with 256 prompts (past the start-up
 #    burst), the proxy at C=1 / 16; the replica's profile (routes on Serve's loop, no proxy
-#    middlewares in it); bundled K=0 / 2 / 3 / auto at C=1 / 16 with 128 prompts, 2 rounds.
+#    middlewares in it); bundled K=0 / 2 / 3 / auto at C=1 / 16 with 96 prompts, 2 rounds.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z}
@@ -330,9 +330,9 @@ z)
     --draft-tokens 0 --no-plot --name bundled-http-proxy 2>&1 | grep -v INFO | tail -11
   step HTTP profile, routes on Serve\'s loop, no proxy middlewares in the replica
   timeout 140 bash results/h200/scripts/http_profile.sh serve-loop
-  step bundled K=0/2/3/auto, C=1/16, 128 prompts, 2 rounds
-  timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 128 --max-tokens 128 --rounds 2 \
-    --phases on --name bundled-mtp-rounds-128 2>&1 | grep -v "prefill:" | tail -22
+  step bundled K=0/2/3/auto, C=1/16, 96 prompts, 2 rounds
+  timeout 150 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 96 --max-tokens 128 --rounds 2 \
+    --phases on --name bundled-mtp-rounds-96 2>&1 | grep -v "prefill:" | tail -22
   ;;
 *) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z" >&2; exit 2 ;;
 esac
