@@ -34,6 +34,7 @@ from mtpserve.actors.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SSEChunks,
     TokenizeRequest,
     chat_logprobs,
     chunk_choice,
@@ -44,7 +45,6 @@ from mtpserve.actors.protocol import (
     messages_as_dicts,
     parse_tool_calls,
     split_at_tool_call,
-    sse_chunk,
     tool_call_deltas,
     usage,
 )
@@ -490,7 +490,8 @@ class OpenAIRoutes:
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
                    prompts: list[list[int]], echo: list[str] | None = None):
-        created, model, with_usage = int(time.time()), self.model_name, body.include_usage
+        with_usage = body.include_usage
+        chunks = SSEChunks(request_id, self.model_name, int(time.time()), chat, with_usage)
         num_out, cached = [0] * len(streams), [0] * len(streams)
         with_ids, with_logprobs = body.return_token_ids, body.num_logprobs is not None
         prompt_ids = _per_choice(prompts, body.n) if with_ids else None     # each sent once, then None
@@ -509,7 +510,7 @@ class OpenAIRoutes:
                     choice = chunk_choice(i, "", None, chat, first=True)
                     if with_ids:
                         choice["token_ids"], choice["prompt_token_ids"], prompt_ids[i] = [], prompt_ids[i], None
-                    yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
+                    yield chunks.chunk([choice])
             async for i, event in self.run(streams, started):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
@@ -551,10 +552,9 @@ class OpenAIRoutes:
                         choice["token_ids"] = list(event.token_ids)
                         if prompt_ids[i] is not None:
                             choice["prompt_token_ids"], prompt_ids[i] = prompt_ids[i], None
-                    yield sse_chunk(request_id, model, created, chat, [choice], with_usage)
+                    yield chunks.chunk([choice])
             if with_usage:
-                yield sse_chunk(request_id, model, created, chat, [], True,
-                                usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)))
+                yield chunks.usage_chunk(usage(num_prompt_tokens, sum(num_out), _prompt_cached(cached, body.n)))
         except (EngineFailed, ValueError) as e:
             err = APIError(400, str(e), param="prompt") if isinstance(e, ValueError) else \
                 APIError(503, str(e), "server_error", None, "unavailable")

@@ -536,13 +536,25 @@ def chat_logprobs(entries: list, token_text) -> dict:
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries]}
 
 
-def sse_chunk(request_id: str, model: str, created: int, chat: bool, choices: list[dict],
-              include_usage: bool, usage_: dict | None = None) -> str:
-    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": choices}
-    if include_usage:
-        body["usage"] = usage_
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+class SSEChunks:
+    """One response's stream chunks: ``data: {"id": ..., "choices": [...], "usage": ...}`` lines,
+    the fields every chunk repeats encoded once (each chunk then encodes only its choices: half
+    the time of the whole body, on a path that runs once per token per stream)."""
+
+    _encode = json.JSONEncoder(separators=(",", ":")).encode
+
+    def __init__(self, request_id: str, model: str, created: int, chat: bool, include_usage: bool):
+        head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model}
+        self._head = f"data: {self._encode(head)[:-1]},\"choices\":"
+        self._tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+
+    def chunk(self, choices: list[dict]) -> str:
+        return f"{self._head}{self._encode(choices)}{self._tail}"
+
+    def usage_chunk(self, usage_: dict) -> str:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        return f"{self._head}[],\"usage\":{self._encode(usage_)}}}\n\n"
 
 
 def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: bool,

@@ -1,6 +1,7 @@
 """The engine in a process of its own (CUDA replicas' default), without Ray: the same output as the
 engine's own thread, aborts free, refusals come first, and a dead engine process is a clear error."""
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -10,10 +11,10 @@ import pytest
 from test_engine_loop import _collect
 
 from mtpserve.actors.engine_loop import EngineFailed, EngineLoop, Overloaded
-from mtpserve.actors.engine_process import EngineProcess
+from mtpserve.actors.engine_process import EngineProcess, event_from_wire, event_to_wire
 from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
-from mtpserve.engine.request import FinishReason
+from mtpserve.engine.request import FinishReason, TokenEvent
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.tokenizer import Tokenizer
 
@@ -72,6 +73,18 @@ def test_greedy_output_and_logprobs_equal_the_engine_thread_with_mtp_on(make_pro
     while process.snapshot.taken_at == seen and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process.snapshot.taken_at != seen and process.snapshot.prefix_index == child_index
+
+
+def test_every_field_of_a_token_event_crosses_the_pipe():
+    """Events cross the pipe as plain tuples: each field arrives as sent, a field added to
+    TokenEvent included (its value here differs from its default, so dropping it fails)."""
+    values = {"request_id": "r-1", "token_ids": [5, 7], "text": "ab", "finish_reason": FinishReason.LENGTH,
+              "num_prompt_tokens": 3, "num_output_tokens": 2, "num_cached_tokens": 1,
+              "logprobs": [(5, -0.1, [(5, -0.1)])], "prompt_logprobs": [(9, -2.0, [])]}
+    assert set(values) == {f.name for f in dataclasses.fields(TokenEvent)}, "a new TokenEvent field: give it a value"
+    for finish in (FinishReason.LENGTH, None):
+        event = TokenEvent(**{**values, "finish_reason": finish})
+        assert event_from_wire(event_to_wire(event)) == event
 
 
 def test_closing_streams_aborts_running_and_waiting_requests_in_the_engine_process(make_process):
