@@ -95,6 +95,9 @@ class RequestStream:
     A reader that falls behind gets the events waiting for it as one (``merge_events``): under
     load the replica then writes one chunk per read instead of one per step (vLLM's output
     collector does the same), so serving keeps up with the engine instead of queueing behind it.
+    ``pace``, when set, gives the least seconds between two reads: a read that comes sooner
+    first waits out the rest, so the steps' events in between arrive as one (fewer, larger
+    chunks where each chunk costs a message of its own: Serve's proxy path).
     """
 
     def __init__(self, request_id: str, loop_owner):
@@ -104,6 +107,8 @@ class RequestStream:
         self._held = None                  # an error that arrived behind merged events: next read
         self.event_loop = asyncio.get_running_loop()
         self.finished = False
+        self.pace: Callable[[], float] | None = None   # the least seconds between two reads
+        self._read_at: float | None = None
 
     def __aiter__(self):
         return self
@@ -111,6 +116,10 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
+        if self.pace is not None and self._read_at is not None and self._held is None:
+            wait = self._read_at + self.pace() - self.event_loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)          # the events of the steps meanwhile come as one
         item, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
         while not isinstance(item, BaseException) and item.finish_reason is None and not self._queue.empty():
             later = self._queue.get_nowait()
@@ -123,6 +132,8 @@ class RequestStream:
             raise item
         if item.finish_reason is not None:
             self.finished = True
+        if self.pace is not None:
+            self._read_at = self.event_loop.time()
         return item
 
     def put(self, item) -> None:

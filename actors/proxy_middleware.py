@@ -14,6 +14,9 @@ an incomplete chunked read). In the proxy, this middleware turns both into OpenA
 A 503 before the first token is safe to retry (the OpenAI clients do): the request ran nowhere
 else. Only the generation routes (paths ending in ``/completions``) are touched.
 
+``ViaProxyMiddleware`` marks the generation requests it forwards, so their replica paces the
+stream's chunks (each one a Ray message from replica to proxy).
+
 ``PromptHeadMiddleware``: the router that picks a replica for an HTTP request runs in this proxy
 but gets the request's ASGI scope, not its body (the body follows to the replica afterwards). For
 ``POST .../v1/completions`` and ``.../v1/chat/completions`` with a body of at most
@@ -57,7 +60,24 @@ def middlewares() -> list:
     if _get_internal_replica_context() is not None:
         return []
     from starlette.middleware import Middleware
-    return [Middleware(ReplicaLossMiddleware), Middleware(PromptHeadMiddleware)]
+    return [Middleware(ReplicaLossMiddleware), Middleware(PromptHeadMiddleware), Middleware(ViaProxyMiddleware)]
+
+
+VIA_PROXY_HEADER = "x-mtpserve-via-proxy"     # set by the proxy on the generation routes
+
+
+class ViaProxyMiddleware:
+    """Marks a generation request that the proxy forwards (``VIA_PROXY_HEADER``): its replica
+    then paces the stream's chunks (``proxy_chunks_per_s``), each of which costs a Ray
+    message between the two. A client sending the header itself only gets paced chunks."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").endswith("/completions"):
+            scope = {**scope, "headers": [*scope.get("headers", ()), (VIA_PROXY_HEADER.encode(), b"1")]}
+        return await self.app(scope, receive, send)
 
 
 def replica_lost_error() -> APIError:

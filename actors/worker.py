@@ -109,6 +109,7 @@ class Worker:
         guard(self)                                  # API key and body limit before any parse
         self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
         self._stopping = threading.Event()
+        self._num_open_streams = 0               # streams being read on this replica (``run``)
         self._planner = None                     # the planner actor's handle, once known
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None
@@ -136,21 +137,32 @@ class Worker:
                                      for p, (ids, choice_params) in enumerate(zip(prompts, params))
                                      for c, sp in enumerate(choice_params)], session_id)
 
-    async def run(self, streams: list[RequestStream], started: float) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """Merge the streams, recording TTFT, inter-token latency and finished requests."""
+    async def run(self, streams: list[RequestStream], started: float,
+                  via_proxy: bool = False) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Merge the streams, recording TTFT, inter-token latency and finished requests.
+        ``via_proxy``: the response goes through Serve's proxy, one Ray message a chunk: each
+        stream is read at most every (streams open here) / ``proxy_chunks_per_s`` seconds."""
         last_at: dict[int, float] = {}           # stream index -> time of its last token event
-        async for i, event in merge_streams(streams):
-            now = time.perf_counter()
-            if event.token_ids:
-                if i not in last_at:
-                    self.recorder.observe_ttft(now - started)
-                else:
-                    self.recorder.observe_itl(now - last_at[i])
-                last_at[i] = now
-            if event.finish_reason is not None:
-                self.recorder.request_finished(event.finish_reason.value, event.num_prompt_tokens,
-                                               event.num_output_tokens, now - started)
-            yield i, event
+        self._num_open_streams += len(streams)
+        rate = self.config.proxy_chunks_per_s
+        if via_proxy and rate > 0:
+            for stream in streams:
+                stream.pace = lambda: self._num_open_streams / rate
+        try:
+            async for i, event in merge_streams(streams):
+                now = time.perf_counter()
+                if event.token_ids:
+                    if i not in last_at:
+                        self.recorder.observe_ttft(now - started)
+                    else:
+                        self.recorder.observe_itl(now - last_at[i])
+                    last_at[i] = now
+                if event.finish_reason is not None:
+                    self.recorder.request_finished(event.finish_reason.value, event.num_prompt_tokens,
+                                                   event.num_output_tokens, now - started)
+                yield i, event
+        finally:
+            self._num_open_streams -= len(streams)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most a request may generate: to the context end, within one replica's KV cache."""

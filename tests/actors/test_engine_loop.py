@@ -183,6 +183,32 @@ def test_an_error_behind_waiting_events_comes_after_them():
     asyncio.run(scenario())
 
 
+def test_a_paced_stream_reads_at_most_once_per_interval_and_loses_nothing(make_loop):
+    """Through Serve's proxy a stream is paced (``RequestStream.pace``): reads come at least the
+    interval apart and each carries the steps' tokens in between, in order, the end included."""
+    loop = make_loop(adaptive=False)
+    ids = loop.engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    interval_s = 0.05
+
+    async def read(paced: bool):
+        stream = loop.submit(f"p{paced}", ids, params)
+        if paced:
+            stream.pace = lambda: interval_s
+        events, times = [], []
+        async for e in stream:
+            events.append(e)
+            times.append(asyncio.get_running_loop().time())
+        return events, times
+    plain, _ = asyncio.run(read(False))
+    paced, times = asyncio.run(read(True))
+    assert all(b - a >= interval_s * 0.99 for a, b in zip(times, times[1:])), "reads closer than the pace"
+    assert len(paced) < len(plain), "the steps between two paced reads come as one event"
+    assert [t for e in paced for t in e.token_ids] == [t for e in plain for t in e.token_ids]
+    assert "".join(e.text for e in paced) == "".join(e.text for e in plain)
+    assert paced[-1].finish_reason is FinishReason.LENGTH and paced[-1].num_output_tokens == 24
+
+
 def test_export_sessions_gives_each_sessions_cached_prefix_most_recent_first_within_the_budget(make_loop):
     """Two sessions' first turns; the export brings the most recent first and skips what does not
     fit; imported into another engine, the other session's next turn starts from its prefix and
