@@ -3,7 +3,8 @@
 # --direct-port, `bench --url` against the replica's own port, the replica's and the engine
 # process's CPU seconds over the load (per streamed token), and py-spy of both (GIL holder and
 # all threads, idle left out), in one file $OUT/http-profile-LABEL.tgz.
-# Usage: http_profile.sh LABEL [SERVE_FLAG ...] (under session.sh; DEVICE=cpu to try it here).
+# Usage: http_profile.sh LABEL [SERVE_FLAG ...] (under session.sh; DEVICE=cpu to try it here;
+# PORT=8000 drives Serve's proxy instead of the replica's own port 8100).
 set -uo pipefail
 label=$1; shift
 pyspy=$(ls /tmp/site/bin/py-spy 2>/dev/null || command -v py-spy)
@@ -17,7 +18,7 @@ echo "replica $replica engine $engine" | tee "$dir/pids.txt"
 tick=$(getconf CLK_TCK)
 cpu() { awk -v t=$tick '{print ($14+$15)/t}' /proc/$1/stat; }
 run_load() {   # $1 name, $2 prompts: bench --url on the direct port at C=16
-  python3 -m mtpserve.cluster.cli bench --url http://127.0.0.1:8100 --concurrency 16 --num-prompts "$2" --max-tokens 128 \
+  python3 -m mtpserve.cluster.cli bench --url http://127.0.0.1:${PORT:-8100} --concurrency 16 --num-prompts "$2" --max-tokens 128 \
     --results-dir "$dir" --name "$1" --no-plot 2>&1 | grep -v INFO | tail -4
 }
 run_load warm 32 > /dev/null

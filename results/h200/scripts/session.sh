@@ -53,9 +53,12 @@
 # z: HTTP vs in process in one run: direct ingress at C=16 with 256 prompts (past the start-up
 #    burst), the proxy at C=1 / 16; the replica's profile (routes on Serve's loop, no proxy
 #    middlewares in it); bundled K=0 / 2 / 3 / auto at C=1 / 16 with 96 prompts, 2 rounds.
+# aa: (next) what the tenth session built after z: direct ingress vs in process past the burst,
+#    the replica's profile with events as tuples and SSEChunks, and through the proxy with the
+#    default pacing against none (PORT=8000 http_profile.sh).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z}
+part=${1:?usage: session.sh a|b|...|z|aa}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -334,6 +337,17 @@ z)
   timeout 150 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 96 --max-tokens 128 --rounds 2 \
     --phases on --name bundled-mtp-rounds-96 2>&1 | grep -v "prefill:" | tail -22
   ;;
-*) echo "usage: session.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z" >&2; exit 2 ;;
+aa)
+  step HTTP direct ingress vs in process, bundled, C=16, 256 prompts
+  timeout 150 "${bench[@]}" --replicas 0,1 --direct-ingress --concurrency 16 --num-prompts 256 --max-tokens 128 \
+    --draft-tokens 0 --no-plot --name bundled-http-direct-c16 2>&1 | grep -v INFO | tail -9
+  step HTTP profile, direct, events as tuples and SSEChunks
+  timeout 140 bash results/h200/scripts/http_profile.sh direct
+  step HTTP profile, through the proxy, paced at the default 2000 chunks/s
+  PORT=8000 timeout 140 bash results/h200/scripts/http_profile.sh proxy-paced
+  step HTTP profile, through the proxy, unpaced
+  PORT=8000 timeout 140 bash results/h200/scripts/http_profile.sh proxy-unpaced --proxy-chunks-per-s 0
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa" >&2; exit 2 ;;
 esac
 step done
