@@ -513,7 +513,7 @@ class OpenAIRoutes:
                     if with_ids:
                         choice["token_ids"], choice["prompt_token_ids"], prompt_ids[i] = [], prompt_ids[i], None
                     yield chunks.chunk([choice])
-            async for i, event in self.run(streams, started, via_proxy):
+            async for i, event in self.run(streams, started, paced=via_proxy):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens

@@ -138,14 +138,15 @@ class Worker:
                                      for c, sp in enumerate(choice_params)], session_id)
 
     async def run(self, streams: list[RequestStream], started: float,
-                  via_proxy: bool = False) -> AsyncIterator[tuple[int, TokenEvent]]:
+                  paced: bool = False) -> AsyncIterator[tuple[int, TokenEvent]]:
         """Merge the streams, recording TTFT, inter-token latency and finished requests.
-        ``via_proxy``: the response goes through Serve's proxy, one Ray message a chunk: each
-        stream is read at most every (streams open here) / ``proxy_chunks_per_s`` seconds."""
+        ``paced``: each read leaves as a Ray message of its own (through Serve's proxy, or a
+        Python handle's stream): each stream is read at most every (streams open here) /
+        ``proxy_chunks_per_s`` seconds."""
         last_at: dict[int, float] = {}           # stream index -> time of its last token event
         self._num_open_streams += len(streams)
         rate = self.config.proxy_chunks_per_s
-        if via_proxy and rate > 0:
+        if paced and rate > 0:
             for stream in streams:
                 stream.pace = lambda: self._num_open_streams / rate
         try:
@@ -186,7 +187,7 @@ class Worker:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = SamplingParams(**(sampling or {}))
         streams = await self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
-        async for _, event in self.run(streams, time.perf_counter()):
+        async for _, event in self.run(streams, time.perf_counter(), paced=True):   # a Ray message an event
             yield event
 
     async def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:

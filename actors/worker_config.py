@@ -50,8 +50,9 @@ class WorkerConfig:
                                                       "over, within what shutdown_grace_s leaves after its drain")
 
     proxy_chunks_per_s: float = setting(2000.0, "the most stream chunks a replica sends through Serve's proxy a "
-                                                "second, over all its streams (not on --direct-port URLs): each "
-                                                "chunk is a Ray message from replica to proxy, dearer than a step "
+                                                "second, over all its streams, and Python handle streams likewise "
+                                                "(not on --direct-port URLs): each chunk is a Ray message from "
+                                                "the replica, dearer than a step "
                                                 "of a small model, so above this rate a stream's chunk carries the "
                                                 "tokens of several steps (a stream reads at most every open streams "
                                                 "/ this many seconds); 0: every step's tokens at once")
