@@ -240,11 +240,10 @@ class EngineProcess:
 
     def _dispatch(self, items: list[tuple[str, Any]], num_dequeued: int) -> None:
         pairs = []
-        with self._lock:
+        items = [(rid, event_from_wire(item) if type(item) is tuple else item) for rid, item in items]
+        with self._lock:                          # (the events built outside it: submit_all waits on it)
             self._num_dequeued = num_dequeued
             for request_id, item in items:
-                if type(item) is tuple:
-                    item = event_from_wire(item)
                 final = isinstance(item, BaseException) or item.finish_reason is not None
                 stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
                 if stream is not None:

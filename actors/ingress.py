@@ -448,7 +448,7 @@ class OpenAIRoutes:
         num_prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             events = self._sse(request_id, body, streams, chat, num_prompt_tokens, started, prompts, echo,
-                               request.headers.get(VIA_PROXY_HEADER) is not None)
+                               paced=request.headers.get(VIA_PROXY_HEADER) is not None)
             # a client gone before the body starts leaves the generator un-iterated: abort on collection
             weakref.finalize(events, _cancel_all, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -491,7 +491,7 @@ class OpenAIRoutes:
                                             chat, *ids, lps, tool_calls=calls), headers=headers)
 
     async def _sse(self, request_id: str, body, streams, chat: bool, num_prompt_tokens: int, started: float,
-                   prompts: list[list[int]], echo: list[str] | None = None, via_proxy: bool = False):
+                   prompts: list[list[int]], echo: list[str] | None = None, paced: bool = False):
         with_usage = body.include_usage
         chunks = SSEChunks(request_id, self.model_name, int(time.time()), chat, with_usage)
         num_out, cached = [0] * len(streams), [0] * len(streams)
@@ -513,7 +513,7 @@ class OpenAIRoutes:
                     if with_ids:
                         choice["token_ids"], choice["prompt_token_ids"], prompt_ids[i] = [], prompt_ids[i], None
                     yield chunks.chunk([choice])
-            async for i, event in self.run(streams, started, paced=via_proxy):
+            async for i, event in self.run(streams, started, paced):
                 reason = None if event.finish_reason is None else event.finish_reason.value
                 if reason is not None:
                     num_out[i], cached[i] = event.num_output_tokens, event.num_cached_tokens

@@ -49,13 +49,12 @@ class WorkerConfig:
     session_handover_timeout_s: float = setting(10.0, "the longest a stopping replica spends handing its sessions "
                                                       "over, within what shutdown_grace_s leaves after its drain")
 
-    proxy_chunks_per_s: float = setting(2000.0, "the most stream chunks a replica sends through Serve's proxy a "
-                                                "second, over all its streams, and Python handle streams likewise "
-                                                "(not on --direct-port URLs): each chunk is a Ray message from "
-                                                "the replica, dearer than a step "
-                                                "of a small model, so above this rate a stream's chunk carries the "
-                                                "tokens of several steps (a stream reads at most every open streams "
-                                                "/ this many seconds); 0: every step's tokens at once")
+    proxy_chunks_per_s: float = setting(2000.0, "the most stream chunks a replica sends a second through Serve's "
+                                                "proxy and to Python handle streams, over all its streams (never on "
+                                                "--direct-port URLs): each chunk is a Ray message, dearer than a "
+                                                "step of a small model, so above this rate a chunk carries the "
+                                                "tokens of several steps (a stream is read at most every open "
+                                                "streams / this many seconds); 0: every step's tokens at once")
     engine_process: bool | None = setting(None, "run the engine in a process of its own, so the replica's HTTP "
                                                 "serving and the engine's steps do not share one GIL (default: "
                                                 "on for CUDA, off for CPU)")
