@@ -204,7 +204,10 @@ class EngineProcess:
     def _send_locked(self, message) -> None:
         if self._conn is None:
             raise EngineFailed("the engine process is not running")
-        self._conn.send(message)
+        try:
+            self._conn.send(message)
+        except OSError as e:          # it died, and the reader has not seen its socket close yet
+            raise EngineFailed(f"the engine process is gone ({e!r})") from None
 
     # ------------------------------------------------------------------ reader thread
     def _read(self) -> None:
