@@ -322,7 +322,7 @@ class EngineLoop:
                 self._apply(add)
         elif isinstance(command, _Add):
             if self._failed is not None:
-                self._dequeued()
+                self._dequeued(command.stream)
                 self._deliver([(command.stream, EngineFailed(f"the engine failed: {self._failed!r}"))])
                 return
             self._pending.append(command)
@@ -343,7 +343,7 @@ class EngineLoop:
     def _admit(self) -> None:
         while self._pending and self.ledger.can_reserve(self._pending[0].footprint):
             add = self._pending.popleft()
-            self._dequeued()
+            self._dequeued(add.stream)
             self.ledger.reserve(add.request_id, add.footprint)
             try:
                 self.engine.add_request(add.request_id, add.token_ids, add.params, continues=bool(add.session_id))
@@ -383,7 +383,7 @@ class EngineLoop:
         for i, add in enumerate(self._pending):
             if add.request_id == request_id:
                 del self._pending[i]
-                self._dequeued()
+                self._dequeued(add.stream)
                 self._finish_bookkeeping(request_id)
                 event = TokenEvent(request_id, [], "", FinishReason.ABORT, len(add.token_ids), 0)
                 self._deliver([(add.stream, event)])
@@ -396,14 +396,15 @@ class EngineLoop:
         self.ledger.release(request_id)
         self.sessions.finish(request_id)
 
-    def _dequeued(self) -> None:
+    def _dequeued(self, stream) -> None:
+        """A queued request left the queue (admitted, aborted or failed); ``stream``: its reader."""
         with self._queued_lock:
             self._num_queued -= 1
 
     def _fail_all(self, error: BaseException, stopping: bool = False) -> None:
         items = [(a.stream, error) for a in self._pending] + [(s, error) for s in self._streams.values()]
         for add in list(self._pending):
-            self._dequeued()
+            self._dequeued(add.stream)
             self._finish_bookkeeping(add.request_id)
         self._pending.clear()
         for rid in list(self._streams):

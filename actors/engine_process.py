@@ -9,8 +9,13 @@
       thread: one wake-up per event loop per message   then snapshots, call replies, the dequeued count
 
 One duplex ``multiprocessing`` pipe (a Unix socket pair handed to the child as a file descriptor,
-pickled messages) joins the two. The caller side has ``EngineLoop``'s interface, so the replica uses either. Why: on the H200
-the replica's event loop, Serve's own loop and the engine thread held one GIL; at 16 streams the
+pickled messages) joins the two. With ``num_clients``, the child gets that many more pipes, whose
+other ends (``client_conns``) go to the replica's API-server processes (``actors/api_servers.py``):
+each attaches (``EngineProcess.attach``) and submits, aborts and calls over its own pipe, and gets
+its own requests' events, every snapshot and its own replies; only the replica's pipe sets the
+grant and the draft plan, and its closing stops the engine (an API server's aborts its requests).
+The caller side has ``EngineLoop``'s interface, so the replica uses either. Why: on the H200 the
+replica's event loop, Serve's own loop and the engine thread held one GIL; at 16 streams the
 engine thread got a fifth of it and each step took about twice its in-process time (py-spy --gil,
 results/h200/serving/).
 
@@ -34,7 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from mtpserve.actors.engine_loop import (
@@ -64,8 +69,12 @@ class EngineProcess:
     """
 
     def __init__(self, config, max_pending: int = 1024, snapshot_interval_s: float = 0.05,
-                 start_timeout_s: float = 1800.0):
+                 start_timeout_s: float = 1800.0, num_clients: int = 0):
         self.config = config
+        self.num_clients = num_clients
+        self.client_conns: list[Connection] = []  # the other ends of the API servers' pipes (``attach``)
+        self.info: dict = {}                      # what the engine process said when ready
+        self._attached = False
         self.max_pending = max_pending
         self.snapshot_interval_s = snapshot_interval_s
         self.start_timeout_s = start_timeout_s
@@ -88,10 +97,15 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         """Spawn the engine process and wait until its engine is ready (RuntimeError if it fails)."""
         self._conn, theirs = Pipe(duplex=True)            # a Unix socket pair: private to the two
+        clients = [Pipe(duplex=True) for _ in range(self.num_clients)]
+        fds = [theirs.fileno()] + [child_end.fileno() for _, child_end in clients]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", "mtpserve.actors.engine_process", str(theirs.fileno())],
-                                      env=env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
+        self._proc = subprocess.Popen([sys.executable, "-m", "mtpserve.actors.engine_process", ",".join(map(str, fds))],
+                                      env=env, stdin=subprocess.DEVNULL, pass_fds=fds)
         theirs.close()
+        for _, child_end in clients:
+            child_end.close()
+        self.client_conns = [ours for ours, _ in clients]
         self._conn.send(("config", self.config, self.max_pending, self.snapshot_interval_s))
         deadline = time.monotonic() + self.start_timeout_s
         while not self._conn.poll(1.0):
@@ -104,18 +118,34 @@ class EngineProcess:
         if kind != "ready":
             self._proc.wait(timeout=30)
             raise RuntimeError(f"the engine could not start in its process: {info}")
+        self._ready(info)
+        self.policy = _PolicyProxy(self) if info["adaptive"] else None
+        return self
+
+    @classmethod
+    def attach(cls, conn: Connection, info: dict, max_pending: int = 1024) -> EngineProcess:
+        """A client of an engine process that another process started (one of ``client_conns``
+        and that process's ``info``): an API server's. Requests, aborts and calls as ``start``'s;
+        the grant follows the engine's snapshots; no plan, and ``stop`` leaves the engine running."""
+        self = cls(None, max_pending)
+        self._conn, self._attached = conn, True
+        self._ready(info)
+        return self
+
+    def _ready(self, info: dict) -> None:
+        self.info = info
         self.limits, self.max_drafts = info["limits"], info["max_drafts"]
         self.num_usable_blocks, self.num_rows = info["num_usable_blocks"], info["num_rows"]
         self.manifest, self.snapshot = info["manifest"], info["snapshot"]
         self._grant = ReservationLedger(self.num_usable_blocks, self.num_rows)
-        self.policy = _PolicyProxy(self) if info["adaptive"] else None
         self._reader = threading.Thread(target=self._read, name="mtpserve-engine-reader", daemon=True)
         self._reader.start()
-        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine process (its open requests end with EngineFailed) and wait for it."""
         self._stopping = True
+        if self._attached:
+            return                                 # the engine is its starter's to stop
         try:
             self._send(("stop",))
         except (OSError, EngineFailed):
@@ -224,6 +254,8 @@ class EngineProcess:
                 if snapshot.prefix_index_version == self.snapshot.prefix_index_version:   # sent only when changed
                     snapshot = dataclasses.replace(snapshot, prefix_index=self.snapshot.prefix_index)
                 self.snapshot, self._num_dequeued = snapshot, message[2]
+                if self._attached:                 # the grant is the replica's: its mirror follows
+                    self._grant.set_grant(snapshot.num_blocks_granted, snapshot.num_rows_granted)
             elif kind == "reply":
                 with self._lock:
                     loop, future = self._calls.pop(message[1], (None, None))
@@ -288,53 +320,72 @@ def event_from_wire(t: tuple) -> TokenEvent:
 
 # ---------------------------------------------------------------------- the engine process
 class _RemoteStream:
-    """A request's stand-in in the engine process: its events go back over the connection."""
-    __slots__ = ("request_id",)
+    """A request's stand-in in the engine process: its events go back over ``conn``."""
+    __slots__ = ("request_id", "conn")
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    def __init__(self, request_id: str, conn: Connection):
+        self.request_id, self.conn = request_id, conn
 
 
 class _ChildLoop(EngineLoop):
-    """``EngineLoop`` whose deliveries, snapshots and replies are messages to the replica."""
+    """``EngineLoop`` whose deliveries, snapshots and replies are messages to the replica (its
+    pipe first in ``conns``) and its API servers (the rest)."""
 
-    def __init__(self, engine, conn: Connection, max_pending: int, snapshot_interval_s: float):
-        self._conn = conn
+    def __init__(self, engine, conns: list[Connection], max_pending: int, snapshot_interval_s: float):
+        self._conns = list(conns)
         self._send_lock = threading.Lock()
-        self.num_dequeued = 0
-        self._index_version_sent = -1        # the routing index goes to the replica only when it changed
+        self.num_dequeued = dict.fromkeys(conns, 0)   # each pipe's requests that left the queue
+        self._index_version_sent = -1        # the routing index goes out only when it changed
         super().__init__(engine, max_pending, snapshot_interval_s)
 
-    def send(self, message) -> None:
+    def send(self, message, conn: Connection) -> None:
         with self._send_lock:
             try:
-                self._conn.send(message)
+                conn.send(message)
             except OSError:
-                pass                               # the replica is gone; the command thread stops us
+                pass                               # that end is gone: the command thread sees it close
 
-    def add_remote(self, requests: list[tuple[str, list[int], SamplingParams]], session_id: str | None) -> None:
+    def add_remote(self, requests: list[tuple[str, list[int], SamplingParams]], session_id: str | None,
+                   conn: Connection) -> None:
         adds = []
         for rid, ids, params in requests:
+            stream = _RemoteStream(rid, conn)
             try:
                 footprint = check_request(ids, params.max_tokens, self.limits)
                 if params.grammar is not None:     # compiled here, on the command thread, not between steps
                     self.engine.grammars.compiler.compile(params.grammar)
             except ValueError as e:                # the replica checked this already; never silent
-                self._dequeued()
-                self.send(("events", [(rid, e)], self.num_dequeued))
+                self._dequeued(stream)
+                self.send(("events", [(rid, e)], self.num_dequeued[conn]), conn)
                 continue
-            adds.append(_Add(rid, ids, params, footprint, _RemoteStream(rid), session_id))
+            adds.append(_Add(rid, ids, params, footprint, stream, session_id))
         with self._queued_lock:
             self._num_queued += len(adds)
         self._inbox.put(_AddAll(adds))
 
-    def _deliver(self, items: list) -> None:
-        self.send(("events", [(stream.request_id, event_to_wire(item) if type(item) is TokenEvent else item)
-                              for stream, item in items], self.num_dequeued))
+    def drop_client(self, conn: Connection) -> None:
+        """An API server's pipe closed (it exited): its requests are aborted between steps."""
+        with self._send_lock:
+            self._conns.remove(conn)
 
-    def _dequeued(self) -> None:
-        super()._dequeued()
-        self.num_dequeued += 1
+        def abort_theirs(_):
+            rids = [rid for rid, s in self._streams.items() if s.conn is conn]
+            for rid in rids + [a.request_id for a in self._pending if a.stream.conn is conn]:
+                self._abort(rid)
+        self._inbox.put(_Call(abort_theirs, lambda result, error: None))
+
+    def _deliver(self, items: list) -> None:
+        by_conn: dict[Connection, list] = {}
+        for stream, item in items:
+            by_conn.setdefault(stream.conn, []).append(
+                (stream.request_id, event_to_wire(item) if type(item) is TokenEvent else item))
+        for conn, batch in by_conn.items():
+            self.send(("events", batch, self.num_dequeued[conn]), conn)
+
+    def _dequeued(self, stream: _RemoteStream) -> None:
+        super()._dequeued(stream)
+        with self._queued_lock:
+            self.num_dequeued[stream.conn] += 1
 
     def _publish(self) -> None:
         super()._publish()
@@ -342,7 +393,10 @@ class _ChildLoop(EngineLoop):
         if snapshot.prefix_index_version == self._index_version_sent:     # the replica has this index
             snapshot = dataclasses.replace(snapshot, prefix_index=b"")
         self._index_version_sent = self.snapshot.prefix_index_version
-        self.send(("snapshot", snapshot, self.num_dequeued))
+        with self._send_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            self.send(("snapshot", snapshot, self.num_dequeued[conn]), conn)
 
 
 def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
@@ -355,45 +409,54 @@ def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
     return lambda _: loop.export_sessions_now(max_bytes, budget_s)
 
 
-def _child_main(fd: int) -> int:
-    conn = Connection(fd)
-    _, config, max_pending, snapshot_interval_s = conn.recv()
+def _child_main(fds: str) -> int:
+    conns = [Connection(int(fd)) for fd in fds.split(",")]
+    replica = conns[0]                             # the replica's pipe; the rest are its API servers'
+    _, config, max_pending, snapshot_interval_s = replica.recv()
     try:
         from mtpserve.engine.engine import Engine
         engine = Engine(config)
         engine.grammars.compiler.preload()         # structured output's library, before serving
-        loop = _ChildLoop(engine, conn, max_pending, snapshot_interval_s)
+        loop = _ChildLoop(engine, conns, max_pending, snapshot_interval_s)
         gc.freeze()           # what start-up built lives as long as the process: no collection rescans it
     except BaseException as e:
-        conn.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))
+        replica.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))
         return 1
-    conn.send(("ready", {"limits": engine.limits, "max_drafts": engine.max_drafts, "manifest": engine.manifest,
-                         "num_usable_blocks": loop.num_usable_blocks, "num_rows": loop.num_rows,
-                         "adaptive": loop.policy is not None, "snapshot": loop.snapshot}))
+    replica.send(("ready", {"limits": engine.limits, "max_drafts": engine.max_drafts, "manifest": engine.manifest,
+                            "num_usable_blocks": loop.num_usable_blocks, "num_rows": loop.num_rows,
+                            "adaptive": loop.policy is not None, "snapshot": loop.snapshot}))
     loop.start()
+    open_conns = list(conns)
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):                # the replica is gone
-            message = ("stop",)
-        kind = message[0]
-        if kind == "add":
-            loop.add_remote(message[1], message[2])
-        elif kind == "abort":
-            loop.abort(message[1])
-        elif kind == "grant":
-            loop.set_grant(message[1], message[2])
-        elif kind in ("call", "status", "export_sessions"):
-            call_id = message[1]
-            reply = (lambda cid: lambda result, error: loop.send(("reply", cid, result, error)))(call_id)
-            loop._inbox.put(_Call(_owner_call(loop, kind, message[2]), reply))
-        elif kind == "policy":
-            if loop.policy is not None:
-                getattr(loop.policy, message[1])(*message[2])
-        elif kind == "stop":
-            loop.stop()
-            return 0
+        for conn in wait(open_conns) if len(open_conns) > 1 else open_conns:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):            # that end is gone
+                if conn is not replica:
+                    open_conns.remove(conn)
+                    loop.drop_client(conn)
+                    continue
+                message = ("stop",)
+            kind = message[0]
+            if kind == "add":
+                loop.add_remote(message[1], message[2], conn)
+            elif kind == "abort":
+                loop.abort(message[1])
+            elif kind in ("call", "status", "export_sessions"):
+                reply = (lambda cid, to: lambda result, error: loop.send(("reply", cid, result, error), to))(
+                    message[1], conn)
+                loop._inbox.put(_Call(_owner_call(loop, kind, message[2]), reply))
+            elif conn is not replica:
+                continue                           # the grant, the plan and stopping are the replica's
+            elif kind == "grant":
+                loop.set_grant(message[1], message[2])
+            elif kind == "policy":
+                if loop.policy is not None:
+                    getattr(loop.policy, message[1])(*message[2])
+            elif kind == "stop":
+                loop.stop()
+                return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child_main(int(sys.argv[1])))
+    raise SystemExit(_child_main(sys.argv[1]))

@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import time
 from operator import methodcaller
 
@@ -25,9 +26,9 @@ PROMPTS = ["def add(a, b):", "import os\nimport", "class Stack:\n    def", "for 
 def make_process(model_dir):
     started = []
 
-    def make(rows=8, max_pending=1024, draft_tokens=2):
+    def make(rows=8, max_pending=1024, draft_tokens=2, num_clients=0):
         config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, rows), spec=SpecConfig(draft_tokens))
-        process = EngineProcess(config, max_pending).start()
+        process = EngineProcess(config, max_pending, num_clients=num_clients).start()
         started.append(process)
         return process
     yield make
@@ -73,6 +74,48 @@ def test_greedy_output_and_logprobs_equal_the_engine_thread_with_mtp_on(make_pro
     while process.snapshot.taken_at == seen and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process.snapshot.taken_at != seen and process.snapshot.prefix_index == child_index
+
+
+def test_an_attached_client_gets_its_own_events_and_its_closing_aborts_its_requests(make_process):
+    """Two pipes into one engine process (an API server's is the second): each client's greedy
+    output equals the other's for the same prompt, no event reaches the wrong client, the
+    attached one sees the replica's grant, and when its pipe closes its requests are aborted
+    (blocks and rows freed) while the engine keeps serving the replica."""
+    process = make_process(draft_tokens=2, num_clients=1)
+    client = EngineProcess.attach(process.client_conns[0], process.info)
+    tok = Tokenizer(process.manifest.path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    async def both():
+        mine = [_collect(process, f"a{i}", p, params) for i, p in enumerate(prompts)]
+        theirs = [_collect(client, f"b{i}", p, params) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*mine, *theirs)
+    results = asyncio.run(both())
+    assert [t for t, _ in results[:4]] == [t for t, _ in results[4:]]
+    assert all(len(t) == 16 and e.finish_reason is FinishReason.LENGTH for t, e in results)
+    assert not process._streams and not client._streams, "every stream got its final event"
+    process.set_grant(40, 6)
+    deadline = time.monotonic() + 10
+    while client._grant.num_blocks_granted != 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (client._grant.num_blocks_granted, client._grant.num_rows_granted) == (40, 6)
+
+    async def left_running():          # the client's request is running when its pipe closes
+        stream = client.submit("c0", prompts[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        with socket.socket(fileno=os.dup(client._conn.fileno())) as end:   # as when its process exits
+            end.shutdown(socket.SHUT_RDWR)
+        for _ in range(200):
+            status = await process.status()
+            if status["idle_and_empty"]:
+                return status
+            await asyncio.sleep(0.05)
+        return status
+    status = asyncio.run(left_running())
+    assert status["idle_and_empty"] and status["integrity"] == "ok"
+    tokens, event = asyncio.run(_collect(process, "after", prompts[1], params))
+    assert tokens == results[1][0] and event.finish_reason is FinishReason.LENGTH
 
 
 def test_every_field_of_a_token_event_crosses_the_pipe():
