@@ -95,14 +95,16 @@ def test_an_attached_client_gets_its_own_events_and_its_closing_aborts_its_reque
     assert [t for t, _ in results[:4]] == [t for t, _ in results[4:]]
     assert all(len(t) == 16 and e.finish_reason is FinishReason.LENGTH for t, e in results)
     assert not process._streams and not client._streams, "every stream got its final event"
-    process.set_grant(40, 6)
+    process.set_grant(60, 6)
     deadline = time.monotonic() + 10
-    while client._grant.num_blocks_granted != 40 and time.monotonic() < deadline:
+    while client._grant.num_blocks_granted != 60 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (client._grant.num_blocks_granted, client._grant.num_rows_granted) == (40, 6)
+    assert (client._grant.num_blocks_granted, client._grant.num_rows_granted) == (60, 6)
+
+    emitted = process.snapshot.spec.num_emitted_tokens
 
     async def left_running():          # the client's request is running when its pipe closes
-        stream = client.submit("c0", prompts[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        stream = client.submit("c0", prompts[0], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
         await stream.__anext__()
         with socket.socket(fileno=os.dup(client._conn.fileno())) as end:   # as when its process exits
             end.shutdown(socket.SHUT_RDWR)
@@ -114,6 +116,7 @@ def test_an_attached_client_gets_its_own_events_and_its_closing_aborts_its_reque
         return status
     status = asyncio.run(left_running())
     assert status["idle_and_empty"] and status["integrity"] == "ok"
+    assert process.snapshot.spec.num_emitted_tokens - emitted < 900, "aborted, not run to its end"
     tokens, event = asyncio.run(_collect(process, "after", prompts[1], params))
     assert tokens == results[1][0] and event.finish_reason is FinishReason.LENGTH
 
