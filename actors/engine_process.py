@@ -74,6 +74,7 @@ class EngineProcess:
         self.num_clients = num_clients
         self.client_conns: list[Connection] = []  # the other ends of the API servers' pipes (``attach``)
         self.info: dict = {}                      # what the engine process said when ready
+        self.peer_metrics: dict = {}              # the other pipes' latest MetricsSnapshot, by pipe
         self._attached = False
         self.max_pending = max_pending
         self.snapshot_interval_s = snapshot_interval_s
@@ -216,6 +217,13 @@ class EngineProcess:
         """``EngineLoop.export_sessions`` in the engine process (the records come back pickled)."""
         return await self._ask("export_sessions", (max_bytes, budget_s))
 
+    def send_metrics(self, snapshot) -> None:
+        """This process's request metrics (a ``MetricsSnapshot``), for the other pipes' ``peer_metrics``."""
+        try:
+            self._send(("metrics", snapshot))
+        except (OSError, EngineFailed):
+            pass
+
     async def _ask(self, kind: str, payload):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -253,7 +261,7 @@ class EngineProcess:
                 snapshot = message[1]
                 if snapshot.prefix_index_version == self.snapshot.prefix_index_version:   # sent only when changed
                     snapshot = dataclasses.replace(snapshot, prefix_index=self.snapshot.prefix_index)
-                self.snapshot, self._num_dequeued = snapshot, message[2]
+                self.snapshot, self._num_dequeued, self.peer_metrics = snapshot, message[2], message[3]
                 if self._attached:                 # the grant is the replica's: its mirror follows
                     self._grant.set_grant(snapshot.num_blocks_granted, snapshot.num_rows_granted)
             elif kind == "reply":
@@ -335,6 +343,8 @@ class _ChildLoop(EngineLoop):
         self._conns = list(conns)
         self._send_lock = threading.Lock()
         self.num_dequeued = dict.fromkeys(conns, 0)   # each pipe's requests that left the queue
+        self.metrics: dict[int, object] = {}          # pipe index -> its process's latest MetricsSnapshot
+        self._index_of = {conn: i for i, conn in enumerate(conns)}
         self._index_version_sent = -1        # the routing index goes out only when it changed
         super().__init__(engine, max_pending, snapshot_interval_s)
 
@@ -395,8 +405,11 @@ class _ChildLoop(EngineLoop):
         self._index_version_sent = self.snapshot.prefix_index_version
         with self._send_lock:
             conns = list(self._conns)
+        metrics = dict(self.metrics)
         for conn in conns:
-            self.send(("snapshot", snapshot, self.num_dequeued[conn]), conn)
+            i = self._index_of[conn]
+            self.send(("snapshot", snapshot, self.num_dequeued[conn], {j: m for j, m in metrics.items() if j != i}),
+                      conn)
 
 
 def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
@@ -442,6 +455,8 @@ def _child_main(fds: str) -> int:
                 loop.add_remote(message[1], message[2], conn)
             elif kind == "abort":
                 loop.abort(message[1])
+            elif kind == "metrics":
+                loop.metrics[loop._index_of[conn]] = message[1]
             elif kind in ("call", "status", "export_sessions"):
                 reply = (lambda cid, to: lambda result, error: loop.send(("reply", cid, result, error), to))(
                     message[1], conn)

@@ -77,6 +77,21 @@ class MetricsSnapshot:
     e2e: HistogramData = field(default_factory=lambda: HistogramData(E2E_BUCKETS))
 
 
+def merge_metrics(snapshots) -> MetricsSnapshot:
+    """The sum of several processes' ``MetricsSnapshot``s of one replica (its API servers')."""
+    out = MetricsSnapshot()
+    for s in snapshots:
+        for mine, theirs in ((out.num_requests, s.num_requests), (out.num_errors, s.num_errors)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        out.num_prompt_tokens += s.num_prompt_tokens
+        out.num_generation_tokens += s.num_generation_tokens
+        for mine, theirs in ((out.ttft, s.ttft), (out.itl, s.itl), (out.e2e, s.e2e)):
+            mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts)]
+            mine.sum += theirs.sum
+    return out
+
+
 class MetricsRecorder:
     """Thread-safe recording into a ``MetricsSnapshot``; ``snapshot()`` returns a copy."""
 

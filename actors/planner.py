@@ -59,6 +59,7 @@ class WorkerReport:
     adaptive: bool                   # whether the replica follows planned draft counts
     actor_name: str | None = None    # the replica's named Ray actor, for liveness checks
     handover_version: tuple | None = None   # the version of the handed-over session ids it holds
+    http_url: str | None = None      # where its own API servers serve (``api_servers``), if they do
 
 
 @dataclass
@@ -248,6 +249,10 @@ class PlannerState:
     def handover_counts(self) -> HandoverCounts:
         return self.handovers.counts()
 
+    def http_urls(self) -> dict[str, str]:
+        """{replica id: base URL} of the replicas whose own API servers serve a direct URL."""
+        return {rid: r.http_url for rid, (r, _) in self.reports.items() if r.http_url}
+
     def metrics(self) -> dict[str, tuple[MetricsSnapshot, LoopSnapshot]]:
         """Every replica's figures for /metrics (its routing index left out: routers' business)."""
         return {rid: (r.metrics, dataclasses.replace(r.loop, prefix_index=b""))
@@ -290,6 +295,9 @@ class PlannerActor:
 
     def routing_counts(self) -> dict[str, int]:
         return self.state.routing_counts()
+
+    def http_urls(self) -> dict[str, str]:
+        return self.state.http_urls()
 
     def hand_over(self, replica_id: str, sessions: dict[str, Records]) -> int:
         """A stopping replica's sessions' records, sent by value (bytes in the call: objects the

@@ -34,11 +34,12 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from mtpserve.actors.api_servers import ApiServers
 from mtpserve.actors.engine_loop import EngineLoop, RequestStream, merge_streams
 from mtpserve.actors.engine_process import EngineProcess
 from mtpserve.actors.handover import Records, records_size
 from mtpserve.actors.ingress import OpenAIRoutes, api, guard
-from mtpserve.actors.metrics import MetricsRecorder, render_metrics
+from mtpserve.actors.metrics import MetricsRecorder, MetricsSnapshot, merge_metrics, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
 from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.bundled import resolve_model_dir
@@ -87,8 +88,11 @@ class Worker:
         except Exception:             # outside Serve (tests, benchmarks): no planner
             self.replica_id, self.app_name = "local", None
         self.incarnation = uuid.uuid4().hex
+        num_api_servers = cfg.api_servers if cfg.api_port is not None else 0
+        if num_api_servers and not cfg.uses_engine_process:
+            raise ValueError("api_servers needs the engine in a process of its own (engine_process on)")
         if cfg.uses_engine_process:                  # no GIL shared with the serving below
-            self.loop = EngineProcess(cfg.engine, cfg.max_pending).start()
+            self.loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers).start()
             self.engine, m = None, self.loop.manifest
             self.tokenizer = Tokenizer(m.path)
             # the serving edge compiles each grammar once to refuse a bad one with a 400; the engine
@@ -115,6 +119,10 @@ class Worker:
         self._reporter = None
         self._handed_over: frozenset[str] = frozenset()   # sessions the planner holds records of (its plan)
         self._handover_version = None
+        self.api_servers = None                  # the replica's own HTTP server processes, if any
+        if num_api_servers:
+            self.api_servers = ApiServers(self, num_api_servers, cfg.api_host, cfg.api_port).start()
+            logger.info(f"{num_api_servers} API servers serve this replica at {self.api_servers.url}")
         if self.app_name is not None:
             reported = threading.Event()
             self._reporter = threading.Thread(target=self._report_loop, args=(reported,), name="mtpserve-report",
@@ -220,6 +228,9 @@ class Worker:
     def check_health(self) -> None:
         if self.loop.failed is not None:
             raise RuntimeError(f"engine failed: {self.loop.failed!r}")
+        why = self.api_servers.failed() if self.api_servers is not None else None
+        if why is not None:
+            raise RuntimeError(why)
         if self._stopping.is_set():
             raise RuntimeError("the replica has shut down")
 
@@ -236,8 +247,13 @@ class Worker:
             except Exception as e:
                 logger.warning(f"planner metrics unavailable: {e!r}")
                 self._planner = None
-        replicas[self.replica_id] = (self.recorder.snapshot(), self.loop.snapshot)
+        replicas[self.replica_id] = (self.metrics_snapshot(), self.loop.snapshot)
         return render_metrics(self.model_name, replicas, routing, handover)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """This replica's request metrics: its own, and its API servers' (as of their last report)."""
+        peers = getattr(self.loop, "peer_metrics", None)
+        return merge_metrics([self.recorder.snapshot(), *peers.values()]) if peers else self.recorder.snapshot()
 
     # ------------------------------------------------------------------ planner reports
     def _report_loop(self, reported: threading.Event) -> None:
@@ -252,9 +268,12 @@ class Worker:
                         self.app_name, draft_cost=self.config.engine.spec.draft_cost,
                         handover_max_bytes=int(self.config.session_handover_gib * 2**30))
                 snapshot = self.loop.snapshot
-                report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.recorder.snapshot(),
+                report = WorkerReport(self.replica_id, self.incarnation, snapshot, self.metrics_snapshot(),
                                       self.max_drafts, adaptive=self.policy is not None, actor_name=self._actor_name,
-                                      handover_version=self._handover_version)
+                                      handover_version=self._handover_version,
+                                      http_url=self.api_servers.url if self.api_servers is not None else None)
+                if self.api_servers is not None:          # the API servers count this replica's traffic too
+                    self.loop.send_metrics(self.recorder.snapshot())
                 plan = ray.get(planner.report.remote(report), timeout=10)
             except Exception as e:
                 logger.warning(f"report to the planner failed ({e!r}); retrying")
@@ -340,6 +359,8 @@ class Worker:
             self._reporter.join(1.0)        # a report sent after the hand-over would bind its sessions here again
         if self.app_name is not None and self.config.session_handover_gib > 0 and self.loop.failed is None:
             self.hand_over_sessions()       # (a failed engine's cache is not to be trusted)
+        if self.api_servers is not None:
+            self.api_servers.stop()
         self.loop.stop()
 
     def __del__(self):

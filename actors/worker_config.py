@@ -59,6 +59,13 @@ class WorkerConfig:
                                                 "serving and the engine's steps do not share one GIL (default: "
                                                 "on for CUDA, off for CPU)")
 
+    api_servers: int = setting(0, "with --direct-port: each replica serves its direct URL from this many HTTP "
+                                  "processes of its own beside its engine process (needs the engine process; "
+                                  "vLLM's --api-server-count), instead of from the replica itself through Ray "
+                                  "Serve's direct ingress: the streaming's CPU is spread over them; 0 = off")
+    api_port: int | None = setting(None, "the first port the API servers try (serve sets it from --direct-port)")
+    api_host: str = setting("127.0.0.1", "the API servers' bind address (serve sets it from --host)")
+
     @property
     def uses_engine_process(self) -> bool:
         return self.engine_process if self.engine_process is not None else self.engine.device == "cuda"

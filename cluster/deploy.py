@@ -102,6 +102,23 @@ def direct_urls(app_name: str, host: str, num_replicas: int, timeout_s: float = 
     return [(t.name.rsplit("#", 1)[-1], f"http://{LOCAL_HOST if loopback else t.ip}:{t.port}") for t in targets]
 
 
+def api_server_urls(app_name: str, num_replicas: int, timeout_s: float = 60.0) -> list[tuple[str, str]]:
+    """(replica id, base URL) of each replica's own API servers (``api_servers``), as the replicas
+    reported them to the planner, once all ``num_replicas`` have."""
+    import ray
+
+    from mtpserve.actors.planner import get_planner
+    deadline = time.monotonic() + timeout_s
+    urls: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        planner = get_planner(app_name)
+        urls = ray.get(planner.http_urls.remote()) if planner is not None else {}
+        if len(urls) >= num_replicas:
+            break
+        time.sleep(0.2)
+    return sorted(urls.items())
+
+
 def client_url(host: str, port: int) -> str:
     """Where a client reaches Serve's proxy on the head node: ``host`` itself, or for a wildcard
     bind (0.0.0.0, ::) the head node's address (on a cluster that is not this machine)."""

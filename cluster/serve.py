@@ -48,7 +48,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "no session routing and no replica-loss errors (the --port URL keeps both). "
                         "Needs a Ray of our own (not --address)")
     add_setting_flags(p.add_argument_group("settings (ServeOptions, the worker and engine configs)"),
-                      SETTINGS, rename={"model_dir": "--model", "num_replicas": "--replicas"})
+                      SETTINGS, [n for n in SETTINGS if n not in ("api_port", "api_host")],   # --direct-port, --host
+                      rename={"model_dir": "--model", "num_replicas": "--replicas"})
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -58,6 +59,8 @@ def options_from_args(args, num_cpus_available: float | None = None,
     """The flags given, over ServeOptions' defaults; replicas default to one per GPU with device
     cuda, and CPU replicas share the CPUs of a local Ray."""
     values = given_settings(args, SETTINGS)
+    if values.get("api_servers") and getattr(args, "direct_port", None) is not None:
+        values.update(api_port=args.direct_port, api_host=args.host)     # the replicas' own HTTP servers
     values.setdefault("api_key", os.environ.get("MTPSERVE_API_KEY"))
     cuda = values.get("device") == "cuda"
     num_replicas = values.get("num_replicas") or (num_gpus_available if cuda and num_gpus_available else 1)
@@ -79,7 +82,11 @@ def cmd_serve(args) -> int:
     except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2
-    if args.direct_port is not None:
+    own_servers = args.direct_port is not None and options.worker.api_servers > 0
+    if options.worker.api_servers > 0 and args.direct_port is None:
+        print("mtpserve: error: --api-servers serves the --direct-port URLs: give --direct-port too", file=sys.stderr)
+        return 2
+    if args.direct_port is not None and not own_servers:
         if args.address is not None:
             print("mtpserve: error: --direct-port needs a Ray of our own; on a cluster, set "
                   f"{deploy.DIRECT_INGRESS_ENV}=1 in its nodes' environment instead", file=sys.stderr)
@@ -113,8 +120,11 @@ def cmd_serve(args) -> int:
               f"-d '{{\"model\": \"{options.served_model_name}\", \"prompt\": \"def \", \"max_tokens\": 32}}'",
               flush=True)
         if args.direct_port is not None:
-            for replica_id, direct in deploy.direct_urls(args.app_name, host, options.num_replicas):
-                print(f"  direct (replica {replica_id}, no proxy hop): {direct}/v1", flush=True)
+            urls = deploy.api_server_urls(args.app_name, options.num_replicas) if own_servers else \
+                deploy.direct_urls(args.app_name, host, options.num_replicas)
+            for replica_id, direct in urls:
+                how = f", {options.worker.api_servers} API servers" if own_servers else ""
+                print(f"  direct (replica {replica_id}{how}, no proxy hop): {direct}/v1", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:
             time.sleep(0.2)
