@@ -97,6 +97,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--direct-ingress", action="store_true",
                    help="with --replicas 0,1: drive the replica on its own HTTP port (Ray Serve's direct ingress, "
                         "as `serve --direct-port`: no proxy hop) instead of through the proxy")
+    g.add_argument("--api-servers", default="0", metavar="N[,N...]",
+                   help="with --direct-ingress: the replica's own HTTP processes, compared in one run (as `serve "
+                        "--direct-port --api-servers N`; 0 = Ray Serve's direct ingress in the replica; default 0). "
+                        "N > 0 runs the engine in a process of its own")
     g.add_argument("--serving-overhead", nargs=argparse.REMAINDER, metavar="OPTION",
                    help="instead: TTFT and inter-token latency over HTTP from one CPU replica vs the in-process "
                         "engine, one request at a time; the options after it are that tool's own (--requests, "
@@ -258,6 +262,14 @@ def _prefix_mode(text: str) -> str:
         raise ValueError(f"--prefix-cache takes on, off or all, got {text!r}") from None
 
 
+def _count(text: str) -> int:
+    """A non-negative integer list item."""
+    n = int(text)
+    if n < 0:
+        raise ValueError(f"expected a count >= 0, got {n}")
+    return n
+
+
 def _on_off(text: str) -> bool:
     try:
         return on_off(text)
@@ -284,6 +296,9 @@ def _bench(args) -> int:
                                 or not set(args.replicas.split(",")) <= {"0", "1"}):
         raise ValueError("--direct-ingress measures one replica's own HTTP port on a local Ray: give --replicas 0,1 "
                          "(or 1), without --address or --kill-replica-after")
+    api_servers = parse_list(args.api_servers, _count, "--api-servers")
+    if api_servers != (0,) and not args.direct_ingress:
+        raise ValueError("--api-servers serves the replica's direct URL: add --direct-ingress")
     if args.replicas or args.kill_replica_after is not None:
         _check_cluster_args(args, loads)
         draft_tokens = ()

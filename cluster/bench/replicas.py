@@ -67,7 +67,7 @@ def num_devices(ray, device: str) -> int:
     return int(ray.cluster_resources().get(resource, 0))
 
 
-def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool = True):
+def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool = True, api_servers: int = 0):
     from mtpserve.cluster.app import ServeOptions
     threads = args.num_threads
     if args.device == "cpu" and not threads:
@@ -76,6 +76,8 @@ def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool =
              "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len,
              "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None),
              "prefix_host_gib": getattr(args, "prefix_host_gib", None)}
+    if api_servers:            # the replica's own HTTP processes, beside its engine process
+        given.update(api_servers=api_servers, api_port=args.port + 100, api_host=deploy.LOCAL_HOST, engine_process=True)
     return ServeOptions.from_flat(
         model_dir=args.model, device=args.device, num_replicas=num_replicas, num_threads=threads,
         num_cpus_per_replica=max(0.1, min(1.0, num_cpus / num_replicas)) if args.device == "cpu" else 1.0,
@@ -108,6 +110,7 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
     runs = []
     modes = routing_modes(args)
     direct = bool(getattr(args, "direct_ingress", False))
+    api_counts = [int(a) for a in str(getattr(args, "api_servers", "0")).split(",")] if direct else [0]
     if direct:                            # before the local Ray starts: its Serve inherits the switch
         deploy.enable_direct_ingress(args.port + 1)
     with deploy.connected(args.address or None, quiet=True):
@@ -118,21 +121,25 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
             if n == 0:
                 runs += run_in_process(args, serve_options(args, 1, cpus).worker.engine, loads_with_workloads, log)
                 continue
-            for routing in modes:
-                options = serve_options(args, n, cpus, prefix_routing=routing)
+            for routing, num_api in ((r, a) for r in modes for a in api_counts):
+                options = serve_options(args, n, cpus, prefix_routing=routing, api_servers=num_api)
                 label = replica_label(n) + (f", prefix routing {'on' if routing else 'off'}" if len(modes) > 1 else "")
-                label += ", direct ingress" if direct else ""
+                label += (f", {num_api} API servers" if num_api else ", direct ingress") if direct else ""
                 # an app of its own per setting: Ray Serve 2.60's proxies keep a deployment's router
                 # (and the settings its initialize_state got) across a redeploy under the same name
-                app_name = APP_NAME + ("" if routing else "-no-prefix-routing")
+                app_name = APP_NAME + ("" if routing else "-no-prefix-routing") + (f"-api{num_api}" if num_api else "")
                 with deployed(options, args.port, log, app_name=app_name) as url:
-                    if direct:
+                    if direct and num_api:
+                        url = deploy.api_server_urls(app_name, 1)[0][1]
+                        log(f"API servers: {url}")
+                    elif direct:
                         url = _direct_url(app_name, log)
                     target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
                                         args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
                     for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}")):
                         run.system = label
                         run.extra.update(num_replicas=n, prefix_routing=routing, direct_ingress=direct,
+                                         api_servers=num_api,
                                          replica_share=replica_share(run.records),
                                          prefix_cache=cached_share(run.records))
                         runs.append(run)
@@ -228,14 +235,16 @@ def run_in_process(args, config, loads_with_workloads, log) -> list:
 
 def http_overhead(summaries: list[dict]) -> list[dict]:
     """What serving adds: 1 replica over HTTP against the in-process engine at each load, in ms
-    added to TTFT and the inter-token latency (p50 and p99), and the throughput ratio."""
-    by_key = {(s["extra"]["num_replicas"], s["load"]): s for s in summaries if s["num_completed"]}
+    added to TTFT and the inter-token latency (p50 and p99), and the throughput ratio; one row
+    per HTTP configuration (Serve's direct ingress, N API servers, ...) and load."""
+    done = [s for s in summaries if s["num_completed"]]
+    base_of = {s["load"]: s for s in done if s["extra"]["num_replicas"] == 0}
     out = []
-    for (n, load), s in sorted(by_key.items(), key=lambda kv: kv[1]["concurrency"] or 0):
-        base = by_key.get((0, load))
-        if n != 1 or base is None:
+    for s in sorted((s for s in done if s["extra"]["num_replicas"] == 1), key=lambda s: s["concurrency"] or 0):
+        base = base_of.get(s["load"])
+        if base is None:
             continue
-        row = {"load": load, "concurrency": s["concurrency"],
+        row = {"system": s.get("system", ""), "load": s["load"], "concurrency": s["concurrency"],
                "throughput_ratio": round(s["output_token_throughput"] / base["output_token_throughput"], 3)}
         for key in ("ttft_ms", "itl_ms"):
             for p in ("p50", "p99"):
@@ -248,10 +257,11 @@ def http_overhead(summaries: list[dict]) -> list[dict]:
 
 
 def format_http_overhead(rows: list[dict]) -> str:
-    lines = [f"{'load':>8} {'TTFT p50 http/engine (+ms)':>28} {'TTFT p99 (+ms)':>16} "
+    width = max([len(r.get("system", "")) for r in rows] + [6])
+    lines = [f"{'HTTP':<{width}} {'load':>5} {'TTFT p50 http/engine (+ms)':>28} {'TTFT p99 (+ms)':>16} "
              f"{'ITL p50 http/engine (+ms)':>27} {'ITL p99 (+ms)':>14} {'tok/s ratio':>11}"]
     for r in rows:
-        lines.append(f"{r['load']:>8} {r['ttft_p50_ms']:>9.2f}/{r['ttft_p50_in_process_ms']:<8.2f}"
+        lines.append(f"{r.get('system', ''):<{width}} {r['load']:>5} {r['ttft_p50_ms']:>9.2f}/{r['ttft_p50_in_process_ms']:<8.2f}"
                      f"({_signed(r['ttft_p50_added_ms'])}) {_signed(r['ttft_p99_added_ms']):>16} "
                      f"{r['itl_p50_ms']:>8.2f}/{r['itl_p50_in_process_ms']:<8.2f}({_signed(r['itl_p50_added_ms'])}) "
                      f"{_signed(r['itl_p99_added_ms']):>14} {r['throughput_ratio']:>10.2f}x")

@@ -543,8 +543,8 @@ def test_replica_count_zero_is_the_in_process_baseline_of_what_serving_adds():
     with pytest.raises(ValueError, match="counts >= 1"):
         replicas.parse_replicas("0", "cpu", 2)
 
-    def summary(n, ttft, itl, tps):
-        return {"extra": {"num_replicas": n}, "load": "C=1", "concurrency": 1, "num_completed": 4,
+    def summary(n, ttft, itl, tps, system="1 replica, direct ingress"):
+        return {"system": system, "extra": {"num_replicas": n}, "load": "C=1", "concurrency": 1, "num_completed": 4,
                 "output_token_throughput": tps, "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
                 "itl_ms": {"p50": itl, "p99": 3 * itl}}
     rows = replicas.http_overhead([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)])
@@ -555,6 +555,12 @@ def test_replica_count_zero_is_the_in_process_baseline_of_what_serving_adds():
     assert r["throughput_ratio"] == 0.75
     assert replicas.scaling([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)]) == []
     assert "+3.50" in replicas.format_http_overhead(rows)
+    # one row per HTTP configuration compared in the run (Serve's direct ingress, API servers)
+    rows = replicas.http_overhead([summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0),
+                                   summary(1, 11.0, 2.1, 380.0, "1 replica, 2 API servers")])
+    assert [(r["system"], r["ttft_p50_added_ms"]) for r in rows] == [("1 replica, direct ingress", 3.5),
+                                                                      ("1 replica, 2 API servers", 1.0)]
+    assert "2 API servers" in replicas.format_http_overhead(rows)
 
 
 def test_grammar_cost_reports_valid_answers_and_acceptance_on_and_off(model_dir, tmp_path):
