@@ -123,7 +123,7 @@ def cmd_serve(args) -> int:
             urls = deploy.api_server_urls(args.app_name, options.num_replicas) if own_servers else \
                 deploy.direct_urls(args.app_name, host, options.num_replicas)
             for replica_id, direct in urls:
-                how = f", {options.worker.api_servers} API servers" if own_servers else ""
+                how = f", {options.worker.api_servers} API server{'s' if options.worker.api_servers > 1 else ''}" if own_servers else ""
                 print(f"  direct (replica {replica_id}{how}, no proxy hop): {direct}/v1", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:
