@@ -124,7 +124,7 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
             for routing, num_api in ((r, a) for r in modes for a in api_counts):
                 options = serve_options(args, n, cpus, prefix_routing=routing, api_servers=num_api)
                 label = replica_label(n) + (f", prefix routing {'on' if routing else 'off'}" if len(modes) > 1 else "")
-                label += (f", {num_api} API servers" if num_api else ", direct ingress") if direct else ""
+                label += (f", {num_api} API server{'s' if num_api > 1 else ''}" if num_api else ", direct ingress") if direct else ""
                 # an app of its own per setting: Ray Serve 2.60's proxies keep a deployment's router
                 # (and the settings its initialize_state got) across a redeploy under the same name
                 app_name = APP_NAME + ("" if routing else "-no-prefix-routing") + (f"-api{num_api}" if num_api else "")

@@ -56,9 +56,12 @@
 # aa: (next) what the tenth session built after z: direct ingress vs in process past the burst,
 #    the replica's profile with events as tuples and SSEChunks, and through the proxy with the
 #    default pacing against none (PORT=8000 http_profile.sh).
+# ab: the replica's own API servers: Serve's direct ingress vs 2 API servers vs in process
+#    (bundled, C=1 / 16, 256 prompts), then the proxy with the default pacing against none.
+# ac: 1 and 4 API servers vs in process, and the CPU per token and profile of 2 API servers.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -348,6 +351,22 @@ aa)
   step HTTP profile, through the proxy, unpaced
   PORT=8000 timeout 140 bash results/h200/scripts/http_profile.sh proxy-unpaced --proxy-chunks-per-s 0
   ;;
-*) echo "usage: session.sh a|b|...|z|aa" >&2; exit 2 ;;
+ab)
+  step HTTP: Serve direct ingress vs 2 API servers vs in process, bundled, C=1 / 16, 256 prompts
+  timeout 420 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 0,2 --concurrency 1,16 --num-prompts 256 \
+    --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers 2>&1 | grep -v INFO | tail -16
+  step HTTP profile, through the proxy, paced at the default 2000 chunks/s
+  PORT=8000 timeout 80 bash results/h200/scripts/http_profile.sh proxy-paced
+  ;;
+ac)
+  step HTTP: 1 and 4 API servers vs in process, bundled, C=1 / 16, 256 prompts
+  timeout 330 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 1,4 --concurrency 1,16 --num-prompts 256 \
+    --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers-1-4 2>&1 | grep -v INFO | tail -16
+  step HTTP profile, 2 API servers
+  timeout 120 bash results/h200/scripts/http_profile.sh api2 --api-servers 2
+  step HTTP profile, through the proxy, unpaced
+  PORT=8000 timeout 80 bash results/h200/scripts/http_profile.sh proxy-unpaced --proxy-chunks-per-s 0
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac" >&2; exit 2 ;;
 esac
 step done
