@@ -356,7 +356,7 @@ ab)
   timeout 420 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 0,2 --concurrency 1,16 --num-prompts 256 \
     --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers 2>&1 | grep -v INFO | tail -16
   step HTTP profile, through the proxy, paced at the default 2000 chunks/s
-  PORT=8000 timeout 80 bash results/h200/scripts/http_profile.sh proxy-paced
+  PORT=8000 timeout 100 bash results/h200/scripts/http_profile.sh proxy-paced
   ;;
 ac)
   step HTTP: 1 and 4 API servers vs in process, bundled, C=1 / 16, 256 prompts
