@@ -97,6 +97,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--direct-ingress", action="store_true",
                    help="with --replicas 0,1: drive the replica on its own HTTP port (Ray Serve's direct ingress, "
                         "as `serve --direct-port`: no proxy hop) instead of through the proxy")
+    g.add_argument("--client-processes", type=int, default=1, metavar="P",
+                   help="HTTP loads: split each load's requests over P client processes (default 1): one Python "
+                        "client parsing tens of thousands of chunks a second delays what it times (each run "
+                        "records the client's CPU share of its wall time)")
     g.add_argument("--api-servers", default="0", metavar="N[,N...]",
                    help="with --direct-ingress: the replica's own HTTP processes, compared in one run (as `serve "
                         "--direct-port --api-servers N`; 0 = Ray Serve's direct ingress in the replica; default 0). "
@@ -297,6 +301,8 @@ def _bench(args) -> int:
         raise ValueError("--direct-ingress measures one replica's own HTTP port on a local Ray: give --replicas 0,1 "
                          "(or 1), without --address or --kill-replica-after")
     api_servers = parse_list(args.api_servers, _count, "--api-servers")
+    if args.client_processes < 1:
+        raise ValueError("--client-processes must be >= 1")
     if api_servers != (0,) and not args.direct_ingress:
         raise ValueError("--api-servers serves the replica's direct URL: add --direct-ingress")
     if args.replicas or args.kill_replica_after is not None:
@@ -354,7 +360,7 @@ def _bench(args) -> int:
         from mtpserve.cluster.bench.workload import per_load
         target = HttpTarget(args.url.rstrip("/"), args.served_model, args.api_key, args.max_tokens,
                             args.temperature, args.ignore_eos, args.timeout_s, args.warmup_requests,
-                            args.return_token_ids)
+                            args.return_token_ids, args.client_processes)
         runs = run_http_loads(target, per_load(workload, loads, args.seed), log=_log)
         for run in runs:    # the server's own setting; the flag only labels its results
             run.synthetic_acceptance = a

@@ -6,6 +6,12 @@ its line arrived. The wire format does not say how many tokens a chunk holds, so
 streamed chunk and TPOT uses the final chunk's usage.completion_tokens (or the chunk count when
 the server sends no usage). Speculative counters come from the server's Prometheus /metrics
 (vLLM-style names `*spec_decode_num_drafts_total`, ...), when it has them.
+
+The client is Python too, and at tens of thousands of chunks a second one process is busy
+enough to add its own delay to what it measures: each run records the client's CPU share of
+the run's wall time (``client_cpu_share``; near 1.0 per process, the client sets the figures),
+and ``client_processes`` splits a load over several processes (request i to process i mod P,
+each keeping its share of the concurrency in flight; their clocks are the same monotonic one).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import json
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord
 from mtpserve.cluster.bench.workload import Load, Workload
@@ -35,6 +41,7 @@ class HttpTarget:
     num_warmup_requests: int = 4
     return_token_ids: bool = True  # vLLM's field: tokens timed as they come, even while their text is
                                    # held back (incomplete UTF-8); off for servers that refuse it
+    client_processes: int = 1      # processes a load's requests are split over (see the module docstring)
 
     @property
     def headers(self) -> dict:
@@ -71,7 +78,8 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
                 old = (before or {}).get("router_decisions") or {}
                 run.extra["router_decisions"] = {k: int(v - old.get(k, 0)) for k, v in decided.items()}
             log(f"http {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
-                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else ""))
+                f"in {run.duration_s:.2f} s, client CPU {100 * run.extra['client_cpu_share']:.0f}% of the wall time "
+                f"x {run.extra['client_processes']} process(es)" + (f" — {run.error}" if run.error else ""))
             runs.append(run)
         return runs
 
@@ -89,8 +97,74 @@ async def _first_model(session, url: str) -> str:
 async def _run_load(session, target: HttpTarget, model: str, workload: Workload, load: Load,
                     max_tokens: int | None = None) -> LoadRun:
     n = workload.num_requests
-    records = [None] * n
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    if target.client_processes > 1 and max_tokens is None:
+        records, cpu, t0 = await asyncio.to_thread(_run_in_processes, target, model, workload, load)
+    else:
+        records = await _run_requests(session, target, model, workload, load, range(n), t0, max_tokens)
+        cpu = time.process_time() - cpu0
+    finished = [r.finish_s for r in records if r.finish_s is not None]
+    failed = sum(1 for r in records if not r.completed)
+    error = None
+    if failed:       # the commonest reasons, so a failed run says why without --save-requests
+        reasons = Counter(r.error or "unfinished" for r in records if not r.completed).most_common(3)
+        error = f"{failed} of {n} requests failed: " + "; ".join(f"{c} x {msg}" for msg, c in reasons)
+    wall = time.perf_counter() - t0
+    extra = {"url": target.url, "client_processes": max(1, target.client_processes),
+             "client_cpu_share": round(cpu / wall / max(1, target.client_processes), 3)}
+    return LoadRun("http", None, None, load.concurrency, load.request_rate,
+                   max(finished, default=wall), records, extra=extra, error=error)
+
+
+def _run_in_processes(target: HttpTarget, model: str, workload: Workload,
+                      load: Load) -> tuple[list[RequestRecord], float, float]:
+    """The load split over ``target.client_processes`` processes: (records in request order,
+    the CPU seconds they spent, the run's start), the processes started before the clock."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    p, n = target.client_processes, workload.num_requests
+    shares = [list(range(k, n, p)) for k in range(p)]
+    loads = [load if load.concurrency is None else Load(concurrency=max(1, load.concurrency // p
+                                                                        + (k < load.concurrency % p)))
+             for k in range(p)]
+    records: list = [None] * n
+    cpu = 0.0
+    workload = replace(workload, fresh=None)        # (a closure: the prompts are in it already)
+    with ProcessPoolExecutor(p, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_ready, range(p)))            # started and imported before the run's clock
+        t0 = time.perf_counter()
+        for share, (part, part_cpu) in zip(shares, pool.map(_child_run, [target] * p, [model] * p,
+                                                             [workload] * p, loads, shares, [t0] * p)):
+            cpu += part_cpu
+            for i, rec in zip(share, part):
+                records[i] = rec
+    return records, cpu, t0
+
+
+def _ready(_: int) -> None:
+    import aiohttp  # noqa: F401 - imported before the run starts
+    time.sleep(0.2)     # every process takes one of these, so each is up before the clock starts
+
+
+def _child_run(target: HttpTarget, model: str, workload: Workload, load: Load, indices: list[int],
+               t0: float) -> tuple[list[RequestRecord], float]:
+    """One client process's share of a load (``_run_in_processes``)."""
+    async def go():
+        import aiohttp
+        timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                         headers=target.headers) as session:
+            return await _run_requests(session, target, model, workload, load, indices, t0)
+    cpu0 = time.process_time()
+    records = asyncio.run(go())
+    return [records[i] for i in indices], time.process_time() - cpu0
+
+
+async def _run_requests(session, target: HttpTarget, model: str, workload: Workload, load: Load, indices,
+                        t0: float, max_tokens: int | None = None) -> list:
+    """Requests ``indices`` of the workload at ``load`` (closed loop at its concurrency, or at
+    their arrival times); their records, by request index (None elsewhere)."""
+    records = [None] * workload.num_requests
 
     async def one(i: int, arrival: float) -> None:
         prompt = workload.prompt_texts[i] if workload.prompt_texts else workload.prompt_ids[i]
@@ -109,26 +183,20 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
         except Exception as e:   # noqa: BLE001 - aiohttp's errors: one failed request must not end the run
             rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
 
+    indices = list(indices)
     if load.concurrency is not None:
-        queue = iter(range(n))
+        queue = iter(indices)
 
         async def worker() -> None:
             for i in queue:
                 await one(i, time.perf_counter() - t0)
-        await asyncio.gather(*(worker() for _ in range(min(load.concurrency, n))))
+        await asyncio.gather(*(worker() for _ in range(min(load.concurrency, len(indices)))))
     else:
         async def delayed(i: int) -> None:
             await asyncio.sleep(max(0.0, workload.arrivals_s[i] - (time.perf_counter() - t0)))
             await one(i, workload.arrivals_s[i])
-        await asyncio.gather(*(delayed(i) for i in range(n)))
-    finished = [r.finish_s for r in records if r.finish_s is not None]
-    failed = sum(1 for r in records if not r.completed)
-    error = None
-    if failed:       # the commonest reasons, so a failed run says why without --save-requests
-        reasons = Counter(r.error or "unfinished" for r in records if not r.completed).most_common(3)
-        error = f"{failed} of {n} requests failed: " + "; ".join(f"{c} x {msg}" for msg, c in reasons)
-    return LoadRun("http", None, None, load.concurrency, load.request_rate,
-                   max(finished, default=time.perf_counter() - t0), records, extra={"url": target.url}, error=error)
+        await asyncio.gather(*(delayed(i) for i in indices))
+    return records
 
 
 SSE_END = object()      # what ``sse_payload`` returns for ``data: [DONE]``

@@ -135,7 +135,8 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
                     elif direct:
                         url = _direct_url(app_name, log)
                     target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
-                                        args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids)
+                                        args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids,
+                                        getattr(args, "client_processes", 1))
                     for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}")):
                         run.system = label
                         run.extra.update(num_replicas=n, prefix_routing=routing, direct_ingress=direct,

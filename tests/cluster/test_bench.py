@@ -506,6 +506,20 @@ def test_http_mode_streams_against_an_openai_compatible_server(fake_server, tmp_
     assert body["ignore_eos"] is True and body["max_tokens"] == 5
 
 
+def test_client_processes_split_a_load_and_keep_its_concurrency(fake_server, tmp_path):
+    """--client-processes 2 at C=4: every request answered once, in order, 4 in flight at most
+    and at some point all 4 (two per process), and each run records the client's CPU share."""
+    rc = bench(["--url", fake_server, "--model", str(tmp_path / "no-model"), "--concurrency", "4",
+                "--num-prompts", "8", "--max-tokens", "5", "--timeout-s", "30", "--no-plot", "--warmup-requests", "0",
+                "--client-processes", "2", "--results-dir", str(tmp_path)])
+    assert rc == 0
+    [r] = only_json(tmp_path)["results"]
+    assert r["num_completed"] == 8 and r["num_output_tokens"] == 40 and r["extra"]["client_processes"] == 2
+    assert 0 < r["extra"]["client_cpu_share"] < 1
+    assert FakeOpenAI.state["max_in_flight"] == 4 and len(FakeOpenAI.state["bodies"]) == 8
+    assert r["ttft_ms"]["p50"] < 1000, "the processes started before the run's clock"
+
+
 def test_http_mode_records_refused_requests(fake_server, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nrefuse me\n")

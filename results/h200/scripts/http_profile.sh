@@ -6,7 +6,8 @@
 # API server processes serve port 8100: their CPU is counted with the replica's, and the first
 # one is profiled beside it.
 # Usage: http_profile.sh LABEL [SERVE_FLAG ...] (under session.sh; DEVICE=cpu to try it here;
-# PORT=8000 drives Serve's proxy instead of the replica's own port 8100).
+# PORT=8000 drives Serve's proxy instead of the replica's own port 8100; CLIENTS=P splits the load
+# over P client processes).
 set -uo pipefail
 label=$1; shift
 pyspy=$(ls /tmp/site/bin/py-spy 2>/dev/null || command -v py-spy)
@@ -22,6 +23,7 @@ tick=$(getconf CLK_TCK)
 cpu() { local s=0; for p in "$@"; do s=$(awk -v s=$s -v t=$tick '{print s + ($14+$15)/t}' /proc/$p/stat); done; echo $s; }
 run_load() {   # $1 name, $2 prompts: bench --url on the direct port at C=16
   python3 -m mtpserve.cluster.cli bench --url http://127.0.0.1:${PORT:-8100} --concurrency 16 --num-prompts "$2" --max-tokens 128 \
+    --client-processes "${CLIENTS:-1}" \
     --results-dir "$dir" --name "$1" --no-plot 2>&1 | grep -v INFO | tail -4
 }
 run_load warm 32 > /dev/null

@@ -58,7 +58,8 @@
 #    default pacing against none (PORT=8000 http_profile.sh).
 # ab: the replica's own API servers: Serve's direct ingress vs 2 API servers vs in process
 #    (bundled, C=1 / 16, 256 prompts), then the proxy with the default pacing against none.
-# ac: 1 and 4 API servers vs in process, and the CPU per token and profile of 2 API servers.
+# ac: the same with the load split over 4 client processes (one Python client was 16k chunks/s
+#    busy), 0 / 2 / 4 API servers; the CPU per token and profile of 2 API servers.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac}
@@ -359,13 +360,13 @@ ab)
   PORT=8000 timeout 100 bash results/h200/scripts/http_profile.sh proxy-paced
   ;;
 ac)
-  step HTTP: 1 and 4 API servers vs in process, bundled, C=1 / 16, 256 prompts
-  timeout 330 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 1,4 --concurrency 1,16 --num-prompts 256 \
-    --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers-1-4 2>&1 | grep -v INFO | tail -16
-  step HTTP profile, 2 API servers
-  timeout 120 bash results/h200/scripts/http_profile.sh api2 --api-servers 2
-  step HTTP profile, through the proxy, unpaced
-  PORT=8000 timeout 80 bash results/h200/scripts/http_profile.sh proxy-unpaced --proxy-chunks-per-s 0
+  step HTTP: direct ingress vs 2 / 4 API servers vs in process, 4 client processes, bundled, C=1 / 16, 256 prompts
+  timeout 400 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 0,2,4 --client-processes 4 --concurrency 1,16 \
+    --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers-4-clients 2>&1 \
+    | grep -v INFO | grep -v "^\[" | tail -16
+  grep -h "client CPU" "$OUT"/log.txt 2>/dev/null | head -0
+  step HTTP profile, 2 API servers, 4 client processes
+  CLIENTS=4 timeout 120 bash results/h200/scripts/http_profile.sh api2 --api-servers 2
   ;;
 *) echo "usage: session.sh a|b|...|z|aa|ab|ac" >&2; exit 2 ;;
 esac
