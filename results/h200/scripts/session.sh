@@ -363,8 +363,7 @@ ac)
   step HTTP: direct ingress vs 2 / 4 API servers vs in process, 4 client processes, bundled, C=1 / 16, 256 prompts
   timeout 400 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 0,2,4 --client-processes 4 --concurrency 1,16 \
     --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-api-servers-4-clients 2>&1 \
-    | grep -v INFO | grep -v "^\[" | tail -16
-  grep -h "client CPU" "$OUT"/log.txt 2>/dev/null | head -0
+    | grep -v INFO | grep -E "client CPU|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -24
   step HTTP profile, 2 API servers, 4 client processes
   CLIENTS=4 timeout 120 bash results/h200/scripts/http_profile.sh api2 --api-servers 2
   ;;
