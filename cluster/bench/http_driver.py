@@ -98,7 +98,7 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
                     max_tokens: int | None = None) -> LoadRun:
     n = workload.num_requests
     t0, cpu0 = time.perf_counter(), time.process_time()
-    if target.client_processes > 1 and max_tokens is None:
+    if target.client_processes > 1 and max_tokens is None and (load.concurrency or 2) > 1:
         records, cpu, t0 = await asyncio.to_thread(_run_in_processes, target, model, workload, load)
     else:
         records = await _run_requests(session, target, model, workload, load, range(n), t0, max_tokens)
@@ -110,8 +110,8 @@ async def _run_load(session, target: HttpTarget, model: str, workload: Workload,
         reasons = Counter(r.error or "unfinished" for r in records if not r.completed).most_common(3)
         error = f"{failed} of {n} requests failed: " + "; ".join(f"{c} x {msg}" for msg, c in reasons)
     wall = time.perf_counter() - t0
-    extra = {"url": target.url, "client_processes": max(1, target.client_processes),
-             "client_cpu_share": round(cpu / wall / max(1, target.client_processes), 3)}
+    processes = max(1, min(target.client_processes, load.concurrency or target.client_processes))
+    extra = {"url": target.url, "client_processes": processes, "client_cpu_share": round(cpu / wall / processes, 3)}
     return LoadRun("http", None, None, load.concurrency, load.request_rate,
                    max(finished, default=wall), records, extra=extra, error=error)
 
@@ -123,6 +123,8 @@ def _run_in_processes(target: HttpTarget, model: str, workload: Workload,
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     p, n = target.client_processes, workload.num_requests
+    if load.concurrency is not None:
+        p = min(p, load.concurrency)           # each process keeps at least one request in flight
     shares = [list(range(k, n, p)) for k in range(p)]
     loads = [load if load.concurrency is None else Load(concurrency=max(1, load.concurrency // p
                                                                         + (k < load.concurrency % p)))

@@ -518,6 +518,13 @@ def test_client_processes_split_a_load_and_keep_its_concurrency(fake_server, tmp
     assert 0 < r["extra"]["client_cpu_share"] < 1
     assert FakeOpenAI.state["max_in_flight"] == 4 and len(FakeOpenAI.state["bodies"]) == 8
     assert r["ttft_ms"]["p50"] < 1000, "the processes started before the run's clock"
+    FakeOpenAI.state.update(max_in_flight=0, bodies=[])
+    rc = bench(["--url", fake_server, "--model", str(tmp_path / "no-model"), "--concurrency", "1",
+                "--num-prompts", "4", "--max-tokens", "3", "--timeout-s", "30", "--no-plot", "--warmup-requests", "0",
+                "--client-processes", "3", "--results-dir", str(tmp_path / "c1")])
+    [r] = only_json(tmp_path / "c1")["results"]
+    assert r["num_completed"] == 4 and r["extra"]["client_processes"] == 1
+    assert FakeOpenAI.state["max_in_flight"] == 1, "C=1 stays one request in flight, whatever the processes"
 
 
 def test_http_mode_records_refused_requests(fake_server, tmp_path):

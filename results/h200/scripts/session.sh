@@ -60,9 +60,11 @@
 #    (bundled, C=1 / 16, 256 prompts), then the proxy with the default pacing against none.
 # ac: the same with the load split over 4 client processes (one Python client was 16k chunks/s
 #    busy), 0 / 2 / 4 API servers; the CPU per token and profile of 2 API servers.
+# ad: ORT's intra-op threads on CUDA (default: one per core, spinning between runs) against one
+#    thread, each: in process vs Serve's direct ingress vs 2 API servers, C=1 / 16, 256 prompts.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -367,6 +369,14 @@ ac)
   step HTTP profile, 2 API servers, 4 client processes
   CLIENTS=4 timeout 120 bash results/h200/scripts/http_profile.sh api2 --api-servers 2
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac" >&2; exit 2 ;;
+ad)
+  for threads in 1 0; do
+    step "HTTP vs in process with --num-threads $threads (0: ORT's default), bundled, C=1 / 16, 256 prompts"
+    timeout 270 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 0,2 --num-threads $threads --concurrency 1,16 \
+      --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-threads-$threads 2>&1 \
+      | grep -v INFO | grep -E "client CPU|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -24
+  done
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad" >&2; exit 2 ;;
 esac
 step done
