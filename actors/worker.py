@@ -88,7 +88,7 @@ class Worker:
         except Exception:             # outside Serve (tests, benchmarks): no planner
             self.replica_id, self.app_name = "local", None
         self.incarnation = uuid.uuid4().hex
-        num_api_servers = cfg.api_servers if cfg.api_port is not None else 0
+        num_api_servers = cfg.num_api_servers
         if num_api_servers and not cfg.uses_engine_process:
             raise ValueError("api_servers needs the engine in a process of its own (engine_process on)")
         if cfg.uses_engine_process:                  # no GIL shared with the serving below

@@ -59,12 +59,22 @@ class WorkerConfig:
                                                 "serving and the engine's steps do not share one GIL (default: "
                                                 "on for CUDA, off for CPU)")
 
-    api_servers: int = setting(0, "with --direct-port: each replica serves its direct URL from this many HTTP "
-                                  "processes of its own beside its engine process (needs the engine process; "
-                                  "vLLM's --api-server-count), instead of from the replica itself through Ray "
-                                  "Serve's direct ingress: the streaming's CPU is spread over them; 0 = off")
+    api_servers: int | None = setting(None, "with --direct-port: each replica serves its direct URL from this many "
+                                             "HTTP processes of its own beside its engine process (needs the engine "
+                                             "process; vLLM's --api-server-count), instead of from the replica "
+                                             "itself through Ray Serve's direct ingress; 0 = Serve's direct ingress "
+                                             "(default: 2 when the engine runs in its own process, as on CUDA, else 0)")
     api_port: int | None = setting(None, "the first port the API servers try (serve sets it from --direct-port)")
     api_host: str = setting("127.0.0.1", "the API servers' bind address (serve sets it from --host)")
+
+    @property
+    def num_api_servers(self) -> int:
+        """The API server processes a replica runs (``api_servers`` resolved; 0 without ``api_port``)."""
+        if self.api_port is None:
+            return 0
+        if self.api_servers is not None:
+            return self.api_servers
+        return 2 if self.uses_engine_process else 0
 
     @property
     def uses_engine_process(self) -> bool:

@@ -66,9 +66,9 @@ class ServeOptions:
         if self.worker.session_handover_gib < 0 or self.worker.session_handover_timeout_s <= 0:
             raise ValueError(f"session_handover_gib must be >= 0 and session_handover_timeout_s > 0, got "
                              f"{self.worker.session_handover_gib} / {self.worker.session_handover_timeout_s}")
-        if self.worker.api_servers < 0:
+        if (self.worker.api_servers or 0) < 0:
             raise ValueError(f"api_servers must be >= 0, got {self.worker.api_servers}")
-        if self.worker.api_servers and self.worker.api_port is not None and not self.worker.uses_engine_process:
+        if self.worker.num_api_servers and not self.worker.uses_engine_process:
             raise ValueError("api_servers needs the engine in a process of its own: engine_process on")
         if self.prefix_max_imbalance < 0:
             raise ValueError(f"prefix_max_imbalance must be >= 0, got {self.prefix_max_imbalance}")

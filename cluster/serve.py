@@ -59,8 +59,8 @@ def options_from_args(args, num_cpus_available: float | None = None,
     """The flags given, over ServeOptions' defaults; replicas default to one per GPU with device
     cuda, and CPU replicas share the CPUs of a local Ray."""
     values = given_settings(args, SETTINGS)
-    if values.get("api_servers") and getattr(args, "direct_port", None) is not None:
-        values.update(api_port=args.direct_port, api_host=args.host)     # the replicas' own HTTP servers
+    if getattr(args, "direct_port", None) is not None:   # where the replicas' API servers listen, if they run
+        values.update(api_port=args.direct_port, api_host=args.host)
     values.setdefault("api_key", os.environ.get("MTPSERVE_API_KEY"))
     cuda = values.get("device") == "cuda"
     num_replicas = values.get("num_replicas") or (num_gpus_available if cuda and num_gpus_available else 1)
@@ -82,8 +82,9 @@ def cmd_serve(args) -> int:
     except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2
-    own_servers = args.direct_port is not None and options.worker.api_servers > 0
-    if options.worker.api_servers > 0 and args.direct_port is None:
+    num_api = options.worker.num_api_servers
+    own_servers = num_api > 0
+    if (options.worker.api_servers or 0) > 0 and args.direct_port is None:
         print("mtpserve: error: --api-servers serves the --direct-port URLs: give --direct-port too", file=sys.stderr)
         return 2
     if args.direct_port is not None and not own_servers:
@@ -123,7 +124,7 @@ def cmd_serve(args) -> int:
             urls = deploy.api_server_urls(args.app_name, options.num_replicas) if own_servers else \
                 deploy.direct_urls(args.app_name, host, options.num_replicas)
             for replica_id, direct in urls:
-                how = f", {options.worker.api_servers} API server{'s' if options.worker.api_servers > 1 else ''}" if own_servers else ""
+                how = f", {num_api} API server{'s' if num_api > 1 else ''}" if own_servers else ""
                 print(f"  direct (replica {replica_id}{how}, no proxy hop): {direct}/v1", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:
