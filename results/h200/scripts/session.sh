@@ -62,9 +62,11 @@
 #    busy), 0 / 2 / 4 API servers; the CPU per token and profile of 2 API servers.
 # ad: ORT's intra-op threads on CUDA (default: one per core, spinning between runs) against one
 #    thread, each: in process vs Serve's direct ingress vs 2 API servers, C=1 / 16, 256 prompts.
+# ae: the engine in process with one ORT thread against ORT's default, alternated 1 / 0 / 1 / 0
+#    (bundled, K=0, C=1 / 16, 128 prompts): what --num-threads 1 costs without HTTP.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -377,6 +379,13 @@ ad)
       | grep -v INFO | grep -E "client CPU|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -24
   done
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad" >&2; exit 2 ;;
+ae)
+  for threads in 1 0 1 0; do
+    step "in process, --num-threads $threads, bundled, K=0, C=1 / 16, 128 prompts"
+    timeout 100 "${bench[@]}" --draft-tokens 0 --num-threads $threads --concurrency 1,16 --num-prompts 128 \
+      --max-tokens 128 --no-plot --name bundled-threads-$threads 2>&1 | grep -E "^mtpserve K=0|results:" | tail -3
+  done
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae" >&2; exit 2 ;;
 esac
 step done
