@@ -70,8 +70,8 @@ class ApiServers:
         for i in range(self.num_servers):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fds = [conns[i].fileno(), theirs.fileno()]
-            proc = subprocess.Popen([sys.executable, "-m", "mtpserve.actors.api_servers", ",".join(map(str, fds)),
-                                     str(i)], env=env, stdin=subprocess.PIPE, pass_fds=fds)
+            proc = subprocess.Popen([sys.executable, "-m", "mtpserve.actors.api_servers", ",".join(map(str, fds))],
+                                    env=env, stdin=subprocess.PIPE, pass_fds=fds)
             proc.stdin.write(pickle.dumps(setup))
             proc.stdin.close()
             theirs.close()
@@ -224,7 +224,7 @@ def _bind_routes(server) -> None:
         api.dependency_overrides[call] = lambda: server
 
 
-def _server_main(fds: str, index: str) -> int:
+def _server_main(fds: str) -> int:
     import uvicorn
 
     from mtpserve.actors.ingress import api
@@ -283,4 +283,4 @@ def _server_main(fds: str, index: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_server_main(sys.argv[1], sys.argv[2]))
+    raise SystemExit(_server_main(sys.argv[1]))
