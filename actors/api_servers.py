@@ -170,27 +170,9 @@ def _api_server_class():
 
         def __init__(self, setup: dict, engine_conn: Connection):
             from mtpserve.actors.engine_process import EngineProcess
-            from mtpserve.actors.ingress import guard
-            from mtpserve.actors.metrics import MetricsRecorder
-            from mtpserve.engine.grammar import GrammarCompiler
-            from mtpserve.engine.tokenizer import Tokenizer
             cfg = self.config = setup["config"]
             self.replica_id, self.app_name = setup["replica_id"], None
-            self.loop = EngineProcess.attach(engine_conn, setup["info"], cfg.max_pending)
-            self.engine, m = None, self.loop.manifest
-            self.tokenizer = Tokenizer(m.path)
-            self.grammar_compiler = GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids)
-            self.grammar_compiler.preload()
-            self.manifest, self.limits, self.max_drafts = m, self.loop.limits, self.loop.max_drafts
-            self.model_name, self.context_length = cfg.served_model_name, m.context_length
-            self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
-            self.recorder = MetricsRecorder()
-            guard(self)
-            self.policy = None
-            self._stopping = threading.Event()
-            self._num_open_streams = 0
-            self._planner = None
-            self._handed_over = frozenset()
+            self._init_serving(cfg, EngineProcess.attach(engine_conn, setup["info"], cfg.max_pending))
 
     return ApiServer
 

@@ -20,6 +20,7 @@ its blocks and state row at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -151,10 +152,12 @@ def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
     later one's end and counts (the first's prompt logprobs, which only a first event has)."""
     logprobs = None if first.logprobs is None and then.logprobs is None else \
         (first.logprobs or []) + (then.logprobs or [])
+    timed = first if first.queue_s is not None else then
     return TokenEvent(first.request_id, first.token_ids + then.token_ids, first.text + then.text,
                       then.finish_reason, then.num_prompt_tokens or first.num_prompt_tokens,
                       then.num_output_tokens, then.num_cached_tokens or first.num_cached_tokens, logprobs,
-                      first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+                      first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+                      timed.queue_s, timed.prefill_s)
 
 
 @dataclass
@@ -165,6 +168,7 @@ class _Add:
     footprint: Footprint
     stream: RequestStream
     session_id: str | None
+    arrived_at: float = field(default_factory=time.monotonic)   # when this loop got it (submit, add_remote)
 
 
 @dataclass
@@ -216,6 +220,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[_Add] = deque()
         self._streams: dict[str, RequestStream] = {}
+        self._admitted: dict[str, tuple[float, float]] = {}   # no token yet: (seconds queued, admitted at)
         self.sessions = SessionTable(session_ttl_s)
         self._num_queued = 0                          # submitted, not yet admitted or dropped
         self._queued_lock = threading.Lock()
@@ -352,6 +357,8 @@ class EngineLoop:
                 self._deliver([(add.stream, e)])
                 continue
             self._streams[add.request_id] = add.stream
+            now = time.monotonic()
+            self._admitted[add.request_id] = (now - add.arrived_at, now)
 
     def _step(self) -> None:
         try:
@@ -369,6 +376,9 @@ class EngineLoop:
     def _dispatch(self, events: list[TokenEvent]) -> None:
         items = []
         for event in events:
+            if event.token_ids and event.request_id in self._admitted:    # its first tokens: how long to them
+                queued_s, admitted_at = self._admitted.pop(event.request_id)
+                event = dataclasses.replace(event, queue_s=queued_s, prefill_s=time.monotonic() - admitted_at)
             stream = self._streams.get(event.request_id)
             self.sessions.extend(event.request_id, event.token_ids)
             if event.finish_reason is not None:
@@ -393,6 +403,7 @@ class EngineLoop:
             self._dispatch([event])
 
     def _finish_bookkeeping(self, request_id: str) -> None:
+        self._admitted.pop(request_id, None)
         self.ledger.release(request_id)
         self.sessions.finish(request_id)
 

@@ -14,9 +14,13 @@ follow vLLM's (``vllm:`` -> ``mtpserve:``) so existing dashboards need only a pr
     mtpserve:spec_decode_num_accepted_tokens_per_pos_total{position}
     mtpserve:num_target_forwards_total                    mtpserve:request_errors_total{status}
     mtpserve:engine_steps_total                           mtpserve:engine_overlapped_steps_total
+    mtpserve:request_queue_time_seconds                   mtpserve:request_prefill_time_seconds
     mtpserve:session_handover_sessions_total{event}       mtpserve:session_handover_bytes_total{event}
     mtpserve:session_handover_held_bytes                  (the planner's, ``actors/handover.py``)
 
+Queue time runs from the engine loop's receiving a request to its admission, prefill time from
+there to its first tokens leaving the loop (vLLM's queue and prefill times); TTFT runs from the
+HTTP handler's entry to the first tokens in it, so TTFT - queue - prefill is the serving path's own.
 Inter-token latency is measured between the streamed events of a request; with speculative
 decoding one event may carry several tokens (as in vLLM, one observation per engine step).
 """
@@ -75,6 +79,11 @@ class MetricsSnapshot:
     ttft: HistogramData = field(default_factory=lambda: HistogramData(TTFT_BUCKETS))
     itl: HistogramData = field(default_factory=lambda: HistogramData(ITL_BUCKETS))
     e2e: HistogramData = field(default_factory=lambda: HistogramData(E2E_BUCKETS))
+    queue: HistogramData = field(default_factory=lambda: HistogramData(TTFT_BUCKETS))
+    prefill: HistogramData = field(default_factory=lambda: HistogramData(TTFT_BUCKETS))
+
+    def histograms(self) -> dict[str, HistogramData]:
+        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e, "queue": self.queue, "prefill": self.prefill}
 
 
 def merge_metrics(snapshots) -> MetricsSnapshot:
@@ -86,7 +95,8 @@ def merge_metrics(snapshots) -> MetricsSnapshot:
                 mine[key] = mine.get(key, 0) + n
         out.num_prompt_tokens += s.num_prompt_tokens
         out.num_generation_tokens += s.num_generation_tokens
-        for mine, theirs in ((out.ttft, s.ttft), (out.itl, s.itl), (out.e2e, s.e2e)):
+        for key, theirs in s.histograms().items():
+            mine = out.histograms()[key]
             mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts)]
             mine.sum += theirs.sum
     return out
@@ -106,6 +116,12 @@ class MetricsRecorder:
     def observe_itl(self, seconds: float) -> None:
         with self._lock:
             self._data.itl.observe(seconds)
+
+    def observe_admission(self, queue_s: float, prefill_s: float) -> None:
+        """A request's queue and prefill times (its first event's ``queue_s`` and ``prefill_s``)."""
+        with self._lock:
+            self._data.queue.observe(queue_s)
+            self._data.prefill.observe(prefill_s)
 
     def request_finished(self, finish_reason: str, num_prompt_tokens: int,
                          num_generation_tokens: int, e2e_seconds: float) -> None:
@@ -152,6 +168,11 @@ class _Collector:
             "ttft": HistogramMetricFamily("mtpserve:time_to_first_token_seconds", "Time to first token.", labels=labels),
             "itl": HistogramMetricFamily("mtpserve:inter_token_latency_seconds", "Time between streamed events.", labels=labels),
             "e2e": HistogramMetricFamily("mtpserve:e2e_request_latency_seconds", "Request latency.", labels=labels),
+            "queue": HistogramMetricFamily("mtpserve:request_queue_time_seconds",
+                                           "Time from the engine loop's receiving a request to its admission.",
+                                           labels=labels),
+            "prefill": HistogramMetricFamily("mtpserve:request_prefill_time_seconds",
+                                             "Time from a request's admission to its first tokens.", labels=labels),
             "running": GaugeMetricFamily("mtpserve:num_requests_running", "Requests admitted to the engine.", labels=labels),
             "waiting": GaugeMetricFamily("mtpserve:num_requests_waiting", "Requests waiting for admission.", labels=labels),
             "kv": GaugeMetricFamily("mtpserve:kv_cache_usage_perc", "Used fraction of the paged KV pool.", labels=labels),
@@ -181,7 +202,7 @@ class _Collector:
                 fam["errors"].add_metric(lv + [status], n)
             fam["prompt"].add_metric(lv, m.num_prompt_tokens)
             fam["gen"].add_metric(lv, m.num_generation_tokens)
-            for key, h in (("ttft", m.ttft), ("itl", m.itl), ("e2e", m.e2e)):
+            for key, h in m.histograms().items():
                 fam[key].add_metric(lv, h.cumulative(), h.sum)
             if loop is None:
                 continue

@@ -92,32 +92,12 @@ class Worker:
         if num_api_servers and not cfg.uses_engine_process:
             raise ValueError("api_servers needs the engine in a process of its own (engine_process on)")
         if cfg.uses_engine_process:                  # no GIL shared with the serving below
-            self.loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers).start()
-            self.engine, m = None, self.loop.manifest
-            self.tokenizer = Tokenizer(m.path)
-            # the serving edge compiles each grammar once to refuse a bad one with a 400; the engine
-            # process compiles (from its own cache) the ones that pass
-            self.grammar_compiler = GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids)
+            loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers).start()
         else:
-            self.engine = Engine(cfg.engine)
-            self.loop = EngineLoop(self.engine, cfg.max_pending).start()
-            m, self.tokenizer = self.engine.manifest, self.engine.tokenizer
-            self.grammar_compiler = self.engine.grammars.compiler
-        self.grammar_compiler.preload()              # structured output's library, before serving
-        gc.freeze()      # what start-up built lives as long as the replica: no collection rescans it
-        self.manifest, self.limits, self.max_drafts = m, self.loop.limits, self.loop.max_drafts
-        self.model_name = cfg.served_model_name
-        self.context_length = m.context_length
-        self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
-        self.recorder = MetricsRecorder()
-        guard(self)                                  # API key and body limit before any parse
-        self.policy = self.loop.policy              # the adaptive policy, when draft_tokens is None
-        self._stopping = threading.Event()
-        self._num_open_streams = 0               # streams being read on this replica (``run``)
-        self._planner = None                     # the planner actor's handle, once known
+            loop = EngineLoop(Engine(cfg.engine), cfg.max_pending).start()
+        self._init_serving(cfg, loop)
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None
-        self._handed_over: frozenset[str] = frozenset()   # sessions the planner holds records of (its plan)
         self._handover_version = None
         self.api_servers = None                  # the replica's own HTTP server processes, if any
         if num_api_servers:
@@ -133,6 +113,34 @@ class Worker:
             if not reported.wait(FIRST_REPORT_TIMEOUT_S):
                 logger.warning(f"the planner did not answer in {FIRST_REPORT_TIMEOUT_S:.0f} s; serving, "
                                "the reports go on retrying")
+
+    def _init_serving(self, cfg: WorkerConfig, loop: EngineLoop | EngineProcess) -> None:
+        """The serving side over ``loop`` (an EngineLoop, or an EngineProcess started or attached):
+        tokenizer, grammar compiler, limits, API key, metrics. The replica's, and its API servers'."""
+        self.loop = loop
+        if isinstance(loop, EngineLoop):
+            self.engine = loop.engine
+            m, self.tokenizer, self.grammar_compiler = self.engine.manifest, self.engine.tokenizer, \
+                self.engine.grammars.compiler
+        else:
+            self.engine, m = None, loop.manifest
+            self.tokenizer = Tokenizer(m.path)
+            # the serving edge compiles each grammar once to refuse a bad one with a 400; the engine
+            # process compiles (from its own cache) the ones that pass
+            self.grammar_compiler = GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids)
+        self.grammar_compiler.preload()              # structured output's library, before serving
+        gc.freeze()      # what start-up built lives as long as the process: no collection rescans it
+        self.manifest, self.limits, self.max_drafts = m, loop.limits, loop.max_drafts
+        self.model_name = cfg.served_model_name
+        self.context_length = m.context_length
+        self.api_key = cfg.api_key or os.environ.get("MTPSERVE_API_KEY") or None
+        self.recorder = MetricsRecorder()
+        guard(self)                                  # API key and body limit before any parse
+        self.policy = loop.policy                    # the adaptive policy, when draft_tokens is None
+        self._stopping = threading.Event()
+        self._num_open_streams = 0               # streams being read here (``run``)
+        self._planner = None                     # the planner actor's handle, once known
+        self._handed_over: frozenset[str] = frozenset()   # sessions the planner holds records of (its plan)
 
     # ------------------------------------------------------------------ requests
     async def open(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
@@ -163,6 +171,8 @@ class Worker:
                 if event.token_ids:
                     if i not in last_at:
                         self.recorder.observe_ttft(now - started)
+                        if event.queue_s is not None:
+                            self.recorder.observe_admission(event.queue_s, event.prefill_s)
                     else:
                         self.recorder.observe_itl(now - last_at[i])
                     last_at[i] = now

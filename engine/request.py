@@ -50,6 +50,8 @@ class TokenEvent:
     num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
     logprobs: list | None = None    # with params.logprobs: per token (id, logprob, [(id, logprob)] top)
     prompt_logprobs: list | None = None   # with params.prompt_logprobs, on the first event: prompt tokens 1.. likewise
+    queue_s: float | None = None    # on the first event with tokens, set by the serving loop (actors/engine_loop):
+    prefill_s: float | None = None  # seconds from arrival to admission, and from admission to this event
 
 
 @dataclass

@@ -27,6 +27,8 @@ from mtpserve.cluster.bench.report import LoadRun, RequestRecord
 from mtpserve.cluster.bench.workload import Load, Workload
 
 REPLICA_HEADER = "x-mtpserve-replica"     # which replica answered (mtpserve's own servers)
+METRICS_SETTLE_S = 1.0    # before a run's closing /metrics scrape: processes that push their counters
+                          # (mtpserve's API servers, every 0.5 s) have then pushed the run's last ones
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,17 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
         for load, wl in loads:
             before = await _scrape_metrics(session, target.url)
             run = await _run_load(session, target, model, wl, load)
+            await asyncio.sleep(METRICS_SETTLE_S)
             after = await _scrape_metrics(session, target.url)
             run.spec = _spec_delta(before, after)
+            server = _server_delta(before, after)
+            if server:
+                run.extra["server"] = server
+                if {"ttft_ms", "queue_ms", "prefill_ms"} <= server.keys():
+                    t, q, p = (server[k]["mean"] for k in ("ttft_ms", "queue_ms", "prefill_ms"))
+                    log(f"http {run.load_label}: the server's mean TTFT {t:.2f} ms = queued {q:.2f} + prefill "
+                        f"{p:.2f} + serving {t - q - p:.2f}; {server.get('num_steps', 0)} engine steps, "
+                        f"{server.get('num_overlapped_steps', 0)} overlapped")
             run.extra["model"] = model
             decided = (after or {}).get("router_decisions")
             if decided:     # as counted by the planner so far (routers report every 0.25 s)
@@ -268,15 +279,22 @@ _COUNTERS = {"spec_decode_num_drafts_total": "num_drafts",
              "spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
              "num_target_forwards_total": "num_target_forwards",
              "generation_tokens_total": "num_emitted_tokens"}
+_ENGINE = {"engine_steps_total": "num_steps", "engine_overlapped_steps_total": "num_overlapped_steps"}
+_HISTOGRAMS = {"time_to_first_token_seconds": "ttft",        # the server's: handler entry -> first token
+               "request_queue_time_seconds": "queue",         # engine loop's arrival -> admission
+               "request_prefill_time_seconds": "prefill"}     # admission -> first tokens
 _PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
 _ROUTED = "router_requests_total"          # by decision label: the app's routers (prefix-aware routing)
 
 
 def parse_metrics(text: str) -> dict:
     """Prometheus text -> our counter names, summed over replicas; per-position as a list; the
-    routers' decisions as ``router_decisions`` {decision: requests}."""
+    routers' decisions as ``router_decisions`` {decision: requests}; the engines' steps under
+    ``engine``; the TTFT, queue and prefill histograms under ``histograms`` as {"ttft": {"buckets":
+    {le: cumulative count}, "sum", "count"}, ...}."""
     out: dict = {}
     per_pos: dict[int, float] = {}
+    histograms: dict = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m or line.startswith("#"):
@@ -291,6 +309,20 @@ def parse_metrics(text: str) -> dict:
             if decision:
                 out.setdefault("router_decisions", {})[decision.group(1)] = v
             continue
+        base, _, part = name.rpartition("_")
+        short = next((key for long, key in _HISTOGRAMS.items() if base.endswith(long)), None)
+        if short:
+            h = histograms.setdefault(short, {"buckets": {}, "sum": 0.0, "count": 0.0})
+            le = re.search(r'le="([^"]+)"', labels or "")
+            if part == "bucket" and le:
+                h["buckets"][le.group(1)] = h["buckets"].get(le.group(1), 0.0) + v
+            elif part in ("sum", "count"):
+                h[part] += v
+            continue
+        engine_key = next((key for suffix, key in _ENGINE.items() if name.endswith(suffix)), None)
+        if engine_key:
+            out.setdefault("engine", {})[engine_key] = out.get("engine", {}).get(engine_key, 0.0) + v
+            continue
         if name.endswith(_PER_POSITION):
             pos = re.search(r'position="(\d+)"', labels or "")
             if pos:
@@ -301,6 +333,8 @@ def parse_metrics(text: str) -> dict:
                 out[key] = out.get(key, 0.0) + v
     if per_pos:
         out["accepted_per_position"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)]
+    if histograms:
+        out["histograms"] = histograms
     return out
 
 
@@ -317,7 +351,7 @@ def _spec_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     out = {}
     for key, v in after.items():
-        if key == "router_decisions":
+        if key in ("router_decisions", "engine", "histograms"):
             continue
         if key == "accepted_per_position":
             old = before.get(key) or []
@@ -325,3 +359,35 @@ def _spec_delta(before: dict | None, after: dict | None) -> dict | None:
         else:
             out[key] = int(v - before.get(key, 0))
     return out
+
+
+def _server_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the server says of one run, from two /metrics scrapes: its engines' steps (all, and
+    those launched before the step they follow landed: the rest fed a prompt or followed an idle
+    engine), and its own TTFT (handler entry -> first token), queue and prefill times (mtpserve's
+    engine loop), each as a mean and bucket quantiles: a run's TTFT splits into the engine's part,
+    the serving path's and the client's with the wire's."""
+    if not before or not after:
+        return None
+    out: dict = {}
+    old = before.get("engine") or {}
+    if after.get("engine"):
+        out.update({k: int(v - old.get(k, 0)) for k, v in after["engine"].items()})
+    for key, h1 in (after.get("histograms") or {}).items():
+        h0 = (before.get("histograms") or {}).get(key) or {"buckets": {}, "sum": 0.0, "count": 0.0}
+        n = h1["count"] - h0["count"]
+        if n <= 0:
+            continue
+        buckets = sorted(((float(le), c - h0["buckets"].get(le, 0.0)) for le, c in h1["buckets"].items()),
+                         key=lambda b: b[0])
+        out[f"{key}_ms"] = {"mean": round(1e3 * (h1["sum"] - h0["sum"]) / n, 3), "count": int(n),
+                            **{f"p{q}_at_most": _bucket_quantile(buckets, q / 100 * n) for q in (50, 90, 99)}}
+    return out or None
+
+
+def _bucket_quantile(cumulative: list[tuple[float, float]], rank: float) -> float | None:
+    """The upper bound (ms) of the first histogram bucket holding ``rank`` observations; None past the last finite one."""
+    for le, count in cumulative:
+        if count >= rank:
+            return None if le == float("inf") else round(1e3 * le, 3)
+    return None

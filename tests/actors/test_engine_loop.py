@@ -1,5 +1,6 @@
 """The engine's owner thread, without Ray: bursts queue, disconnects free, output is the engine's."""
 import asyncio
+import time
 
 import pytest
 
@@ -104,6 +105,29 @@ def test_greedy_output_is_the_engines_whatever_the_draft_counts(make_loop, model
         for event in direct.step():
             out[event.request_id] += event.token_ids
     assert served == [out[f"d{i}"] for i in range(len(prompts))]
+
+
+def test_the_first_event_says_how_long_its_request_queued_and_prefilled(make_loop):
+    """With one state row the second request waits for the first to finish: its queue time
+    covers that wait, and only a request's first event with tokens carries the two times."""
+    loop = make_loop(rows=1)
+    ids = loop.engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def two():
+        async def run(rid):
+            started, events = time.monotonic(), []
+            async for event in loop.submit(rid, ids, params):
+                events.append((time.monotonic(), event))
+            return started, events
+        return await asyncio.gather(run("first"), run("second"))
+    (started, first), (_, second) = asyncio.run(two())
+    for events in (first, second):
+        timed = [e for _, e in events if e.queue_s is not None]
+        assert len(timed) == 1 and timed[0] is events[0][1] and timed[0].prefill_s > 0
+    first_ran_s = first[-1][0] - started
+    assert first[0][1].queue_s < 0.5 * first_ran_s
+    assert second[0][1].queue_s > 0.8 * first_ran_s, "the wait for the state row is queue time"
 
 
 def test_refusals_happen_before_anything_is_queued(make_loop):

@@ -126,7 +126,8 @@ def test_every_field_of_a_token_event_crosses_the_pipe():
     TokenEvent included (its value here differs from its default, so dropping it fails)."""
     values = {"request_id": "r-1", "token_ids": [5, 7], "text": "ab", "finish_reason": FinishReason.LENGTH,
               "num_prompt_tokens": 3, "num_output_tokens": 2, "num_cached_tokens": 1,
-              "logprobs": [(5, -0.1, [(5, -0.1)])], "prompt_logprobs": [(9, -2.0, [])]}
+              "logprobs": [(5, -0.1, [(5, -0.1)])], "prompt_logprobs": [(9, -2.0, [])],
+              "queue_s": 0.25, "prefill_s": 0.5}
     assert set(values) == {f.name for f in dataclasses.fields(TokenEvent)}, "a new TokenEvent field: give it a value"
     for finish in (FinishReason.LENGTH, None):
         event = TokenEvent(**{**values, "finish_reason": finish})

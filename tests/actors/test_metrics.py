@@ -11,6 +11,7 @@ def test_render_labels_each_replica_and_counts_match_what_was_recorded():
     rec.observe_ttft(0.003)
     rec.observe_ttft(0.5)
     rec.observe_itl(0.004)
+    rec.observe_admission(0.002, 0.03)
     rec.request_finished("length", 5, 16, 0.6)
     rec.error(429)
     spec = SpecDecodeStats()
@@ -29,6 +30,9 @@ def test_render_labels_each_replica_and_counts_match_what_was_recorded():
     assert get("mtpserve:time_to_first_token_seconds_count") == 2
     assert get("mtpserve:time_to_first_token_seconds_bucket", le="0.005") == 1
     assert get("mtpserve:inter_token_latency_seconds_count") == 1
+    assert get("mtpserve:request_queue_time_seconds_bucket", le="0.005") == 1
+    assert get("mtpserve:request_prefill_time_seconds_bucket", le="0.02") == 0
+    assert get("mtpserve:request_prefill_time_seconds_count") == 1
     assert get("mtpserve:kv_cache_usage_perc") == 0.25 and get("mtpserve:state_rows_usage_perc") == 0.25
     assert get("mtpserve:spec_decode_num_drafts_total") == 1
     assert get("mtpserve:spec_decode_num_draft_tokens_total") == 3

@@ -49,9 +49,9 @@ def served(ray_cluster, model_dir):
     serve.stop()
 
 
-def _success_count(metrics_text: str) -> float:
+def _success_count(metrics_text: str, name: str = "mtpserve:request_success_total") -> float:
     return sum(float(m.group(1)) for m in re.finditer(
-        r'^mtpserve:request_success_total\{[^}]*replica="[^"]*"[^}]*\} (\S+)$', metrics_text, re.M))
+        rf'^{name}\{{[^}}]*replica="[^"]*"[^}}]*\}} (\S+)$', metrics_text, re.M))
 
 
 def _wait(predicate, what: str, timeout: float = 20.0):
@@ -97,6 +97,8 @@ def test_metrics_count_the_requests_of_every_api_server(served):
         time.sleep(1.5)
         return (first,) if _success_count(requests.get(proxy_metrics, timeout=30).text) == first else None
     (before,) = _wait(settled, "the count settles")
+    timed = ("mtpserve:request_queue_time_seconds_count", "mtpserve:request_prefill_time_seconds_count")
+    timed_before = [_success_count(requests.get(direct_metrics, timeout=30).text, name) for name in timed]
     body = {"model": served["model"], "prompt": "x = ", "max_tokens": 2}
     for _ in range(6):                         # requests.post: a connection of its own each time
         assert requests.post(f"{served['direct']}/completions", json=body, headers=AUTH, timeout=60).status_code == 200
@@ -104,6 +106,9 @@ def test_metrics_count_the_requests_of_every_api_server(served):
           "the proxy's /metrics counts the six requests both API servers answered")
     _wait(lambda: _success_count(requests.get(direct_metrics, timeout=30).text) == before + 6,
           "the direct URL's /metrics counts them too, whichever API server answers it")
+    for name, old in zip(timed, timed_before):   # the engine's times reach the API servers' histograms
+        _wait(lambda name=name, old=old: _success_count(requests.get(direct_metrics, timeout=30).text, name) == old + 6,
+              f"{name} counts the six requests")
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(served):

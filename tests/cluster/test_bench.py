@@ -597,3 +597,27 @@ def test_grammar_cost_reports_valid_answers_and_acceptance_on_and_off(model_dir,
         assert r["valid_json"] == 4 and r["output_tokens"] > 4 and r["grammar_host_us_per_token"] > 0
         assert (r["acceptance_on"] is None) == (r["draft_tokens"] == 0) == (r["acceptance_off"] is None)
         assert r["draft_tokens"] == 0 or 0 < r["acceptance_on"] <= 1
+
+
+def test_an_http_runs_server_side_comes_from_two_metrics_scrapes():
+    """Steps and the server's TTFT / queue / prefill histograms between two scrapes of /metrics
+    (two replicas summed): the means and counts of the run's requests alone."""
+    from mtpserve.actors.engine_loop import LoopSnapshot
+    from mtpserve.actors.metrics import MetricsRecorder, render_metrics
+    from mtpserve.cluster.bench.http_driver import _server_delta, parse_metrics
+    a, b = MetricsRecorder(), MetricsRecorder()
+    a.observe_ttft(0.5)
+    a.observe_admission(0.2, 0.2)                     # before the run: not the run's
+
+    def scrape(steps):
+        loop = LoopSnapshot(num_steps=steps, num_overlapped_steps=steps // 2)
+        return parse_metrics(render_metrics("m", {"a": (a.snapshot(), loop), "b": (b.snapshot(), loop)}).decode())
+    before = scrape(10)
+    for rec, ttft in ((a, 0.004), (b, 0.008)):
+        rec.observe_ttft(ttft)
+        rec.observe_admission(0.001, 0.002)
+    server = _server_delta(before, scrape(30))
+    assert server["num_steps"] == 40 and server["num_overlapped_steps"] == 20
+    assert server["ttft_ms"]["count"] == 2 and server["ttft_ms"]["mean"] == pytest.approx(6.0)
+    assert server["ttft_ms"]["p50_at_most"] == 5.0 and server["ttft_ms"]["p99_at_most"] == 10.0
+    assert server["queue_ms"]["mean"] == pytest.approx(1.0) and server["prefill_ms"]["mean"] == pytest.approx(2.0)
