@@ -64,9 +64,9 @@
 #    thread, each: in process vs Serve's direct ingress vs 2 API servers, C=1 / 16, 256 prompts.
 # ae: the engine in process with one ORT thread against ORT's default, alternated 1 / 0 / 1 / 0
 #    (bundled, K=0, C=1 / 16, 128 prompts): what --num-threads 1 costs without HTTP.
-# af: where the C=16 TTFT over HTTP goes: 2 API servers (one ORT thread) vs in process, C=1 / 16
-#    closed loop and a Poisson 150 req/s open loop (arrivals out of step in both), each HTTP run's
-#    server-side TTFT split into queue / prefill / serving (from /metrics), the requests saved.
+# af: where the C=16 TTFT over HTTP goes: 2 API servers (one ORT thread) vs in process, C=1 / 16,
+#    each HTTP run's server-side TTFT split into queue / prefill / serving (from /metrics), the
+#    engine's steps counted, the requests saved.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af}
@@ -395,10 +395,6 @@ af)
   timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --concurrency 1,16 \
     --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests --name bundled-http-split 2>&1 \
     | grep -v INFO | grep -E "$filter" | tail -16
-  step "HTTP split, open loop: Poisson 150 req/s, 2 API servers vs in process, 384 prompts, requests saved"
-  timeout 200 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --request-rate 150 \
-    --num-prompts 384 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests --name bundled-http-split-poisson 2>&1 \
-    | grep -v INFO | grep -E "$filter" | tail -12
   ;;
 *) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af" >&2; exit 2 ;;
 esac
