@@ -67,9 +67,13 @@
 # af: where the C=16 TTFT over HTTP goes: 2 API servers (one ORT thread) vs in process, C=1 / 16,
 #    each HTTP run's server-side TTFT split into queue / prefill / serving (from /metrics), the
 #    engine's steps counted, the requests saved.
+# ag: (a diagnostic call) af's C=16 burst stalled twice for 70-80 ms, on mixed steps (decode rows
+#    beside new prompts): mixed_first_calls.py times such steps by phase at B = 1..16, three
+#    passes (same shapes again, then new prompt lengths), with CUDA's lazy module loading and
+#    with CUDA_MODULE_LOADING=EAGER; then af's HTTP run with EAGER.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -396,6 +400,18 @@ af)
     --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests --name bundled-http-split 2>&1 \
     | grep -v INFO | grep -E "$filter" | tail -16
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af" >&2; exit 2 ;;
+ag)
+  for loading in LAZY EAGER; do
+    step "mixed steps' first calls, CUDA_MODULE_LOADING=$loading"
+    CUDA_MODULE_LOADING=$loading timeout 200 python3 results/h200/scripts/mixed_first_calls.py engine/bundled/model \
+      "$OUT/mixed-first-calls-$loading.json" 2>&1 | grep -v "INFO\|Warning" | tail -20
+  done
+  step "HTTP split with CUDA_MODULE_LOADING=EAGER: 2 API servers vs in process, bundled, C=1 / 16"
+  CUDA_MODULE_LOADING=EAGER timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 \
+    --concurrency 1,16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests \
+    --name bundled-http-split-eager 2>&1 | grep -v INFO \
+    | grep -E "client CPU|server's mean|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -16
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag" >&2; exit 2 ;;
 esac
 step done
