@@ -42,6 +42,9 @@ class Overloaded(RuntimeError):
     """Too many requests are already waiting on this replica (HTTP 429)."""
 
 
+STALL_MIN_S = 0.025                 # an owner-thread turn at least this long, and
+STALL_FACTOR = 4.0                  # this many times the steps' average, is kept as a stall
+MAX_STALLS = 32                     # the latest ones, in ``status``
 MAX_ROUTING_DIGESTS = 4096          # prefix-cache digests a replica reports to routers (8 bytes each)
 ROUTING_INDEX_INTERVAL_S = 0.2      # the routing index is rebuilt at most this often (when it changed)
 
@@ -88,6 +91,24 @@ class LoopSnapshot:
         if self.num_pending:
             return 1.0
         return self.num_reserved_rows / self.num_rows_granted if self.num_rows_granted else 1.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A turn of the owner thread (commands, admission, one step, a snapshot) much longer than
+    its steps take on average: every running request's next token waited for it. What it spent
+    the time on, and the step it ran."""
+    at_s: float             # when the turn began, seconds after the loop started
+    turn_ms: float
+    commands_ms: float      # the inbox's commands (adds, aborts, calls)
+    admit_ms: float         # admitting queued requests (engine.add_request)
+    step_ms: float
+    publish_ms: float       # the snapshot
+    num_admitted: int
+    num_requests: int       # the step's requests, fed tokens, prompt chunk or not, replayed or not
+    num_tokens: int
+    prefill: bool
+    graphed: bool
 
 
 class RequestStream:
@@ -228,6 +249,9 @@ class EngineLoop:
         self._step_time_ema = 0.0
         self._failed: BaseException | None = None
         self._published_at = 0.0
+        self._started_at = time.monotonic()
+        self.stalls: deque[Stall] = deque(maxlen=MAX_STALLS)   # the latest (see ``Stall``)
+        self.num_stalls = 0
         self._index = (b"", 0, 0.0)                   # (routing index, its cache version, built at)
         self.snapshot = LoopSnapshot()
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
@@ -293,19 +317,38 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ owner thread
     def _run(self) -> None:
+        clock = time.perf_counter
         while True:
             busy = self.engine.has_work and self._failed is None
-            for command in self._take_commands(block=not busy):
+            commands = self._take_commands(block=not busy)
+            t0 = clock()
+            for command in commands:
                 if isinstance(command, _Stop):
                     self._fail_all(EngineFailed("the replica is shutting down"), stopping=True)
                     return
                 self._apply(command)
+            t1 = t2 = t3 = clock()
+            stepped, admitted = False, 0
             if self._failed is None:
-                self._admit()
+                admitted = self._admit()
+                t2 = t3 = clock()
                 if self.engine.has_work:
                     self._step()
+                    stepped, t3 = True, clock()
             if time.monotonic() - self._published_at >= self.snapshot_interval_s or not self.engine.has_work:
                 self._publish()
+            t4 = clock()
+            if t4 - t0 >= max(STALL_MIN_S, STALL_FACTOR * self._step_time_ema) and self._step_time_ema:
+                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped)
+
+    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool) -> None:
+        last = self.engine.last_step if stepped else None
+        self.num_stalls += 1
+        self.stalls.append(Stall(
+            round(time.monotonic() - (t4 - t0) - self._started_at, 4), *(round(1e3 * d, 3) for d in (
+                t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)), admitted,
+            last.num_requests if last else 0, last.num_main_tokens if last else 0,
+            bool(last and last.has_prefill), bool(last and last.graphed)))
 
     def _take_commands(self, block: bool) -> list[Command]:
         """Everything in the inbox; when idle, first wait (a while) for something to arrive."""
@@ -345,8 +388,11 @@ class EngineLoop:
         elif isinstance(command, _SetGrant):
             self.ledger.set_grant(command.num_blocks, command.num_rows)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Admit queued requests, oldest first, while the grant holds them; how many."""
+        num = 0
         while self._pending and self.ledger.can_reserve(self._pending[0].footprint):
+            num += 1
             add = self._pending.popleft()
             self._dequeued(add.stream)
             self.ledger.reserve(add.request_id, add.footprint)
@@ -359,6 +405,7 @@ class EngineLoop:
             self._streams[add.request_id] = add.stream
             now = time.monotonic()
             self._admitted[add.request_id] = (now - add.arrived_at, now)
+        return num
 
     def _step(self) -> None:
         try:
@@ -443,7 +490,8 @@ class EngineLoop:
                 "peak_reserved_blocks": self.ledger.peak_reserved_blocks,
                 "peak_reserved_rows": self.ledger.peak_reserved_rows,
                 "max_pending_seen": self._max_pending_seen, "num_pending": len(self._pending),
-                "spec": asdict(engine.stats)}
+                "spec": asdict(engine.stats), "num_stalls": self.num_stalls,
+                "stalls": [asdict(s) for s in self.stalls]}
 
     def export_sessions_now(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:
         """On the owner thread: (session, ``Engine.export_prefix`` of its last token sequence), the

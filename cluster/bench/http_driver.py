@@ -50,13 +50,15 @@ class HttpTarget:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def run_http_loads(target: HttpTarget, loads: list[tuple[Load, Workload]], log=print) -> list[LoadRun]:
+def run_http_loads(target: HttpTarget, loads: list[tuple[Load, Workload]], log=print,
+                   after_run=None) -> list[LoadRun]:
     """Each (load, workload) in turn: closed loop at load.concurrency, or open loop at the
-    workload's arrival times (load.request_rate)."""
-    return asyncio.run(_run_all(target, loads, log))
+    workload's arrival times (load.request_rate). ``after_run(run)``, when given, is called (on a
+    thread of its own) after each run, before the next starts, and with None after the warm-up."""
+    return asyncio.run(_run_all(target, loads, log, after_run))
 
 
-async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
+async def _run_all(target: HttpTarget, loads, log, after_run=None) -> list[LoadRun]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)
@@ -68,6 +70,8 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
             n = min(target.num_warmup_requests, wl.num_requests)
             warm = wl.warmup(n)
             await _run_load(session, target, model, warm, Load(concurrency=n), max_tokens=min(16, target.max_tokens))
+        if after_run is not None:
+            await asyncio.to_thread(after_run, None)
         runs = []
         for load, wl in loads:
             before = await _scrape_metrics(session, target.url)
@@ -88,6 +92,8 @@ async def _run_all(target: HttpTarget, loads, log) -> list[LoadRun]:
             if decided:     # as counted by the planner so far (routers report every 0.25 s)
                 old = (before or {}).get("router_decisions") or {}
                 run.extra["router_decisions"] = {k: int(v - old.get(k, 0)) for k, v in decided.items()}
+            if after_run is not None:
+                await asyncio.to_thread(after_run, run)
             log(f"http {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
                 f"in {run.duration_s:.2f} s, client CPU {100 * run.extra['client_cpu_share']:.0f}% of the wall time "
                 f"x {run.extra['client_processes']} process(es)" + (f" — {run.error}" if run.error else ""))

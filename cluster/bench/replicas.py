@@ -137,7 +137,8 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
                     target = HttpTarget(url, options.served_model_name, None, args.max_tokens, args.temperature,
                                         args.ignore_eos, args.timeout_s, args.warmup_requests, args.return_token_ids,
                                         getattr(args, "client_processes", 1))
-                    for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}")):
+                    for run in run_http_loads(target, loads_with_workloads, log=lambda m, s=label: log(f"[{s}] {m}"),
+                                              after_run=StallReader(app_name, lambda m, s=label: log(f"[{s}] {m}"))):
                         run.system = label
                         run.extra.update(num_replicas=n, prefix_routing=routing, direct_ingress=direct,
                                          api_servers=num_api,
@@ -145,6 +146,41 @@ def run_replica_sweep(args, loads_with_workloads, log) -> list:
                                          prefix_cache=cached_share(run.records))
                         runs.append(run)
     return runs
+
+
+class StallReader:
+    """After each load: the owner-thread stalls each replica had during it (``engine_loop.Stall``,
+    from ``engine_status``), into ``run.extra["stalls"]`` {replica: [stall, ...]}, the longest logged."""
+
+    def __init__(self, app_name: str, log):
+        self.app_name, self.log = app_name, log
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, run) -> None:
+        """``run``: the load just run, or None (the warm-up: its stalls are no run's)."""
+        from mtpserve.cluster.client import replica_statuses
+        try:
+            statuses = replica_statuses(self.app_name)
+        except Exception as e:  # noqa: BLE001 - a figure the run can do without
+            self.log(f"replica stalls not read: {e!r}")
+            return
+        out = {}
+        for rid, status in statuses.items():
+            total, stalls = status.get("num_stalls", 0), status.get("stalls") or []
+            new = total - self.seen.get(rid, 0)
+            self.seen[rid] = total
+            if new > 0:
+                out[rid] = stalls[-new:]
+        if run is None:
+            return
+        run.extra["stalls"] = out
+        every = [s for stalls in out.values() for s in stalls]
+        if every:
+            worst = max(every, key=lambda s: s["turn_ms"])
+            self.log(f"{run.load_label}: {len(every)} owner-thread stalls; the longest {worst['turn_ms']:.1f} ms "
+                     f"(step {worst['step_ms']:.1f}, commands {worst['commands_ms']:.1f}, admission "
+                     f"{worst['admit_ms']:.1f}; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
+                     f"{', prefill' if worst['prefill'] else ''}{', replayed' if worst['graphed'] else ''})")
 
 
 def _direct_url(app_name: str, log) -> str:

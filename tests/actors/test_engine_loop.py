@@ -130,6 +130,28 @@ def test_the_first_event_says_how_long_its_request_queued_and_prefilled(make_loo
     assert second[0][1].queue_s > 0.8 * first_ran_s, "the wait for the state row is queue time"
 
 
+def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_time(make_loop):
+    """A call that blocks the owner thread for 80 ms while a request decodes: status lists that
+    turn as a stall, its time in the commands, and a request's steps around it are not stalls."""
+    loop = make_loop()
+    ids = loop.engine.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def scenario():
+        stream = loop.submit("r", ids, params)
+        tokens = 0
+        async for event in stream:
+            tokens += len(event.token_ids)
+            if tokens >= 5 and tokens - len(event.token_ids) < 5:
+                await loop.call(lambda _: time.sleep(0.08))
+        return await loop.status()
+    status = asyncio.run(scenario())
+    assert status["num_stalls"] >= 1
+    blocked = [s for s in status["stalls"] if s["commands_ms"] >= 75]
+    assert len(blocked) == 1 and blocked[0]["turn_ms"] >= blocked[0]["commands_ms"]
+    assert len(status["stalls"]) <= 3, "ordinary steps are not stalls"
+
+
 def test_refusals_happen_before_anything_is_queued(make_loop):
     loop = make_loop(rows=1, max_pending=2)
     ids = loop.engine.tokenizer.encode(PROMPTS[1])

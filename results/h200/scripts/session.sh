@@ -71,9 +71,11 @@
 #    beside new prompts): mixed_first_calls.py times such steps by phase at B = 1..16, three
 #    passes (same shapes again, then new prompt lengths), with CUDA's lazy module loading and
 #    with CUDA_MODULE_LOADING=EAGER; then af's HTTP run with EAGER.
+# ah: af again, with each replica's owner-thread stalls per load (turns >= 25 ms and 4x the step
+#    average: what the turn spent its time on), to place af's two 70-80 ms stalls at C=16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -412,6 +414,12 @@ ag)
     --name bundled-http-split-eager 2>&1 | grep -v INFO \
     | grep -E "client CPU|server's mean|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -16
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag" >&2; exit 2 ;;
+ah)
+  step "HTTP split with the replica's stalls: 2 API servers vs in process, --num-threads 1, bundled, C=1 / 16"
+  timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --concurrency 1,16 \
+    --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests --name bundled-http-stalls 2>&1 \
+    | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah" >&2; exit 2 ;;
 esac
 step done
