@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import queue
 import threading
 import time
@@ -102,8 +103,10 @@ class Stall:
     turn_ms: float
     commands_ms: float      # the inbox's commands (adds, aborts, calls)
     admit_ms: float         # admitting queued requests (engine.add_request)
-    step_ms: float
+    step_ms: float          # the step: the engine's, then handing its events out (``dispatch_ms``)
+    dispatch_ms: float
     publish_ms: float       # the snapshot
+    gc_ms: float            # of the turn, in Python's garbage collector (any thread's collection)
     num_admitted: int
     num_requests: int       # the step's requests, fed tokens, prompt chunk or not, replayed or not
     num_tokens: int
@@ -252,6 +255,8 @@ class EngineLoop:
         self._started_at = time.monotonic()
         self.stalls: deque[Stall] = deque(maxlen=MAX_STALLS)   # the latest (see ``Stall``)
         self.num_stalls = 0
+        self._dispatch_s = 0.0                        # the last step's handing out of its events
+        self._gc = _GcClock()
         self._index = (b"", 0, 0.0)                   # (routing index, its cache version, built at)
         self.snapshot = LoopSnapshot()
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
@@ -265,6 +270,7 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(_Stop())
         self._thread.join(timeout)
+        self._gc.close()
 
     @property
     def failed(self) -> BaseException | None:
@@ -321,7 +327,7 @@ class EngineLoop:
         while True:
             busy = self.engine.has_work and self._failed is None
             commands = self._take_commands(block=not busy)
-            t0 = clock()
+            t0, gc0 = clock(), self._gc.total
             for command in commands:
                 if isinstance(command, _Stop):
                     self._fail_all(EngineFailed("the replica is shutting down"), stopping=True)
@@ -339,14 +345,15 @@ class EngineLoop:
                 self._publish()
             t4 = clock()
             if t4 - t0 >= max(STALL_MIN_S, STALL_FACTOR * self._step_time_ema) and self._step_time_ema:
-                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped)
+                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped, self._gc.total - gc0)
 
-    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool) -> None:
+    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool, gc_s: float) -> None:
         last = self.engine.last_step if stepped else None
         self.num_stalls += 1
+        dispatch = self._dispatch_s if stepped else 0.0
         self.stalls.append(Stall(
             round(time.monotonic() - (t4 - t0) - self._started_at, 4), *(round(1e3 * d, 3) for d in (
-                t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)), admitted,
+                t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch, t4 - t3, gc_s)), admitted,
             last.num_requests if last else 0, last.num_main_tokens if last else 0,
             bool(last and last.has_prefill), bool(last and last.graphed)))
 
@@ -418,7 +425,9 @@ class EngineLoop:
         if timing is not None:
             ema = self._step_time_ema
             self._step_time_ema = timing.seconds if not ema else 0.9 * ema + 0.1 * timing.seconds
+        started = time.perf_counter()
         self._dispatch(events)
+        self._dispatch_s = time.perf_counter() - started
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         items = []
@@ -549,6 +558,25 @@ class EngineLoop:
             index, version = cache.routing_index(MAX_ROUTING_DIGESTS), cache.routing_version
             self._index = (index, version, now)
         return {"prefix_index": index, "prefix_index_version": version}
+
+
+class _GcClock:
+    """Seconds this process has spent in Python's garbage collector since it was made (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.total, self._began = 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.total += time.perf_counter() - self._began
+            self._began = None
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -178,8 +178,9 @@ class StallReader:
         if every:
             worst = max(every, key=lambda s: s["turn_ms"])
             self.log(f"{run.load_label}: {len(every)} owner-thread stalls; the longest {worst['turn_ms']:.1f} ms "
-                     f"(step {worst['step_ms']:.1f}, commands {worst['commands_ms']:.1f}, admission "
-                     f"{worst['admit_ms']:.1f}; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
+                     f"(step {worst['step_ms']:.1f} of which its events {worst['dispatch_ms']:.1f}, commands "
+                     f"{worst['commands_ms']:.1f}, admission {worst['admit_ms']:.1f}, garbage collection "
+                     f"{worst['gc_ms']:.1f}; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
                      f"{', prefill' if worst['prefill'] else ''}{', replayed' if worst['graphed'] else ''})")
 
 

@@ -1,5 +1,6 @@
 """The engine's owner thread, without Ray: bursts queue, disconnects free, output is the engine's."""
 import asyncio
+import gc
 import time
 
 import pytest
@@ -131,8 +132,9 @@ def test_the_first_event_says_how_long_its_request_queued_and_prefilled(make_loo
 
 
 def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_time(make_loop):
-    """A call that blocks the owner thread for 80 ms while a request decodes: status lists that
-    turn as a stall, its time in the commands, and a request's steps around it are not stalls."""
+    """A call that blocks the owner thread for 80 ms (and collects garbage) while a request
+    decodes: status lists that turn as a stall, its time in the commands, the collection's time
+    apart; the request's steps around it are not stalls."""
     loop = make_loop()
     ids = loop.engine.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -143,12 +145,13 @@ def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_t
         async for event in stream:
             tokens += len(event.token_ids)
             if tokens >= 5 and tokens - len(event.token_ids) < 5:
-                await loop.call(lambda _: time.sleep(0.08))
+                await loop.call(lambda _: (time.sleep(0.08), gc.collect()))
         return await loop.status()
     status = asyncio.run(scenario())
     assert status["num_stalls"] >= 1
     blocked = [s for s in status["stalls"] if s["commands_ms"] >= 75]
     assert len(blocked) == 1 and blocked[0]["turn_ms"] >= blocked[0]["commands_ms"]
+    assert 0 < blocked[0]["gc_ms"] < 75, "the collection is counted, the sleep is not"
     assert len(status["stalls"]) <= 3, "ordinary steps are not stalls"
 
 
