@@ -15,6 +15,11 @@ engine: every command reaches it through the inbox. A request waits in ``pending
 worst-case footprint fits the replica's grant (see ``admission``), so a burst queues and the
 engine never has to preempt. Closing a stream before its end aborts the request, which frees
 its blocks and state row at once.
+
+The first event with tokens of each request carries how long it queued (receipt to admission)
+and prefilled (admission to that event), for /metrics. ``status`` lists the owner thread's latest
+stalls (``Stall``: a turn of at least STALL_MIN_S and STALL_FACTOR x the average step), each
+split into what the turn did, so a stall on live traffic can be placed.
 """
 
 from __future__ import annotations
