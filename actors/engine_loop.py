@@ -117,6 +117,7 @@ class Stall:
     num_tokens: int
     prefill: bool
     graphed: bool
+    phases_ms: dict[str, float] | None = None   # with stall_phases: the step's phases, largest first
 
 
 class RequestStream:
@@ -236,8 +237,14 @@ class EngineLoop:
     """Owns an ``Engine`` on a thread of its own; see the module docstring."""
 
     def __init__(self, engine, max_pending: int = 1024, snapshot_interval_s: float = 0.05,
-                 session_ttl_s: float = 600.0):
+                 session_ttl_s: float = 600.0, stall_phases: bool = False):
+        """``stall_phases``: time every step by phase (``engine.phase_timers``), so that each
+        stall says where its step's time went (a diagnostic: the timers cost microseconds a phase)."""
         self.engine = engine
+        self.phase_timers = None
+        if stall_phases:
+            from mtpserve.engine.phase_timers import PhaseTimers
+            self.phase_timers = PhaseTimers(engine, keep_steps=False)
         policy = engine.draft_policy
         self.policy = policy if isinstance(policy, AdaptiveDraftPolicy) else None   # reported to the planner
         self.max_pending = max_pending
@@ -360,7 +367,10 @@ class EngineLoop:
             round(time.monotonic() - (t4 - t0) - self._started_at, 4), *(round(1e3 * d, 3) for d in (
                 t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch, t4 - t3, gc_s)), admitted,
             last.num_requests if last else 0, last.num_main_tokens if last else 0,
-            bool(last and last.has_prefill), bool(last and last.graphed)))
+            bool(last and last.has_prefill), bool(last and last.graphed),
+            None if self.phase_timers is None or not stepped else
+            {k: round(1e3 * v, 3) for k, v in sorted(self.phase_timers.last.items(), key=lambda kv: -kv[1])
+             if k != "step"}))
 
     def _take_commands(self, block: bool) -> list[Command]:
         """Everything in the inbox; when idle, first wait (a while) for something to arrive."""

@@ -69,8 +69,9 @@ class EngineProcess:
     """
 
     def __init__(self, config, max_pending: int = 1024, snapshot_interval_s: float = 0.05,
-                 start_timeout_s: float = 1800.0, num_clients: int = 0):
+                 start_timeout_s: float = 1800.0, num_clients: int = 0, stall_phases: bool = False):
         self.config = config
+        self.stall_phases = stall_phases
         self.num_clients = num_clients
         self.client_conns: list[Connection] = []  # the other ends of the API servers' pipes (``attach``)
         self.info: dict = {}                      # what the engine process said when ready
@@ -107,7 +108,7 @@ class EngineProcess:
         for _, child_end in clients:
             child_end.close()
         self.client_conns = [ours for ours, _ in clients]
-        self._conn.send(("config", self.config, self.max_pending, self.snapshot_interval_s))
+        self._conn.send(("config", self.config, self.max_pending, self.snapshot_interval_s, self.stall_phases))
         deadline = time.monotonic() + self.start_timeout_s
         while not self._conn.poll(1.0):
             if self._proc.poll() is not None:
@@ -340,14 +341,15 @@ class _ChildLoop(EngineLoop):
     """``EngineLoop`` whose deliveries, snapshots and replies are messages to the replica (its
     pipe first in ``conns``) and its API servers (the rest)."""
 
-    def __init__(self, engine, conns: list[Connection], max_pending: int, snapshot_interval_s: float):
+    def __init__(self, engine, conns: list[Connection], max_pending: int, snapshot_interval_s: float,
+                 stall_phases: bool = False):
         self._conns = list(conns)
         self._send_lock = threading.Lock()
         self.num_dequeued = dict.fromkeys(conns, 0)   # each pipe's requests that left the queue
         self.metrics: dict[int, object] = {}          # pipe index -> its process's latest MetricsSnapshot
         self._index_of = {conn: i for i, conn in enumerate(conns)}
         self._index_version_sent = -1        # the routing index goes out only when it changed
-        super().__init__(engine, max_pending, snapshot_interval_s)
+        super().__init__(engine, max_pending, snapshot_interval_s, stall_phases=stall_phases)
 
     def send(self, message, conn: Connection) -> None:
         with self._send_lock:
@@ -426,12 +428,12 @@ def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
 def _child_main(fds: str) -> int:
     conns = [Connection(int(fd)) for fd in fds.split(",")]
     replica = conns[0]                             # the replica's pipe; the rest are its API servers'
-    _, config, max_pending, snapshot_interval_s = replica.recv()
+    _, config, max_pending, snapshot_interval_s, stall_phases = replica.recv()
     try:
         from mtpserve.engine.engine import Engine
         engine = Engine(config)
         engine.grammars.compiler.preload()         # structured output's library, before serving
-        loop = _ChildLoop(engine, conns, max_pending, snapshot_interval_s)
+        loop = _ChildLoop(engine, conns, max_pending, snapshot_interval_s, stall_phases)
         gc.freeze()           # what start-up built lives as long as the process: no collection rescans it
     except BaseException as e:
         replica.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))

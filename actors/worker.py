@@ -92,9 +92,10 @@ class Worker:
         if num_api_servers and not cfg.uses_engine_process:
             raise ValueError("api_servers needs the engine in a process of its own (engine_process on)")
         if cfg.uses_engine_process:                  # no GIL shared with the serving below
-            loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers).start()
+            loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers,
+                                 stall_phases=cfg.stall_phases).start()
         else:
-            loop = EngineLoop(Engine(cfg.engine), cfg.max_pending).start()
+            loop = EngineLoop(Engine(cfg.engine), cfg.max_pending, stall_phases=cfg.stall_phases).start()
         self._init_serving(cfg, loop)
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None

@@ -66,6 +66,9 @@ class WorkerConfig:
                                              "(default: 2 when the engine runs in its own process, as on CUDA, else 0)")
     api_port: int | None = setting(None, "the first port the API servers try (serve sets it from --direct-port)")
     api_host: str = setting("127.0.0.1", "the API servers' bind address (serve sets it from --host)")
+    stall_phases: bool = setting(False, "a diagnostic: time each engine step by phase, so every stall a replica's "
+                                        "status lists (a turn of its engine loop of 25 ms and 4x its average "
+                                        "step) says where its step's time went; costs microseconds a phase")
 
     @property
     def num_api_servers(self) -> int:

@@ -101,6 +101,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP loads: split each load's requests over P client processes (default 1): one Python "
                         "client parsing tens of thousands of chunks a second delays what it times (each run "
                         "records the client's CPU share of its wall time)")
+    g.add_argument("--stall-phases", action="store_true",
+                   help="with --replicas: the replicas time each step by phase (as `serve --stall-phases on`), so "
+                        "each run's stalls (extra.stalls) say where their steps' time went")
     g.add_argument("--api-servers", default="0", metavar="N[,N...]",
                    help="with --direct-ingress: the replica's own HTTP processes, compared in one run (as `serve "
                         "--direct-port --api-servers N`; 0 = Ray Serve's direct ingress in the replica; default 0). "
@@ -175,7 +178,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="in process: where each step's time goes, ms per step of each engine phase (schedule, "
                         "propose, verify, accept, commit, ...), prefill and decode steps apart, in the JSON and "
                         "printed; sync: the device synchronised after each phase, so each owns its GPU work "
-                        "(cluster/bench/phases.py)")
+                        "(engine/phase_timers.py)")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
     g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
     g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")

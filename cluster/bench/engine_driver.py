@@ -42,7 +42,7 @@ class EngineSweep:
     cuda_graphs: bool = True
     prefix_cache: bool = True
     prefix_snapshots: str = "reused"        # the cache's snapshot policy (engine.config CacheConfig)
-    phases: str = "off"                     # per-phase step times (bench/phases.py): off, on or sync
+    phases: str = "off"                     # per-phase step times (engine/phase_timers.py): off, on or sync
     overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
 
 
@@ -116,7 +116,7 @@ def phase_timers(sweep: EngineSweep, engine: Engine):
     """``PhaseTimers`` on ``engine`` when the sweep asks for phases (after its warm-up), else None."""
     if sweep.phases == "off":
         return None
-    from mtpserve.cluster.bench.phases import PhaseTimers
+    from mtpserve.engine.phase_timers import PhaseTimers
     return PhaseTimers(engine, sync=sweep.phases == "sync")
 
 

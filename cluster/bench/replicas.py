@@ -75,7 +75,8 @@ def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool =
     given = {"draft_tokens": args.draft_tokens, "num_blocks": args.num_blocks,
              "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len,
              "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None),
-             "prefix_host_gib": getattr(args, "prefix_host_gib", None)}
+             "prefix_host_gib": getattr(args, "prefix_host_gib", None),
+             "stall_phases": True if getattr(args, "stall_phases", False) else None}
     if api_servers:            # the replica's own HTTP processes, beside its engine process
         given.update(api_servers=api_servers, api_port=args.port + 100, api_host=deploy.LOCAL_HOST, engine_process=True)
     return ServeOptions.from_flat(
@@ -181,7 +182,8 @@ class StallReader:
                      f"(step {worst['step_ms']:.1f} of which its events {worst['dispatch_ms']:.1f}, commands "
                      f"{worst['commands_ms']:.1f}, admission {worst['admit_ms']:.1f}, garbage collection "
                      f"{worst['gc_ms']:.1f}; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
-                     f"{', prefill' if worst['prefill'] else ''}{', replayed' if worst['graphed'] else ''})")
+                     f"{', prefill' if worst['prefill'] else ''}{', replayed' if worst['graphed'] else ''})"
+                     + (f"; its phases (ms) {dict(list(worst['phases_ms'].items())[:5])}" if worst.get("phases_ms") else ""))
 
 
 def _direct_url(app_name: str, log) -> str:

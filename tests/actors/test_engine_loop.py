@@ -156,6 +156,32 @@ def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_t
     assert len(status["stalls"]) <= 3, "ordinary steps are not stalls"
 
 
+def test_with_stall_phases_a_stall_says_which_phase_of_its_step_took_the_time(model_dir):
+    """One main forward made 80 ms slower: its turn is a stall whose step time is that phase's."""
+    config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 8), spec=SpecConfig(0))
+    engine = Engine(config)
+    run_main, calls = engine.runner.run_main, []
+
+    def slow_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            time.sleep(0.08)
+        return run_main(*args, **kwargs)
+    engine.runner.run_main = slow_once              # before the loop's timers wrap it
+    loop = EngineLoop(engine, stall_phases=True).start()
+    try:
+        ids = engine.tokenizer.encode(PROMPTS[2])
+        tokens, _ = asyncio.run(_collect(loop, "r", ids, SamplingParams(temperature=0, max_tokens=20,
+                                                                         ignore_eos=True)))
+        status = asyncio.run(loop.status())
+    finally:
+        loop.stop()
+    assert len(tokens) == 20
+    (stall,) = [s for s in status["stalls"] if s["step_ms"] >= 75]
+    assert next(iter(stall["phases_ms"])) in ("verify", "main eager")    # the largest phase: the slowed one
+    assert stall["phases_ms"]["main eager"] >= 75
+
+
 def test_refusals_happen_before_anything_is_queued(make_loop):
     loop = make_loop(rows=1, max_pending=2)
     ids = loop.engine.tokenizer.encode(PROMPTS[1])

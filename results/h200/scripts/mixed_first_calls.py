@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtpserve.cluster.bench.phases import PhaseTimers
+from mtpserve.engine.phase_timers import PhaseTimers
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams

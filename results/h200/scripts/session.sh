@@ -73,9 +73,12 @@
 #    with CUDA_MODULE_LOADING=EAGER; then af's HTTP run with EAGER.
 # ah: af again, with each replica's owner-thread stalls per load (turns >= 25 ms and 4x the step
 #    average: what the turn spent its time on), to place af's two 70-80 ms stalls at C=16.
+# ai: (next) ah with --stall-phases: each 57-93 ms stall inside a step of the engine process (ah:
+#    not the garbage collector, not the events' hand-out, not a CPU quota) split by engine phase;
+#    then cpu_throttle_probe.py for the record.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -420,6 +423,14 @@ ah)
     --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --save-requests --name bundled-http-stalls 2>&1 \
     | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah" >&2; exit 2 ;;
+ai)
+  step "HTTP with the replica's stalls split by phase: 2 API servers vs in process, --num-threads 1, bundled, C=1 / 16"
+  timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --stall-phases \
+    --concurrency 1,16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-stall-phases \
+    2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  step "CPU quota and wake-up lateness"
+  timeout 60 python3 results/h200/scripts/cpu_throttle_probe.py 16 3 | tee "$OUT/cpu-throttle.txt"
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai" >&2; exit 2 ;;
 esac
 step done
