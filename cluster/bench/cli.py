@@ -437,8 +437,8 @@ def _check_cluster_args(args, loads) -> None:
         raise ValueError("--kill-replica-after needs --replicas N")
     if args.url or args.compare:
         raise ValueError("--replicas deploys and drives its own Serve app; drop --url and --compare")
-    if any(l.concurrency is None for l in loads):
-        raise ValueError("--replicas runs closed-loop loads: give --concurrency, not --request-rate")
+    if args.kill_replica_after is not None and any(l.concurrency is None for l in loads):
+        raise ValueError("--kill-replica-after runs closed-loop loads: give --concurrency, not --request-rate")
     if args.draft_tokens and "," in args.draft_tokens:
         raise ValueError("with --replicas, --draft-tokens is the servers' one setting: K or auto")
     if args.synthetic_acceptance is not None:

@@ -75,7 +75,8 @@
 #    average: what the turn spent its time on), to place af's two 70-80 ms stalls at C=16.
 # ai: (next) ah with --stall-phases: each 57-93 ms stall inside a step of the engine process (ah:
 #    not the garbage collector, not the events' hand-out, not a CPU quota) split by engine phase;
-#    then cpu_throttle_probe.py for the record.
+#    then HTTP vs in process at Poisson 100 req/s (arrivals out of step in both: the closed loop
+#    in process runs its waves in lockstep, one prompt step each), cpu_throttle_probe.py.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai}
@@ -428,6 +429,10 @@ ai)
   timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --stall-phases \
     --concurrency 1,16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-stall-phases \
     2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  step "HTTP vs in process at Poisson 100 req/s (the same arrival times in both: none in step), bundled, 384 prompts"
+  timeout 200 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --request-rate 100 \
+    --num-prompts 384 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-poisson 2>&1 | grep -v INFO \
+    | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -12
   step "CPU quota and wake-up lateness"
   timeout 60 python3 results/h200/scripts/cpu_throttle_probe.py 16 3 | tee "$OUT/cpu-throttle.txt"
   ;;
