@@ -582,6 +582,11 @@ def test_replica_count_zero_is_the_in_process_baseline_of_what_serving_adds():
     assert [(r["system"], r["ttft_p50_added_ms"]) for r in rows] == [("1 replica, direct ingress", 3.5),
                                                                       ("1 replica, 2 API servers", 1.0)]
     assert "2 API servers" in replicas.format_http_overhead(rows)
+    # open-loop loads (--request-rate) pair up by their rate, as closed loops by concurrency
+    rated = [{**summary(0, 10.0, 2.0, 400.0), "load": "4 req/s", "concurrency": None},
+             {**summary(1, 12.0, 2.0, 400.0), "load": "4 req/s", "concurrency": None}]
+    rows = replicas.http_overhead(rated + [summary(0, 10.0, 2.0, 400.0), summary(1, 13.5, 2.5, 300.0)])
+    assert sorted((r["load"], r["ttft_p50_added_ms"]) for r in rows) == [("4 req/s", 2.0), ("C=1", 3.5)]
 
 
 def test_grammar_cost_reports_valid_answers_and_acceptance_on_and_off(model_dir, tmp_path):
