@@ -207,6 +207,8 @@ def _bind_routes(server) -> None:
 
 
 def _server_main(fds: str) -> int:
+    from mtpserve.actors.engine_process import run_at_normal_priority
+    run_at_normal_priority("an API server")          # first: before anything starts a thread
     import uvicorn
 
     from mtpserve.actors.ingress import api

@@ -24,6 +24,11 @@ from contextlib import contextmanager
 
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+# Ray starts its workers (Serve's replicas and proxies, so the engine process and the API servers
+# too) at nice 15, below every ordinary process on the host: on the H200 a step of the engine
+# process then waited 57-93 ms for a core now and then, which the same engine at nice 0 never did
+# (results/h200/serving/20261203-http-split/). A Ray we start runs them at 0, as Ray's own daemons.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 # ---------------------------------------------------------------------------- Ray
@@ -43,6 +48,7 @@ def connect(address: str | None = None, *, quiet: bool = False, num_cpus: int | 
         from mtpserve.actors.proxy_middleware import install
         install()
     extra = {} if num_cpus is None else {"num_cpus": num_cpus}
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")      # its raylet reads it at start (see above)
     # "local": a new Ray of our own, even with RAY_ADDRESS set or another Ray on this machine
     # (plain ray.init() would join those, and teardown would then shut down someone else's Serve)
     ray.init(address="local", include_dashboard=False, **extra, **logging)

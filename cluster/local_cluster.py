@@ -136,7 +136,8 @@ class LocalCluster:
         return {**env, **self.extra_env, **self.auth_env, "RAY_ADDRESS": self.address}
 
     def _node_env(self, node: Node) -> dict[str, str]:
-        env = {**self.env, PROXY_CALLBACK_ENV: PROXY_CALLBACK}
+        from mtpserve.cluster.deploy import WORKER_NICENESS_ENV
+        env = {WORKER_NICENESS_ENV: "0", **self.env, PROXY_CALLBACK_ENV: PROXY_CALLBACK}   # see deploy.py
         env.pop("RAY_ADDRESS")
         if not node.is_head:
             env[WORKER_PROXY_PORT_ENV] = str(node.http_port)

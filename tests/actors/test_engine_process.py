@@ -3,8 +3,10 @@ engine's own thread, aborts free, refusals come first, and a dead engine process
 import asyncio
 import dataclasses
 import os
+import resource
 import signal
 import socket
+import threading
 import time
 from operator import methodcaller
 
@@ -272,3 +274,24 @@ def test_export_sessions_in_the_engine_process_gives_the_sessions_prefix(make_pr
     ((session, records),) = asyncio.run(process.export_sessions(1 << 30, 10.0))
     assert session == "sess" and len(records) == (len(ids) - 1) // 16 > 0
     assert records == asyncio.run(process.call(methodcaller("export_prefix", ids + output)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_NICE)[0] < 20,
+                    reason="this host does not let a process raise its priority back to nice 0")
+def test_an_engine_process_started_below_normal_priority_goes_back_to_nice_0(model_dir):
+    """Ray's workers run at nice 15 and the engine process inherits it from the replica's thread:
+    it returns to 0 before it starts a thread, and its steps' threads with it."""
+    started = {}
+
+    def start_niced():                        # on Linux a thread's nice value is its own
+        os.setpriority(os.PRIO_PROCESS, 0, 10)
+        started["process"] = EngineProcess(EngineConfig(str(model_dir), num_threads=1)).start()
+    thread = threading.Thread(target=start_niced)
+    thread.start()
+    thread.join()
+    process = started["process"]
+    try:
+        tids = os.listdir(f"/proc/{process.pid}/task")
+        assert len(tids) > 1 and all(os.getpriority(os.PRIO_PROCESS, int(t)) == 0 for t in tids)
+    finally:
+        process.stop()

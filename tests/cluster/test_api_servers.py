@@ -127,19 +127,31 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(served):
     assert status["spec"]["num_emitted_tokens"] - emitted < 900, "the request was aborted, not run to its end"
 
 
+def _processes(marker: bytes) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_the_replica_its_engine_and_api_servers_run_at_nice_0_not_rays_15(served):
+    """Ray starts workers at nice 15, below every ordinary process; the Ray that serve starts runs
+    them at 0, so the replica and the processes it starts are not starved by the host's others."""
+    engines, servers = _processes(b"mtpserve.actors.engine_process"), _processes(b"mtpserve.actors.api_servers")
+    assert engines and servers
+    replicas = [int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in engines]
+    for pid in replicas + engines + servers:    # a replica is its engine process's parent
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
+
+
 def test_stopping_serve_stops_the_api_servers(served):
     served["serve"].stop()
     assert served["serve"].proc.returncode == 0
 
-    def api_server_pids():
-        pids = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if b"mtpserve.actors.api_servers" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    pids.append(pid)
-            except OSError:
-                pass
-        return pids
-    _wait(lambda: not api_server_pids(), "no API server process is left", timeout=30)
+    _wait(lambda: not _processes(b"mtpserve.actors.api_servers"), "no API server process is left", timeout=30)
     with pytest.raises(requests.ConnectionError):
         requests.get(served["direct"].removesuffix("/v1") + "/health", timeout=5)
