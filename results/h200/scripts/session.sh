@@ -73,8 +73,9 @@
 #    with CUDA_MODULE_LOADING=EAGER; then af's HTTP run with EAGER.
 # ah: af again, with each replica's owner-thread stalls per load (turns >= 25 ms and 4x the step
 #    average: what the turn spent its time on), to place af's two 70-80 ms stalls at C=16.
-# ai: (next) ah with --stall-phases: each 57-93 ms stall inside a step of the engine process (ah:
-#    not the garbage collector, not the events' hand-out, not a CPU quota) split by engine phase;
+# ai: (next) ah again, now that the replica, its engine process and its API servers run at nice 0
+#    (ah's ran at Ray's worker niceness 15): are the 57-93 ms steps gone? --stall-phases splits
+#    any left (ah: not the garbage collector, not the events' hand-out, not a CPU quota) by phase;
 #    then HTTP vs in process at Poisson 100 req/s (arrivals out of step in both: the closed loop
 #    in process runs its waves in lockstep, one prompt step each), cpu_throttle_probe.py.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
