@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import os
 import queue
 import threading
 import time
@@ -514,7 +515,7 @@ class EngineLoop:
                 "peak_reserved_blocks": self.ledger.peak_reserved_blocks,
                 "peak_reserved_rows": self.ledger.peak_reserved_rows,
                 "max_pending_seen": self._max_pending_seen, "num_pending": len(self._pending),
-                "spec": asdict(engine.stats), "num_stalls": self.num_stalls,
+                "spec": asdict(engine.stats), "owner_niceness": _niceness(), "num_stalls": self.num_stalls,
                 "stalls": [asdict(s) for s in self.stalls]}
 
     def export_sessions_now(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:
@@ -573,6 +574,14 @@ class EngineLoop:
             index, version = cache.routing_index(MAX_ROUTING_DIGESTS), cache.routing_version
             self._index = (index, version, now)
         return {"prefix_index": index, "prefix_index_version": version}
+
+
+def _niceness() -> int | None:
+    """The calling thread's nice value (Linux: each thread has its own), or None where unknown."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (OSError, AttributeError):
+        return None
 
 
 class _GcClock:

@@ -175,6 +175,7 @@ class StallReader:
         if run is None:
             return
         run.extra["stalls"] = out
+        run.extra["engine_niceness"] = {rid: status.get("owner_niceness") for rid, status in statuses.items()}
         every = [s for stalls in out.values() for s in stalls]
         if every:
             worst = max(every, key=lambda s: s["turn_ms"])
