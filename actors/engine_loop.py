@@ -265,10 +265,9 @@ class EngineLoop:
         self._step_time_ema = 0.0
         self._failed: BaseException | None = None
         self._published_at = 0.0
-        self._started_at = time.monotonic()
+        self._started_at = time.perf_counter()          # the stalls' clock
         self.stalls: deque[Stall] = deque(maxlen=MAX_STALLS)   # the latest (see ``Stall``)
         self.num_stalls = 0
-        self._dispatch_s = 0.0                        # the last step's handing out of its events
         self._gc = _GcClock()
         self._index = (b"", 0, 0.0)                   # (routing index, its cache version, built at)
         self.snapshot = LoopSnapshot()
@@ -347,26 +346,25 @@ class EngineLoop:
                     return
                 self._apply(command)
             t1 = t2 = t3 = clock()
-            stepped, admitted = False, 0
+            stepped, admitted, dispatch_s = False, 0, 0.0
             if self._failed is None:
                 admitted = self._admit()
                 t2 = t3 = clock()
                 if self.engine.has_work:
-                    self._step()
+                    dispatch_s = self._step()
                     stepped, t3 = True, clock()
             if time.monotonic() - self._published_at >= self.snapshot_interval_s or not self.engine.has_work:
                 self._publish()
             t4 = clock()
             if t4 - t0 >= max(STALL_MIN_S, STALL_FACTOR * self._step_time_ema) and self._step_time_ema:
-                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped, self._gc.total - gc0)
+                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped, dispatch_s, self._gc.total - gc0)
 
-    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool, gc_s: float) -> None:
+    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool, dispatch_s: float, gc_s: float) -> None:
         last = self.engine.last_step if stepped else None
         self.num_stalls += 1
-        dispatch = self._dispatch_s if stepped else 0.0
         self.stalls.append(Stall(
-            round(time.monotonic() - (t4 - t0) - self._started_at, 4), *(round(1e3 * d, 3) for d in (
-                t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch, t4 - t3, gc_s)), admitted,
+            round(t0 - self._started_at, 4), *(round(1e3 * d, 3) for d in (
+                t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch_s, t4 - t3, gc_s)), admitted,
             last.num_requests if last else 0, last.num_main_tokens if last else 0,
             bool(last and last.has_prefill), bool(last and last.graphed),
             None if self.phase_timers is None or not stepped else
@@ -430,20 +428,21 @@ class EngineLoop:
             self._admitted[add.request_id] = (now - add.arrived_at, now)
         return num
 
-    def _step(self) -> None:
+    def _step(self) -> float:
+        """One engine step and its events handed out; the seconds the hand-out took (0 on failure)."""
         try:
             events = self.engine.step()
         except Exception as e:  # the engine's state is unknown now: fail everyone, stop stepping
             self._failed = e
             self._fail_all(EngineFailed(f"the engine failed during a step: {e!r}"))
-            return
+            return 0.0
         timing = self.engine.last_step
         if timing is not None:
             ema = self._step_time_ema
             self._step_time_ema = timing.seconds if not ema else 0.9 * ema + 0.1 * timing.seconds
         started = time.perf_counter()
         self._dispatch(events)
-        self._dispatch_s = time.perf_counter() - started
+        return time.perf_counter() - started
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         items = []

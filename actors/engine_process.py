@@ -427,12 +427,13 @@ def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
 
 def run_at_normal_priority(what: str) -> None:
     """Bring this process back to nice 0 when it starts below it: Ray runs its workers at nice 15
-    (its ``worker_niceness``), and this process inherits that from the replica's thread. Below every
-    ordinary process, a step of the engine process on the H200 waited 57-93 ms for a core now and
-    then (results/h200/serving/20261203-http-split/). On Linux each thread has its own nice value
-    and new threads inherit their starter's: every thread so far (those that imports started, such
-    as BLAS pools) is set, and the ones started later follow. Where the host does not allow it (no
-    CAP_SYS_NICE, RLIMIT_NICE), say so and go on."""
+    (its ``worker_niceness``), and this process inherits that from the replica's thread, below
+    every ordinary process on the host. (On the H200 the engine process had steps of 57-93 ms that
+    the same engine in the nice-0 benchmark process never had; this is the likely reason, not yet
+    measured: results/h200/serving/20261203-http-split/.) On Linux each thread has its own nice
+    value and new threads inherit their starter's: every thread so far (those that imports
+    started, such as BLAS pools) is set, and the ones started later follow. Where the host does
+    not allow it (no CAP_SYS_NICE, RLIMIT_NICE), say so and go on."""
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -440,8 +441,12 @@ def run_at_normal_priority(what: str) -> None:
     for tid in threads:
         try:
             niceness = os.getpriority(os.PRIO_PROCESS, tid)
-            if niceness > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except OSError:
+            continue                               # a thread that ended meanwhile
+        if niceness <= 0:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
         except PermissionError as e:
             print(f"mtpserve: {what} runs at nice {niceness} (Ray's worker niceness) and cannot go back to 0 "
                   f"({e}); start Ray with RAY_worker_niceness=0", file=sys.stderr, flush=True)

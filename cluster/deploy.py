@@ -25,9 +25,10 @@ from contextlib import contextmanager
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Ray starts its workers (Serve's replicas and proxies, so the engine process and the API servers
-# too) at nice 15, below every ordinary process on the host: on the H200 a step of the engine
-# process then waited 57-93 ms for a core now and then, which the same engine at nice 0 never did
-# (results/h200/serving/20261203-http-split/). A Ray we start runs them at 0, as Ray's own daemons.
+# too) at nice 15, below every ordinary process on the host. On the H200 the engine process had
+# steps of 57-93 ms that the same engine in the nice-0 benchmark process never had; this is the
+# likely reason, not yet measured (results/h200/serving/20261203-http-split/). A Ray we start
+# runs its workers at 0, as Ray's own daemons.
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
