@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import os
 import queue
+import resource
 import threading
 import time
 from collections import deque
@@ -113,6 +114,10 @@ class Stall:
     dispatch_ms: float
     publish_ms: float       # the snapshot
     gc_ms: float            # of the turn, in Python's garbage collector (any thread's collection)
+    cpu_ms: float           # the owner thread's own CPU time in the turn: near turn_ms when it ran or
+                            # spun (on the device: waiting on the GPU), near 0 when it was off the CPU
+                            # (blocked on the GIL or a lock, or not scheduled)
+    involuntary_switches: int   # times the kernel took the CPU from the owner thread in the turn
     num_admitted: int
     num_requests: int       # the step's requests, fed tokens, prompt chunk or not, replayed or not
     num_tokens: int
@@ -339,7 +344,7 @@ class EngineLoop:
         while True:
             busy = self.engine.has_work and self._failed is None
             commands = self._take_commands(block=not busy)
-            t0, gc0 = clock(), self._gc.total
+            t0, gc0, usage0 = clock(), self._gc.total, _thread_usage()
             for command in commands:
                 if isinstance(command, _Stop):
                     self._fail_all(EngineFailed("the replica is shutting down"), stopping=True)
@@ -357,14 +362,18 @@ class EngineLoop:
                 self._publish()
             t4 = clock()
             if t4 - t0 >= max(STALL_MIN_S, STALL_FACTOR * self._step_time_ema) and self._step_time_ema:
-                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped, dispatch_s, self._gc.total - gc0)
+                self._note_stall(t0, t1, t2, t3, t4, admitted, stepped, dispatch_s, self._gc.total - gc0, usage0)
 
-    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool, dispatch_s: float, gc_s: float) -> None:
+    def _note_stall(self, t0, t1, t2, t3, t4, admitted: int, stepped: bool, dispatch_s: float, gc_s: float,
+                    usage0: resource.struct_rusage) -> None:
         last = self.engine.last_step if stepped else None
+        usage = _thread_usage()
+        cpu_s = usage.ru_utime + usage.ru_stime - usage0.ru_utime - usage0.ru_stime
         self.num_stalls += 1
         self.stalls.append(Stall(
             round(t0 - self._started_at, 4), *(round(1e3 * d, 3) for d in (
-                t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch_s, t4 - t3, gc_s)), admitted,
+                t4 - t0, t1 - t0, t2 - t1, t3 - t2, dispatch_s, t4 - t3, gc_s, cpu_s)),
+            usage.ru_nivcsw - usage0.ru_nivcsw, admitted,
             last.num_requests if last else 0, last.num_main_tokens if last else 0,
             bool(last and last.has_prefill), bool(last and last.graphed),
             None if self.phase_timers is None or not stepped else
@@ -573,6 +582,12 @@ class EngineLoop:
             index, version = cache.routing_index(MAX_ROUTING_DIGESTS), cache.routing_version
             self._index = (index, version, now)
         return {"prefix_index": index, "prefix_index_version": version}
+
+
+def _thread_usage() -> resource.struct_rusage:
+    """The calling thread's CPU time and context switches so far (Linux's RUSAGE_THREAD; the
+    process's elsewhere)."""
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
 
 
 def _niceness() -> int | None:

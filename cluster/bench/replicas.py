@@ -182,7 +182,8 @@ class StallReader:
             self.log(f"{run.load_label}: {len(every)} owner-thread stalls; the longest {worst['turn_ms']:.1f} ms "
                      f"(step {worst['step_ms']:.1f} of which its events {worst['dispatch_ms']:.1f}, commands "
                      f"{worst['commands_ms']:.1f}, admission {worst['admit_ms']:.1f}, garbage collection "
-                     f"{worst['gc_ms']:.1f}; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
+                     f"{worst['gc_ms']:.1f}; the owner thread on the CPU {worst['cpu_ms']:.1f}, taken off it "
+                     f"{worst['involuntary_switches']} times; {worst['num_requests']} requests, {worst['num_tokens']} tokens"
                      f"{', prefill' if worst['prefill'] else ''}{', replayed' if worst['graphed'] else ''})"
                      + (f"; its phases (ms) {dict(list(worst['phases_ms'].items())[:5])}" if worst.get("phases_ms") else ""))
 

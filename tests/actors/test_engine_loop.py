@@ -134,8 +134,9 @@ def test_the_first_event_says_how_long_its_request_queued_and_prefilled(make_loo
 
 def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_time(make_loop):
     """A call that blocks the owner thread for 80 ms (and collects garbage) while a request
-    decodes: status lists that turn as a stall, its time in the commands, the collection's time
-    apart; the request's steps around it are not stalls."""
+    decodes, then one that keeps it busy 80 ms: status lists both turns as stalls, their time in
+    the commands, the collection's time apart, and how much of it the thread was on the CPU; the
+    request's steps around them are not stalls."""
     loop = make_loop()
     os.setpriority(os.PRIO_PROCESS, loop._thread.native_id, os.getpriority(os.PRIO_PROCESS, 0) + 3)
     ids = loop.engine.tokenizer.encode(PROMPTS[0])
@@ -148,15 +149,25 @@ def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_t
             tokens += len(event.token_ids)
             if tokens >= 5 and tokens - len(event.token_ids) < 5:
                 await loop.call(lambda _: (time.sleep(0.08), gc.collect()))
+            if tokens >= 15 and tokens - len(event.token_ids) < 15:
+                await loop.call(lambda _: _spin(0.08))
         return await loop.status()
     status = asyncio.run(scenario())
     assert status["num_stalls"] >= 1
     assert status["owner_niceness"] == os.getpriority(os.PRIO_PROCESS, 0) + 3, "the owner thread's own"
-    blocked = [s for s in status["stalls"] if s["commands_ms"] >= 75]
-    assert len(blocked) == 1 and blocked[0]["turn_ms"] >= blocked[0]["commands_ms"]
-    assert blocked[0]["gc_ms"] > 0 and blocked[0]["commands_ms"] - blocked[0]["gc_ms"] >= 75, \
+    blocked, spun = [s for s in status["stalls"] if s["commands_ms"] >= 75]    # in turn order
+    assert blocked["turn_ms"] >= blocked["commands_ms"]
+    assert blocked["gc_ms"] > 0 and blocked["commands_ms"] - blocked["gc_ms"] >= 75, \
         "the collection is counted, the sleep is not"
-    assert len(status["stalls"]) <= 3, "ordinary steps are not stalls"
+    assert blocked["cpu_ms"] < blocked["turn_ms"] - 60, "a sleeping owner thread is off the CPU"
+    assert spun["cpu_ms"] >= 40, "a spinning owner thread is on it"
+    assert len(status["stalls"]) <= 4, "ordinary steps are not stalls"
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def test_with_stall_phases_a_stall_says_which_phase_of_its_step_took_the_time(model_dir):

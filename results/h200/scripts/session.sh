@@ -78,9 +78,14 @@
 #    any left (ah: not the garbage collector, not the events' hand-out, not a CPU quota) by phase;
 #    then HTTP vs in process at Poisson 100 req/s (arrivals out of step in both: the closed loop
 #    in process runs its waves in lockstep, one prompt step each), cpu_throttle_probe.py.
+# aj: (a diagnostic call) ai kept the 45-75 ms stalls at nice 0, inside graph replays. Whose are
+#    they? engine_process_alone.py (no Ray: the engine loop in a thread, in its own process, and
+#    beside 3 spinning processes), then HTTP at C=16 through Serve's direct ingress and 2 API
+#    servers with each stall's owner-thread CPU time and involuntary switches, while nvidia-smi
+#    pmon says which processes use the GPU and ps which threads use the CPU.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -437,6 +442,19 @@ ai)
   step "CPU quota and wake-up lateness"
   timeout 60 python3 results/h200/scripts/cpu_throttle_probe.py 16 3 | tee "$OUT/cpu-throttle.txt"
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai" >&2; exit 2 ;;
+aj)
+  step "the engine alone, no Ray: in a thread, in its own process, beside 3 spinning processes; bundled, C=16"
+  timeout 240 python3 results/h200/scripts/engine_process_alone.py "$OUT/engine-process-alone.json" 2>&1 \
+    | grep -v "INFO\|Warning" | tail -8
+  step "HTTP C=16: Serve's direct ingress vs 2 API servers, stalls with the owner's CPU time; GPU and CPU users sampled"
+  nvidia-smi pmon -s u -d 1 > "$OUT/pmon.txt" 2>&1 & pmon=$!
+  (for _ in $(seq 1 80); do date +%T; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
+     ps -eLo pid,tid,ni,pcpu,stat,comm --sort=-pcpu | head -16; sleep 3; done) > "$OUT/cpu-gpu-users.txt" 2>&1 & users=$!
+  timeout 280 "${bench[@]}" --replicas 1 --direct-ingress --api-servers 0,2 --num-threads 1 --stall-phases \
+    --concurrency 16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-stall-cpu \
+    2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^1 replica|results:" | tail -12
+  kill $pmon $users 2>/dev/null
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj" >&2; exit 2 ;;
 esac
 step done
