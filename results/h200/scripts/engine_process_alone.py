@@ -1,12 +1,15 @@
 """Is a replica's step stall the engine process's own, or its surroundings' (Ray, Serve, the API servers)?
 
     python3 results/h200/scripts/engine_process_alone.py OUT.json [--concurrency 16] [--num-prompts 256]
+        [--py-spy PY_SPY --modes process+]
 
 The same closed loop (bundled model, K=0, one ORT thread, random 100-token prompts, 128 tokens
 each) driven from one asyncio client, three ways in one process, no Ray anywhere:
   thread:    an EngineLoop (the owner thread) in this process;
   process:   an EngineProcess (the replica's engine process, spawned from here);
   process+:  the same while 3 busy Python processes spin beside it (a host with more to run).
+With --py-spy, the engine process's threads are sampled (native frames too) through each timed
+load, into OUT.json's folder as pyspy-MODE.txt (py-spy's raw format: a stack and its count a line).
 Each says its TTFT / ITL p50 and p99 and its owner-thread stalls (``engine_loop.Stall``, with the
 owner thread's CPU time and involuntary switches), so a stall that appears only under Serve is
 Serve's surroundings', and one that appears here is the engine process's.
@@ -18,6 +21,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 
@@ -71,6 +76,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="thread,process,process+")
+    p.add_argument("--py-spy", help="py-spy's path: sample the engine process through each timed load")
     args = p.parse_args()
 
     from mtpserve.actors.engine_loop import EngineLoop
@@ -81,7 +88,7 @@ def main() -> int:
                           cache=CacheConfig(max_resident_requests=max(16, args.concurrency)), spec=SpecConfig(0))
     rng = np.random.default_rng(0)
     results = {}
-    for mode in ("thread", "process", "process+"):
+    for mode in args.modes.split(","):
         started = time.perf_counter()
         if mode == "thread":
             loop = EngineLoop(Engine(config)).start()
@@ -98,7 +105,17 @@ def main() -> int:
             warm = [list(map(int, rng.integers(10, vocab, 100))) for _ in range(args.concurrency)]
             asyncio.run(closed_loop(loop, warm, args.concurrency, 16))
             prompts = [list(map(int, rng.integers(10, vocab, 100))) for _ in range(args.num_prompts)]
+            spy = None
+            if args.py_spy and mode != "thread":
+                out = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"pyspy-{mode}.txt")
+                spy = subprocess.Popen([args.py_spy, "record", "--pid", str(loop.pid), "--native", "--threads",
+                                        "--rate", "250", "--format", "raw", "--output", out, "--duration", "60"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                time.sleep(1.0)
             result = asyncio.run(closed_loop(loop, prompts, args.concurrency, args.max_tokens))
+            if spy is not None:
+                spy.send_signal(2)          # py-spy writes what it has on SIGINT
+                spy.wait(30)
         finally:
             for s in spinners:
                 s.terminate()

@@ -83,9 +83,12 @@
 #    beside 3 spinning processes), then HTTP at C=16 through Serve's direct ingress and 2 API
 #    servers with each stall's owner-thread CPU time and involuntary switches, while nvidia-smi
 #    pmon says which processes use the GPU and ps which threads use the CPU.
+# ak: (a diagnostic call) aj: no other process used the GPU, and each stall's owner thread was on
+#    the CPU for all of it (no switch away): the engine in its own process beside 3 spinners, no
+#    Ray, stalls too. The same with py-spy sampling the engine process's native stacks.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -455,6 +458,11 @@ aj)
     2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^1 replica|results:" | tail -12
   kill $pmon $users 2>/dev/null
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj" >&2; exit 2 ;;
+ak)
+  step "the engine in its own process beside 3 spinners, then alone, no Ray, py-spy --native on it; bundled, C=16"
+  timeout 300 python3 results/h200/scripts/engine_process_alone.py "$OUT/engine-process-spy.json" --modes process+,process \
+    --num-prompts 512 --py-spy /tmp/site/bin/py-spy 2>&1 | grep -v "INFO\|Warning" | tail -8
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak" >&2; exit 2 ;;
 esac
 step done
