@@ -11,7 +11,11 @@
     snapshot (a frozen dataclass)  <-------   published every snapshot_interval_s
 
 ``engine.step()`` is blocking numpy / ONNX Runtime work, so nothing else ever touches the
-engine: every command reaches it through the inbox. A request waits in ``pending`` until its
+engine: every command reaches it through the inbox. ``launch`` builds the engine on the owner
+thread itself: ONNX Runtime's CUDA provider keeps captured CUDA graphs (and its cuBLAS / cuDNN
+handles) per thread, so graphs captured on another thread are not found by the owner's runs,
+which capture each one again on its first live step (on the H200: 45-90 ms stalls, one per new
+shape, in every replica whose engine was built on its main thread). A request waits in ``pending`` until its
 worst-case footprint fits the replica's grant (see ``admission``), so a burst queues and the
 engine never has to preempt. Closing a stream before its end aborts the request, which frees
 its blocks and state row at once.
@@ -277,15 +281,46 @@ class EngineLoop:
         self._index = (b"", 0, 0.0)                   # (routing index, its cache version, built at)
         self.snapshot = LoopSnapshot()
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
+        self._go = threading.Event()                  # ``start`` after ``launch``
+
+    @classmethod
+    def launch(cls, build_engine: Callable[[], Any], **options) -> EngineLoop:
+        """Build the engine with ``build_engine()`` on a new owner thread (``options``: the
+        constructor's); returns once it is built, or raises what building raised. ``start`` then
+        runs the loop on that same thread. The way to start a CUDA engine's loop (see the module
+        docstring)."""
+        built: queue.SimpleQueue = queue.SimpleQueue()
+
+        def owner() -> None:
+            try:
+                loop = cls(build_engine(), **options)
+            except BaseException as e:
+                built.put(e)
+                return
+            loop._thread = threading.current_thread()
+            built.put(loop)
+            loop._go.wait()
+            loop._publish()
+            loop._run()
+        threading.Thread(target=owner, name="mtpserve-engine", daemon=True).start()
+        loop = built.get()
+        if isinstance(loop, BaseException):
+            raise loop
+        return loop
 
     # ------------------------------------------------------------------ caller side (any thread)
     def start(self) -> EngineLoop:
-        self._publish()
-        self._thread.start()
+        """Run the loop: on its owner thread, which ``launch`` already made (it built the engine)."""
+        if self._thread.is_alive():
+            self._go.set()
+        else:
+            self._publish()
+            self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(_Stop())
+        self._go.set()                                # a launched loop never started: it stops at once
         self._thread.join(timeout)
         self._gc.close()
 
@@ -523,7 +558,8 @@ class EngineLoop:
                 "peak_reserved_blocks": self.ledger.peak_reserved_blocks,
                 "peak_reserved_rows": self.ledger.peak_reserved_rows,
                 "max_pending_seen": self._max_pending_seen, "num_pending": len(self._pending),
-                "spec": asdict(engine.stats), "owner_niceness": _niceness(), "num_stalls": self.num_stalls,
+                "spec": asdict(engine.stats), "owner_niceness": _niceness(),
+                "built_on_owner_thread": engine.built_on_thread == threading.get_ident(), "num_stalls": self.num_stalls,
                 "stalls": [asdict(s) for s in self.stalls]}
 
     def export_sessions_now(self, max_bytes: int, budget_s: float) -> list[tuple[str, Records]]:

@@ -460,15 +460,20 @@ def _child_main(fds: str) -> int:
     conns = [Connection(int(fd)) for fd in fds.split(",")]
     replica = conns[0]                             # the replica's pipe; the rest are its API servers'
     _, config, max_pending, snapshot_interval_s, stall_phases = replica.recv()
-    try:
+
+    def build_engine():
         from mtpserve.engine.engine import Engine
         engine = Engine(config)
         engine.grammars.compiler.preload()         # structured output's library, before serving
-        loop = _ChildLoop(engine, conns, max_pending, snapshot_interval_s, stall_phases)
+        return engine
+    try:
+        loop = _ChildLoop.launch(build_engine, conns=conns, max_pending=max_pending,
+                                 snapshot_interval_s=snapshot_interval_s, stall_phases=stall_phases)
         gc.freeze()           # what start-up built lives as long as the process: no collection rescans it
     except BaseException as e:
         replica.send(("start_failed", f"{e!r}\n{traceback.format_exc()}"))
         return 1
+    engine = loop.engine
     replica.send(("ready", {"limits": engine.limits, "max_drafts": engine.max_drafts, "manifest": engine.manifest,
                             "num_usable_blocks": loop.num_usable_blocks, "num_rows": loop.num_rows,
                             "adaptive": loop.policy is not None, "snapshot": loop.snapshot}))

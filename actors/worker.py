@@ -95,7 +95,8 @@ class Worker:
             loop = EngineProcess(cfg.engine, cfg.max_pending, num_clients=num_api_servers,
                                  stall_phases=cfg.stall_phases).start()
         else:
-            loop = EngineLoop(Engine(cfg.engine), cfg.max_pending, stall_phases=cfg.stall_phases).start()
+            loop = EngineLoop.launch(lambda: Engine(cfg.engine), max_pending=cfg.max_pending,
+                                     stall_phases=cfg.stall_phases).start()
         self._init_serving(cfg, loop)
         self._actor_name = ray.get_runtime_context().get_actor_name() if self.app_name is not None else None
         self._reporter = None

@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -71,6 +72,9 @@ class Engine:
         config.validate()
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(config.device))
         self.config = config
+        # ORT's CUDA provider keeps captured graphs per thread: step the engine on this thread
+        # (actors/engine_loop.EngineLoop.launch builds it on its owner thread)
+        self.built_on_thread = threading.get_ident()
         source = load_manifest(config.model_dir)
         if config.device == "cpu":
             from mtpserve.engine.cpu_adapter import adapt_for_cpu

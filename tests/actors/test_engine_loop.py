@@ -2,6 +2,7 @@
 import asyncio
 import gc
 import os
+import threading
 import time
 
 import pytest
@@ -168,6 +169,35 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def test_launch_builds_the_engine_on_the_owner_thread_and_says_why_it_cannot(model_dir, tmp_path):
+    """``launch`` builds the engine on the thread that steps it (ORT's CUDA graphs and cuDNN
+    handles are per thread); an engine handed over from another thread is reported as such; a
+    build that fails raises its error in the caller and leaves no thread running."""
+    config = EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 4), spec=SpecConfig(0))
+    builders = []
+
+    def build():
+        builders.append(threading.current_thread())
+        return Engine(config)
+    launched = EngineLoop.launch(build, max_pending=8).start()
+    handed = EngineLoop(Engine(config)).start()
+    try:
+        ids = launched.engine.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        tokens, _ = asyncio.run(_collect(launched, "r", ids, params))
+        assert len(tokens) == 8 and launched.max_pending == 8
+        assert builders == [launched._thread] and launched._thread is not threading.current_thread()
+        assert asyncio.run(launched.status())["built_on_owner_thread"]
+        assert not asyncio.run(handed.status())["built_on_owner_thread"]
+    finally:
+        launched.stop()
+        handed.stop()
+    before = threading.active_count()
+    with pytest.raises(Exception, match=str(tmp_path)):
+        EngineLoop.launch(lambda: Engine(EngineConfig(str(tmp_path), num_threads=1)))
+    assert threading.active_count() == before
 
 
 def test_with_stall_phases_a_stall_says_which_phase_of_its_step_took_the_time(model_dir):

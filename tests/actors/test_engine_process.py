@@ -65,6 +65,7 @@ def test_greedy_output_and_logprobs_equal_the_engine_thread_with_mtp_on(make_pro
     assert all(e.finish_reason is FinishReason.LENGTH for _, e in in_process)
     status = asyncio.run(process.status())
     assert status["integrity"] == "ok" and status["idle_and_empty"] and status["engine_pid"] == process.pid
+    assert status["built_on_owner_thread"], "the engine steps on the thread that built it (ORT's graphs are per thread)"
     assert status["spec"]["num_draft_tokens"] > 0, "MTP drafted in the engine process"
     assert process.snapshot.num_steps > 0 and process.snapshot.spec.num_emitted_tokens == 4 * 32
     # the prefix cache's routing index crosses the pipe only when it changed, and the replica

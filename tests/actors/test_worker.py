@@ -1,5 +1,6 @@
 """The replica's logic outside Serve: a session hand-over that hangs or fails ends by its
-deadline and never raises (a stop must not hang), and the records travel in bounded calls."""
+deadline and never raises (a stop must not hang), the records travel in bounded calls, and the
+replica's engine steps on the thread that built it."""
 import asyncio
 import time
 
@@ -37,3 +38,10 @@ def test_records_travel_in_calls_of_bounded_size():
     sessions = [(f"s{i}", [(b"d" * 8, b"x" * n)]) for i, n in enumerate((40, 40, 100, 10))]
     assert [[s for s, _ in b] for b in _batches(sessions, 100)] == [["s0", "s1"], ["s2"], ["s3"]]
     assert _batches([], 100) == []
+
+
+def test_the_replicas_engine_is_built_on_the_thread_that_steps_it(worker):
+    """ONNX Runtime's CUDA provider keeps captured graphs per thread: an engine built on the
+    replica's thread and stepped on the loop's would capture each graph again on a live step."""
+    status = asyncio.run(worker.engine_status())
+    assert status["built_on_owner_thread"] and status["integrity"] == "ok"

@@ -5,7 +5,7 @@
 
 The same closed loop (bundled model, K=0, one ORT thread, random 100-token prompts, 128 tokens
 each) driven from one asyncio client, three ways in one process, no Ray anywhere:
-  thread:    an EngineLoop (the owner thread) in this process;
+  thread:    an EngineLoop (the owner thread, which builds the engine: ``EngineLoop.launch``) here;
   process:   an EngineProcess (the replica's engine process, spawned from here);
   process+:  the same while 3 busy Python processes spin beside it (a host with more to run).
 With --py-spy, the engine process's threads are sampled (native frames too) through each timed
@@ -91,7 +91,7 @@ def main() -> int:
     for mode in args.modes.split(","):
         started = time.perf_counter()
         if mode == "thread":
-            loop = EngineLoop(Engine(config)).start()
+            loop = EngineLoop.launch(lambda: Engine(config)).start()
         else:
             loop = EngineProcess(config).start()
             loop.set_grant(1 << 30, 1 << 30)

@@ -86,9 +86,14 @@
 # ak: (a diagnostic call) aj: no other process used the GPU, and each stall's owner thread was on
 #    the CPU for all of it (no switch away): the engine in its own process beside 3 spinners, no
 #    Ray, stalls too. The same with py-spy sampling the engine process's native stacks.
+# al: ak found them: ORT captures a graph again (2 eager runs with cuDNN's NVRTC builds, then
+#    cudaGraphInstantiate) on the owner thread's first replay of each shape, because ORT's CUDA
+#    provider keeps graphs per thread and the engine was built on the process's main thread.
+#    After EngineLoop.launch (the engine built on its owner thread): engine_process_alone.py, then
+#    ai's two HTTP comparisons (2 API servers vs in process, C=1 / 16; Poisson 100 req/s).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -463,6 +468,19 @@ ak)
   timeout 300 python3 results/h200/scripts/engine_process_alone.py "$OUT/engine-process-spy.json" --modes process+,process \
     --num-prompts 512 --py-spy /tmp/site/bin/py-spy 2>&1 | grep -v "INFO\|Warning" | tail -8
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak" >&2; exit 2 ;;
+al)
+  step "the engine alone, no Ray, after EngineLoop.launch: in a thread, in its own process, beside 3 spinners; bundled, C=16"
+  timeout 200 python3 results/h200/scripts/engine_process_alone.py "$OUT/engine-process-alone.json" 2>&1 \
+    | grep -v "INFO\|Warning" | tail -6
+  step "HTTP: 2 API servers vs in process, --num-threads 1, bundled, C=1 / 16, 256 prompts"
+  timeout 240 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 \
+    --concurrency 1,16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-owner-built \
+    2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  step "HTTP vs in process at Poisson 100 req/s, bundled, 384 prompts"
+  timeout 200 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --request-rate 100 \
+    --num-prompts 384 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-poisson-owner-built 2>&1 \
+    | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -12
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al" >&2; exit 2 ;;
 esac
 step done
