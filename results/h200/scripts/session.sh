@@ -91,9 +91,12 @@
 #    provider keeps graphs per thread and the engine was built on the process's main thread.
 #    After EngineLoop.launch (the engine built on its owner thread): engine_process_alone.py, then
 #    ai's two HTTP comparisons (2 API servers vs in process, C=1 / 16; Poisson 100 req/s).
+# am: test_cuda (the 1.4 B model made beside it), then the 1.4 B model over HTTP against the same
+#    engine in process (its first calls of a shape cost 0.5-0.85 s: what the per-thread graphs
+#    cost a real model's replica until al), C=1 / 16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -481,6 +484,15 @@ al)
     --num-prompts 384 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-poisson-owner-built 2>&1 \
     | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -12
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al" >&2; exit 2 ;;
+am)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  run_test_cuda
+  step "waiting for the 1.4 B model"; wait
+  step "1.4 B over HTTP: 2 API servers vs in process, --num-threads 1, C=1 / 16, 96 x 128 tokens, random 128-token prompts"
+  timeout 330 "${bench[@]}" --model $mid --prompts random --input-len 128 --replicas 0,1 --direct-ingress --api-servers 2 \
+    --num-threads 1 --concurrency 1,16 --num-prompts 96 --max-tokens 128 --draft-tokens 0 --no-plot --name mid-http-owner-built \
+    2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am" >&2; exit 2 ;;
 esac
 step done
