@@ -428,9 +428,8 @@ def _owner_call(loop: _ChildLoop, kind: str, payload) -> Callable[[Any], Any]:
 def run_at_normal_priority(what: str) -> None:
     """Bring this process back to nice 0 when it starts below it: Ray runs its workers at nice 15
     (its ``worker_niceness``), and this process inherits that from the replica's thread, below
-    every ordinary process on the host. (On the H200 the engine process had steps of 57-93 ms that
-    the same engine in the nice-0 benchmark process never had; this is the likely reason, not yet
-    measured: results/h200/serving/20261203-http-split/.) On Linux each thread has its own nice
+    every ordinary process on the host. (The engine process's 45-93 ms steps on the H200 were not
+    this, but ORT's per-thread CUDA graphs: see ``EngineLoop.launch``.) On Linux each thread has its own nice
     value and new threads inherit their starter's: every thread so far (those that imports
     started, such as BLAS pools) is set, and the ones started later follow. Where the host does
     not allow it (no CAP_SYS_NICE, RLIMIT_NICE), say so and go on."""
