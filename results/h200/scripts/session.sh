@@ -94,9 +94,12 @@
 # am: test_cuda (the 1.4 B model made beside it), then the 1.4 B model over HTTP against the same
 #    engine in process (its first calls of a shape cost 0.5-0.85 s: what the per-thread graphs
 #    cost a real model's replica until al), C=1 / 16.
+# an: al's C=16 client was 67% busy (one Python process reading 16 streams at ~15k chunks/s) and
+#    4.2 ms of its TTFT p50 lay outside the server's own: the same comparison with the load split
+#    over 4 client processes, twice (the host's spread), C=1 / 16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -493,6 +496,14 @@ am)
     --num-threads 1 --concurrency 1,16 --num-prompts 96 --max-tokens 128 --draft-tokens 0 --no-plot --name mid-http-owner-built \
     2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am" >&2; exit 2 ;;
+an)
+  for round in 1 2; do
+    step "HTTP round $round: 2 API servers vs in process, 4 client processes, bundled, C=1 / 16, 256 prompts"
+    timeout 240 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --client-processes 4 \
+      --concurrency 1,16 --num-prompts 256 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-4-clients-$round \
+      2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
+  done
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an" >&2; exit 2 ;;
 esac
 step done
