@@ -75,6 +75,7 @@ class Engine:
         # ORT's CUDA provider keeps captured graphs per thread: step the engine on this thread
         # (actors/engine_loop.EngineLoop.launch builds it on its owner thread)
         self.built_on_thread = threading.get_ident()
+        self._warned_thread = False
         source = load_manifest(config.model_dir)
         if config.device == "cpu":
             from mtpserve.engine.cpu_adapter import adapt_for_cpu
@@ -323,6 +324,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TokenEvent]:
+        if self._stream is not None and threading.get_ident() != self.built_on_thread and not self._warned_thread:
+            self._warned_thread = True
+            logger.warning("engine: stepped on a thread other than the one that built it: ONNX Runtime keeps "
+                           "CUDA graphs per thread, so each graph is captured again on its first step here "
+                           "(build the engine on the thread that steps it, as EngineLoop.launch does)")
         with self.device_context():
             events = self._step()
         self.draft_policy.observe_step(self.last_step)

@@ -525,3 +525,34 @@ def test_commit_replay_kernels_match_the_array_replay(heads, conv_dtype):
     skipped_want[:, dst[3]], skipped_conv[:, dst[3]] = state[:, dst[3]], conv[:, dst[3]]
     np.testing.assert_allclose(got.get(), skipped_want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got_conv.get(), skipped_conv)
+
+
+@needs_cuda
+def test_cuda_an_engine_built_and_stepped_on_its_owner_thread_stays_quiet_and_one_stepped_elsewhere_warns(
+        model_dir, caplog):
+    """ONNX Runtime keeps captured CUDA graphs per thread: an engine stepped on the thread that
+    built it (``EngineLoop.launch``) replays the graphs captured at start-up; one stepped on
+    another thread captures each again, and says so once, with the fix."""
+    import asyncio
+    import logging
+    import threading
+
+    from mtpserve.actors.engine_loop import EngineLoop
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def stream(loop):
+        return [t async for event in loop.submit("r", loop.engine.tokenizer.encode(PROMPTS[0]), params)
+                for t in event.token_ids]
+    with caplog.at_level(logging.WARNING, logger="mtpserve"):
+        loop = EngineLoop.launch(lambda: engine_on(model_dir, "cuda")).start()
+        try:
+            assert len(asyncio.run(stream(loop))) == 8
+        finally:
+            loop.stop()
+        assert "other than the one that built it" not in caplog.text
+        engine = engine_on(model_dir, "cuda")
+        engine.add_request("r", PROMPTS[0], params)
+        worker = threading.Thread(target=lambda: [engine.step() for _ in range(3)])
+        worker.start()
+        worker.join()
+    assert caplog.text.count("other than the one that built it") == 1
