@@ -56,6 +56,8 @@ APP_NAME = "mtpserve"
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
 OTHER_PROBE_TOKENS = 160          # long enough to be in flight at the kill, short enough to finish
+LOST_PROBE_TOKENS = 1536          # still in flight at the kill: the first of them streams while the
+                                  # others open (512 could finish first on a 2-core machine)
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "serve-nodes.yaml"
 # a lost node is declared dead after about a second of missed health checks (Ray's default is ~15 s)
 FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
@@ -329,7 +331,7 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
     index = replica_node[victim]
     victim_ip = cluster.nodes[index].ip
     other = next(rid for rid in view.replicas if rid != victim)
-    probes = {"lost replica": _open_probes(urls, model, prompts[0], victim, 512, args.timeout_s),
+    probes = {"lost replica": _open_probes(urls, model, prompts[0], victim, LOST_PROBE_TOKENS, args.timeout_s),
               "other replica": _open_probes(urls, model, prompts[1], other, OTHER_PROBE_TOKENS, args.timeout_s)}
     running = {rid: r.num_running for rid, r in view.replicas.items()}
     pid = cluster.kill_node(index)
