@@ -161,13 +161,14 @@ def test_a_long_turn_of_the_owner_thread_is_kept_as_a_stall_with_what_took_the_t
     assert blocked["gc_ms"] > 0 and blocked["commands_ms"] - blocked["gc_ms"] >= 75, \
         "the collection is counted, the sleep is not"
     assert blocked["cpu_ms"] < blocked["turn_ms"] - 60, "a sleeping owner thread is off the CPU"
-    assert spun["cpu_ms"] >= 40, "a spinning owner thread is on it"
+    assert spun["cpu_ms"] >= 75, "a spinning owner thread is on it"
     assert len(status["stalls"]) <= 4, "ordinary steps are not stalls"
 
 
 def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Keep this thread on the CPU for ``seconds`` of its own CPU time (however busy the host)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
