@@ -302,9 +302,11 @@ class EngineLoop:
             loop._go.wait()
             loop._publish()
             loop._run()
-        threading.Thread(target=owner, name="mtpserve-engine", daemon=True).start()
+        thread = threading.Thread(target=owner, name="mtpserve-engine", daemon=True)
+        thread.start()
         loop = built.get()
         if isinstance(loop, BaseException):
+            thread.join()
             raise loop
         return loop
 
