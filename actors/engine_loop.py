@@ -15,10 +15,11 @@ engine: every command reaches it through the inbox. ``launch`` builds the engine
 thread itself: ONNX Runtime's CUDA provider keeps captured CUDA graphs (and its cuBLAS / cuDNN
 handles) per thread, so graphs captured on another thread are not found by the owner's runs,
 which capture each one again on its first live step (on the H200: 45-90 ms stalls, one per new
-shape, in every replica whose engine was built on its main thread). A request waits in ``pending`` until its
-worst-case footprint fits the replica's grant (see ``admission``), so a burst queues and the
-engine never has to preempt. Closing a stream before its end aborts the request, which frees
-its blocks and state row at once.
+shape, in every replica whose engine was built on its main thread).
+
+A request waits in ``pending`` until its worst-case footprint fits the replica's grant (see
+``admission``), so a burst queues and the engine never has to preempt. Closing a stream before
+its end aborts the request, which frees its blocks and state row at once.
 
 The first event with tokens of each request carries how long it queued (receipt to admission)
 and prefilled (admission to that event), for /metrics. ``status`` lists the owner thread's latest

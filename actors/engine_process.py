@@ -429,9 +429,9 @@ def run_at_normal_priority(what: str) -> None:
     """Bring this process back to nice 0 when it starts below it: Ray runs its workers at nice 15
     (its ``worker_niceness``), and this process inherits that from the replica's thread, below
     every ordinary process on the host. (The engine process's 45-93 ms steps on the H200 were not
-    this, but ORT's per-thread CUDA graphs: see ``EngineLoop.launch``.) On Linux each thread has its own nice
-    value and new threads inherit their starter's: every thread so far (those that imports
-    started, such as BLAS pools) is set, and the ones started later follow. Where the host does
+    this, but ORT's per-thread CUDA graphs: see ``EngineLoop.launch``.) On Linux each thread has
+    its own nice value and new threads inherit their starter's: every thread so far (those that
+    imports started, such as BLAS pools) is set, and the ones started later follow. Where the host does
     not allow it (no CAP_SYS_NICE, RLIMIT_NICE), say so and go on."""
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
