@@ -97,9 +97,14 @@
 # an: al's C=16 client was 67% busy (one Python process reading 16 streams at ~15k chunks/s) and
 #    4.2 ms of its TTFT p50 lay outside the server's own: the same comparison with the load split
 #    over 4 client processes, twice (the host's spread), C=1 / 16.
+# ao: (a diagnostic call) a mixed step costs 5-21 ms on the bundled model (ag), and over HTTP at
+#    C=16 about 100 of them set the TTFT gap: prefill_cost.py times an eager prompt step against
+#    the same step captured, splits its kernels' GPU time by op (torch's CUPTI profiler), and
+#    checks a captured prompt step replayed with other prompt lengths (same total) stays exact;
+#    bundled and 1.4 B; test_cuda (the foreign-thread warning's test has not run here yet).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -504,6 +509,17 @@ an)
       2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
   done
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an" >&2; exit 2 ;;
+ao)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step "prompt steps eager vs captured, bundled"
+  timeout 150 python3 results/h200/scripts/prefill_cost.py engine/bundled/model "$OUT/prefill-cost-bundled.json" 2>&1 \
+    | grep -v "Warning\|STAGE\|USDT" | tail -8
+  run_test_cuda
+  step "waiting for the 1.4 B model"; wait
+  step "prompt steps eager vs captured, 1.4 B"
+  timeout 200 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-mid.json" --shapes 1x128,4x128,16x32,16x128 \
+    2>&1 | grep -v "Warning\|STAGE\|USDT" | tail -6
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao" >&2; exit 2 ;;
 esac
 step done
