@@ -510,10 +510,10 @@ an)
   done
   ;;
 ao)
-  (make_mid > "$OUT/make-mid.txt" 2>&1) &
   step "prompt steps eager vs captured, bundled"
   timeout 150 python3 results/h200/scripts/prefill_cost.py engine/bundled/model "$OUT/prefill-cost-bundled.json" 2>&1 \
     | grep -v "Warning\|STAGE\|USDT" | tail -8
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
   run_test_cuda
   step "waiting for the 1.4 B model"; wait
   step "prompt steps eager vs captured, 1.4 B"
