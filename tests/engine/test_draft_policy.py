@@ -253,6 +253,91 @@ def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
     assert predict() > 2 * old, "a lasting change of the step costs must reach the fit"
 
 
+def test_the_fit_folded_in_batches_equals_the_fit_updated_every_step():
+    """The estimator folds its fitted steps into the sums once per solve; its coefficients are
+    those of exponentially weighted least squares updated at every step (the reference here)."""
+    import random
+
+    class EveryStep(StepCostEstimator):
+        def _add(self, x, seconds, num_requests):
+            super()._add(x, seconds, num_requests)
+            *row, y = self._unfolded.pop()
+            v = np.array(row)
+            self._xx = self._decay * self._xx + np.outer(v, v)
+            self._xy = self._decay * self._xy + v * y
+
+    rnd = random.Random(3)
+    folded, reference = StepCostEstimator(min_steps=10), EveryStep(min_steps=10)
+    for i in range(400):
+        batch, k = rnd.randrange(1, 17), rnd.choice([0, 1, 2, 3])
+        rows = 0 if k == 0 else rnd.randrange(batch, 3 * batch)
+        seconds = 1e-3 + 1e-5 * batch * (1 + k) + 2e-4 * k + 3e-6 * rows + rnd.random() * 1e-4
+        for est in (folded, reference):
+            est.observe(StepTiming(batch, batch * (1 + k), k, False, seconds, num_head_rows=rows))
+        if i % 25 == 24 and folded.num_steps >= folded.min_steps:
+            folded._solved = reference._solved = False          # both solve now: compare
+            assert folded.coefficients() == pytest.approx(reference.coefficients(), rel=1e-6, abs=1e-12)
+    assert folded.num_steps == reference.num_steps == 400 and folded.num_solves > 40
+
+
+def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh():
+    """step_drafts reuses best_depth's answer while the step's requests, the acceptances, the
+    plan and the fit are the ones it was judged on: over a random history of steps, joins,
+    ends, verifications, plans and refits it answers exactly as a policy that judges every step."""
+    import random
+    for seed in range(4):
+        rnd = random.Random(seed)
+        kept, fresh = (AdaptiveDraftPolicy(3, explore_interval=5, min_prior_trials=4) for _ in range(2))
+        running, ended, next_id, reused = [f"r{i}" for i in range(6)], [], 6, 0
+        for step in range(2000):
+            for event in [rnd.random() for _ in range(rnd.choice([1, 1, 2]))]:     # between two steps
+                if event < 0.1 and len(running) > 1:                # a request ends
+                    ended.append(running.pop(rnd.randrange(len(running))))
+                    for p in (kept, fresh):
+                        p.forget(ended[-1])
+                elif event < 0.2 and len(running) < 20:             # one joins, at times under an
+                    if ended and rnd.random() < 0.5:                # ended one's id (a client's own)
+                        running.append(ended.pop())
+                    else:
+                        running.append(f"r{next_id}")
+                        next_id += 1
+                elif event < 0.28:                                  # the planner's counts
+                    plan = {r: rnd.choice([0, 0, 1, 3]) for r in running if rnd.random() < 0.7}
+                    prior = rnd.choice([None, rnd.random()])
+                    for p in (kept, fresh):
+                        p.set_plan(plan, prior)
+            out = rnd.choice(running) if len(running) > 1 and rnd.random() < 0.3 else None  # in a prompt chunk
+            stepping = [r for r in running if r != out]
+            reqs = [_request(r) for r in stepping]
+            uniform = rnd.random() < 0.7
+            fresh._judged = None                                    # judged afresh, every step
+            hit = kept._judged is not None
+            answer = kept.step_drafts(reqs, uniform)
+            assert answer == fresh.step_drafts(reqs, uniform), f"seed {seed} step {step}"
+            reused += hit and kept._judged is not None
+            depth = max(answer)
+            alpha = 0.9 if (step // 300) % 2 else 0.3              # acceptance changes by phases
+            for r, k in zip(stepping, answer):
+                if k and rnd.random() < 0.5:
+                    accepted = next((j for j in range(k) if rnd.random() > alpha), k)
+                    for p in (kept, fresh):
+                        p.observe_verified(r, k, accepted)
+            per_draft = 3e-4 if (step // 250) % 2 else 1e-6              # drafts dear, then cheap
+            seconds = 1e-3 + 2e-5 * len(stepping) * (1 + depth) + per_draft * depth
+            for p in (kept, fresh):
+                p.observe_step(StepTiming(len(stepping), len(stepping) * (1 + depth), depth, False, seconds))
+        assert reused > 300, "the answer was reused on few steps: the test exercised little"
+    # a request ends and another comes under its id before the next step: a new estimate
+    policy = measured(AdaptiveDraftPolicy(3, explore_interval=0, min_prior_trials=1), 1e-3, 1e-5, 1e-4)
+    for _ in range(40):
+        policy.observe_verified("b", 3, 3)                  # b's drafts all kept: depth 3 pays
+    for _ in range(400):                                    # the replica's own acceptance: low
+        policy.observe_verified("x", 3, 0)
+    assert policy.step_drafts([_request("b")], uniform=True) == [3]
+    policy.forget("b")
+    assert policy.step_drafts([_request("b")], uniform=True) == [0], "judged on the ended request's estimate"
+
+
 def test_reset_step_costs_forgets_the_start_up_steps():
     policy = measured(AdaptiveDraftPolicy(4, prior=0.85, explore_interval=0), 0.0, 1e-3, 0.0)
     assert policy.step_drafts([_request()], uniform=True) == [0]            # measured: drafts cost whole steps
