@@ -384,8 +384,7 @@ class Engine:
         kept = [s.num_tokens for s in plan.scheduled]
         self.scheduler.commit_rows(plan, out.present, kept, out.captures)
         if self.proposer is not None:            # the head's catch-up rows: known without the tokens
-            for s, start, n in zip(plan.scheduled, plan.layout.row_start, kept):
-                self.proposer.keep_hidden(s.request.request_id, out.hidden, start, n)
+            self.proposer.keep_step(plan.request_ids, out.hidden, plan.layout.row_start, kept)
         return flight
 
     def _pick_tokens(self, flight: LaunchedStep) -> None:
@@ -611,8 +610,8 @@ class Engine:
         updates = self.scheduler.update_from_output(plan, StepOutput(sampled, out.present, out.captures))
         self._advance_grammars(updates)
         if self.proposer is not None:
-            for u, start in zip(updates, plan.layout.row_start):
-                self.proposer.keep_hidden(u.request.request_id, out.hidden, start, u.num_kept)
+            self.proposer.keep_step([u.request.request_id for u in updates], out.hidden, plan.layout.row_start,
+                                    [u.num_kept for u in updates])
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
         events = self._events(updates, self._logprobs(plan, updates, out.logits))
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),

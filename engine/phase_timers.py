@@ -53,6 +53,7 @@ PHASES = (
     ("scheduler", "update_from_output", "update_from_output"),
     ("state_bank", "commit_step", "commit_step"),
     ("proposer", "keep_hidden", "keep_hidden"),
+    ("proposer", "keep_step", "keep_hidden"),
     ("scheduler", "cache_prefixes", "cache_prefixes"),
     ("", "_logprobs", "logprobs"),
     ("outputs", "process", "outputs.process"),
