@@ -102,9 +102,14 @@
 #    the same step captured, splits its kernels' GPU time by op (torch's CUPTI profiler), and
 #    checks a captured prompt step replayed with other prompt lengths (same total) stays exact;
 #    bundled and 1.4 B; test_cuda (the foreign-thread warning's test has not run here yet).
+# ap: test_cuda (keep_step on every overlapped step), then al's Poisson comparison again over 4
+#    client processes: al's one client (67% busy at C=16) saw TTFT p50 +11.8 ms, ITL p50 +1.1 ms,
+#    and the replica ran 2,197 steps for the tokens the engine in process ran in 7,362.
+# aq: bundled K=0 / 2 / 3 / auto at C=1 / 16, 96 prompts, 3 rounds: auto's per-step host costs
+#    (its depth judged again only when its inputs change, the fit folded once per solve).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -520,6 +525,18 @@ ao)
   timeout 200 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-mid.json" --shapes 1x128,4x128,16x32,16x128 \
     2>&1 | grep -v "Warning\|STAGE\|USDT" | tail -6
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao" >&2; exit 2 ;;
+ap)
+  run_test_cuda
+  step "HTTP vs in process at Poisson 100 req/s, 4 client processes, bundled, 384 prompts"
+  timeout 220 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --client-processes 4 \
+    --request-rate 100 --num-prompts 384 --max-tokens 128 --draft-tokens 0 --no-plot --name bundled-http-poisson-4-clients \
+    2>&1 | grep -v INFO | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -12
+  ;;
+aq)
+  step "bundled K=0/2/3/auto, C=1/16, 96 prompts, 3 rounds"
+  timeout 420 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 96 --max-tokens 128 --rounds 3 \
+    --phases on --no-plot --name bundled-mtp-rounds-96 2>&1 | grep -v "prefill:" | tail -30
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq" >&2; exit 2 ;;
 esac
 step done
