@@ -107,9 +107,12 @@
 #    and the replica ran 2,197 steps for the tokens the engine in process ran in 7,362.
 # aq: bundled K=0 / 2 / 3 / auto at C=1 / 16, 96 prompts, 3 rounds: auto's per-step host costs
 #    (its depth judged again only when its inputs change, the fit folded once per solve).
+# ar: (a diagnostic call) aq: auto at C=16 drafts on 760 of 762 steps' none, yet its steps take
+#    0.57-0.58 ms against K=0's 0.46 (main replay 0.20 vs 0.14 ms): auto_k0_profile.py, the same
+#    closed loop of 16 in a K=0 and an auto engine, cProfile's own time per step side by side.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -537,6 +540,11 @@ aq)
   timeout 420 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 96 --max-tokens 128 --rounds 3 \
     --phases on --no-plot --name bundled-mtp-rounds-96 2>&1 | grep -v "prefill:" | tail -30
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq" >&2; exit 2 ;;
+ar)
+  step "auto vs K=0 at 16 requests, host profile"
+  timeout 240 python3 results/h200/scripts/auto_k0_profile.py engine/bundled/model "$OUT/auto-k0-profile.json" 2>&1 \
+    | grep -v "Warning\|INFO" | tail -28
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar" >&2; exit 2 ;;
 esac
 step done
