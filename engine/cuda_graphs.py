@@ -219,6 +219,7 @@ class StepGraphs(_GraphSet):
         max_tokens = max_batch * max(catalog.token_counts)
         self.logits = xp.empty((max_tokens, m.vocab_size), m.compute_dtype)
         self.hidden = xp.empty((max_tokens, m.hidden_size), runner.hidden_dtype)
+        self.hidden_copies = _RowCopies(m.hidden_size, runner.hidden_dtype, max(1024, 4 * max_tokens), xp)
         conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
         ids = bank.spec.layer_ids
         self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
@@ -298,12 +299,45 @@ class StepGraphs(_GraphSet):
             follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
-        hidden = self.hidden[:T].copy() if copy_hidden else self.hidden[:T]
+        hidden = self.hidden_copies.copy(self.hidden, T) if copy_hidden else self.hidden[:T]
         captures = None
         if n > 1:
             captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
                                     self.captures.recurrent_capsule[:, :B])
         return MainOutputs(self.logits[:T], hidden, present, captures)
+
+
+class _RowCopies:
+    """Copies of the first rows of a shared output buffer (the hidden rows a step's head catch-up
+    needs later), packed into chunks of ``chunk_rows`` rows::
+
+        chunk   | step n's T rows | step n+1's | ... | (free) |     one D2D memcpy per copy
+        a copy  a view of its rows: it keeps its chunk alive, and a chunk goes back to CuPy's pool
+                once no copy of it is left
+
+    ``ndarray.copy()`` allocated each copy from the pool and cost ~59 us of host time a step on
+    the H200's host (cProfile, ``results/h200/scripts/auto_k0_profile.py``): every step of an MTP
+    engine pays it, drafting or not (``--draft-tokens auto`` at a load where no depth pays)."""
+
+    def __init__(self, width: int, dtype, chunk_rows: int, xp):
+        self.width, self.dtype, self.chunk_rows, self.xp = width, dtype, chunk_rows, xp
+        self.row_bytes = width * np.dtype(dtype).itemsize
+        self._chunk = None
+        self._used = chunk_rows
+
+    def copy(self, source, rows: int):
+        """A copy of ``source[:rows]`` (C-contiguous, ``width`` columns), queued on the current stream."""
+        import cupy
+        if rows > self.chunk_rows:
+            return source[:rows].copy()
+        if self._used + rows > self.chunk_rows:
+            self._chunk, self._used = self.xp.empty((self.chunk_rows, self.width), self.dtype), 0
+        at = self._used
+        self._used += rows
+        copy = self._chunk[at:at + rows]
+        cupy.cuda.runtime.memcpyAsync(copy.data.ptr, source.data.ptr, rows * self.row_bytes,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr)
+        return copy
 
 
 def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Callable[[GraphShape], None],

@@ -556,3 +556,23 @@ def test_cuda_an_engine_built_and_stepped_on_its_owner_thread_stays_quiet_and_on
         worker.start()
         worker.join()
     assert caplog.text.count("other than the one that built it") == 1
+
+
+@needs_cuda
+def test_row_copies_keep_each_steps_rows_after_the_buffer_is_written_again():
+    """The hidden rows an MTP engine keeps for its head's catch-up are copies out of one buffer that
+    every captured step writes: each copy keeps the rows of its own step, across chunk roll-overs."""
+    import cupy
+
+    from mtpserve.engine.cuda_graphs import _RowCopies
+    copies = _RowCopies(8, np.float16, 10, cupy)
+    source = cupy.empty((12, 8), np.float16)
+    kept = []
+    for step in range(9):
+        source[:] = step                             # the next step's output, in the same buffer
+        rows = (1, 3, 4, 11)[step % 4]               # 11 > a chunk: a copy of its own
+        kept.append((step, rows, copies.copy(source, rows)))
+    cupy.cuda.get_current_stream().synchronize()
+    for step, rows, copy in kept:
+        assert copy.shape == (rows, 8)
+        assert (cupy.asnumpy(copy) == step).all(), f"step {step}'s copy was overwritten"

@@ -110,9 +110,11 @@
 # ar: (a diagnostic call) aq: auto at C=16 drafts on 760 of 762 steps' none, yet its steps take
 #    0.57-0.58 ms against K=0's 0.46 (main replay 0.20 vs 0.14 ms): auto_k0_profile.py, the same
 #    closed loop of 16 in a K=0 and an auto engine, cProfile's own time per step side by side.
+# as: ar: CuPy's ndarray.copy() of the step's hidden rows cost 59 us a step (an MTP engine's
+#    every step): now one memcpy into chunks (cuda_graphs._RowCopies). test_cuda, then ar and aq.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -545,6 +547,11 @@ ar)
   timeout 240 python3 results/h200/scripts/auto_k0_profile.py engine/bundled/model "$OUT/auto-k0-profile.json" 2>&1 \
     | grep -v "Warning\|INFO" | tail -28
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar" >&2; exit 2 ;;
+as)
+  run_test_cuda
+  bash "$0" ar
+  bash "$0" aq
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as" >&2; exit 2 ;;
 esac
 step done
