@@ -112,9 +112,13 @@
 #    closed loop of 16 in a K=0 and an auto engine, cProfile's own time per step side by side.
 # as: ar: CuPy's ndarray.copy() of the step's hidden rows cost 59 us a step (an MTP engine's
 #    every step): now one memcpy into chunks (cuda_graphs._RowCopies). test_cuda, then ar and aq.
+# at: (a diagnostic call) outer_graph_probe.py: can ORT's graph replays (~0.1 ms of host time each,
+#    three a K=2 step) be stream-captured inside a CUDA graph of our own, with CuPy kernels between
+#    them, exact, and for how much host time a launch? Then prefill_cost.py on the 1.4 B model with
+#    each shape's first call timed (am: two 48-50 ms prompt steps at C=16).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -552,6 +556,16 @@ as)
   bash "$0" ar
   bash "$0" aq
   ;;
-*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as" >&2; exit 2 ;;
+at)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step "ORT's replays inside an outer CUDA graph, bundled"
+  timeout 120 python3 results/h200/scripts/outer_graph_probe.py "$OUT/outer-graph-probe.json" 2>&1 \
+    | grep -v "Warning\|INFO" | tail -30
+  step "waiting for the 1.4 B model"; wait
+  step "prompt steps eager (first calls timed) vs captured, 1.4 B"
+  timeout 200 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-mid-first.json" --no-kernels \
+    --shapes 1x128,4x128,2x256,8x64,16x32,1x100,1x101,3x100 2>&1 | grep -v "Warning\|STAGE\|USDT" | tail -9
+  ;;
+*) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at" >&2; exit 2 ;;
 esac
 step done
