@@ -224,8 +224,8 @@ class StepCostEstimator:
 
     def _add(self, x: tuple, seconds: float, num_requests: int) -> None:
         """Fit one step. Its row waits in ``_unfolded`` until the next solve folds it in (on the
-        owner thread, every step: a numpy update per step cost ~10 us of the ~15 us the policy
-        took per step on a 2-core host, beside ~0.5 ms GPU steps)."""
+        owner thread, every step: with a numpy update per step, ``observe_step`` took 13.4 us at
+        16 requests on a 2-core host, 6.0 us folded, beside ~0.5 ms GPU steps)."""
         self._unfolded.append((*x, seconds))
         if len(self._unfolded) >= self.solve_every or self._coefficients is None:
             self._solved = False

@@ -52,8 +52,7 @@ PHASES = (
     ("", "_score_prompts", "score_prompts"),
     ("scheduler", "update_from_output", "update_from_output"),
     ("state_bank", "commit_step", "commit_step"),
-    ("proposer", "keep_hidden", "keep_hidden"),
-    ("proposer", "keep_step", "keep_hidden"),
+    ("proposer", "keep_step", "keep_hidden"),        # keep_hidden calls it too
     ("scheduler", "cache_prefixes", "cache_prefixes"),
     ("", "_logprobs", "logprobs"),
     ("outputs", "process", "outputs.process"),

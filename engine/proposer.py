@@ -85,18 +85,14 @@ class MTPProposer:
     def keep_hidden(self, request_id: str, hidden: Array, start: int, count: int) -> None:
         """The main model's hidden states of a request's newly committed positions: rows
         ``hidden[start:start + count]`` (kept by reference, not copied)."""
-        self._pending.setdefault(request_id, []).append((hidden, start, count))
+        self.keep_step((request_id,), hidden, (start,), (count,))
 
     def keep_step(self, request_ids, hidden: Array, starts, counts) -> None:
         """``keep_hidden`` for each of a step's requests: request i's rows ``hidden[starts[i]:
         starts[i] + counts[i]]`` (one call a step: on every step of an MTP engine, drafting or not)."""
         pending = self._pending
         for rid, start, n in zip(request_ids, starts, counts):
-            rows = pending.get(rid)
-            if rows is None:
-                pending[rid] = [(hidden, start, n)]
-            else:
-                rows.append((hidden, start, n))
+            pending.setdefault(rid, []).append((hidden, start, n))
 
     def pending_rows(self, request_id: str, offset: int, count: int) -> Array:
         """A copy of pending hidden rows ``offset .. offset + count`` (0 = position num_head)."""

@@ -311,10 +311,10 @@ def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh()
             reqs = [_request(r) for r in stepping]
             uniform = rnd.random() < 0.7
             fresh._judged = None                                    # judged afresh, every step
-            hit = kept._judged is not None
+            judged = kept._judged
             answer = kept.step_drafts(reqs, uniform)
             assert answer == fresh.step_drafts(reqs, uniform), f"seed {seed} step {step}"
-            reused += hit and kept._judged is not None
+            reused += judged is not None and kept._judged is judged      # its last answer, not judged again
             depth = max(answer)
             alpha = 0.9 if (step // 300) % 2 else 0.3              # acceptance changes by phases
             for r, k in zip(stepping, answer):
@@ -326,7 +326,7 @@ def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh()
             seconds = 1e-3 + 2e-5 * len(stepping) * (1 + depth) + per_draft * depth
             for p in (kept, fresh):
                 p.observe_step(StepTiming(len(stepping), len(stepping) * (1 + depth), depth, False, seconds))
-        assert reused > 300, "the answer was reused on few steps: the test exercised little"
+        assert reused > 100, "the answer was reused on few steps: the test exercised little"
     # a request ends and another comes under its id before the next step: a new estimate
     policy = measured(AdaptiveDraftPolicy(3, explore_interval=0, min_prior_trials=1), 1e-3, 1e-5, 1e-4)
     for _ in range(40):
