@@ -65,10 +65,12 @@ class Model:
                  "block_size": self.block, "max_num_blocks": self.width}
         return [d if isinstance(d, int) else named[d] for d in shape]
 
-    def session(self, graph: bool):
+    def session(self, graph: bool, profile_prefix: str | None = None):
         if graph not in self.sessions:
             so = ort.SessionOptions()
             so.log_severity_level = 3
+            if profile_prefix:
+                so.enable_profiling, so.profile_file_prefix = True, profile_prefix
             so.enable_mem_pattern = False
             opts = {"device_id": 0, **({"enable_cuda_graph": "1"} if graph else {})}
             self.sessions[graph] = ort.InferenceSession(f"{self.dir}/model.onnx", so,
@@ -175,15 +177,53 @@ def compare(model: Model, bound: Bound, ref: Bound, B: int) -> dict:
     return {"logits_maxerr": err.pop("logits"), "states_maxerr": max(err.values(), default=0.0)}
 
 
+def first_call_nodes(model: Model, shapes: list, prefix: str) -> list[dict]:
+    """Each shape's first and second eager Run under ORT's profiler: the nodes that paid most."""
+    sess = model.session(False, prefix)
+    rng = np.random.default_rng(0)
+    walls = []
+    for B, P in shapes:
+        T = B * P
+        bound = Bound(model, sess, model.arrays([P] * B, rng.integers(3, model.vocab, T), [T, T, 1]), B, T)
+        walls.append((B, P, wall_ms(bound.run, 1), wall_ms(bound.run, 1)))
+    events = json.load(open(sess.end_profiling()))
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    out = []
+    for i, (B, P, first, second) in enumerate(walls):
+        per = []
+        for run in runs[2 * i:2 * i + 2]:
+            lo, hi = run["ts"], run["ts"] + run["dur"]
+            d = defaultdict(float)
+            for e in nodes:
+                if lo <= e["ts"] <= hi:
+                    d[(e["name"][:-len("_kernel_time")], e.get("args", {}).get("op_name", ""))] += e["dur"] / 1e3
+            per.append(d)
+        if len(per) < 2:
+            continue
+        gap = sorted(((per[0][k] - per[1].get(k, 0.0), k) for k in per[0]), reverse=True)[:6]
+        rec = {"batch": B, "prompt": P, "first_ms": round(first, 2), "second_ms": round(second, 2),
+               "paid_by": [{"node": k[0], "op": k[1], "extra_ms": round(g, 2)} for g, k in gap if g > 0.2]}
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model_dir")
     p.add_argument("out")
     p.add_argument("--shapes", default="1x16,1x96,1x256,4x96,16x32,16x96")
     p.add_argument("--no-kernels", action="store_true")
+    p.add_argument("--ort-profile", action="store_true")
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     model = Model(args.model_dir, max(b for b, _ in shapes), max(b * n for b, n in shapes))
+    if args.ort_profile:
+        json.dump({"model": args.model_dir, "ort": ort.__version__,
+                   "first_calls": first_call_nodes(model, shapes, args.out.replace(".json", "-ort"))},
+                  open(args.out, "w"), indent=1)
+        return
     rng = np.random.default_rng(0)
     result = {"model": args.model_dir, "ort": ort.__version__, "shapes": []}
     for gid, (B, P) in enumerate(shapes, start=1):

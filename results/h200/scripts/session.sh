@@ -120,9 +120,12 @@
 #    of token counts (at: 4 x 128, 1 x 100 and 3 x 100 paid ~20 ms once, other splits of a seen
 #    total did not); then the 1.4 B model's auto rounds at synthetic 0.7 / 0.3 and the bundled
 #    rounds, after this session's cuts to auto's per-step host cost (as: 0.86x K=0 at C=16).
+# av: test_cuda (the review mend routed keep_hidden through keep_step), then au's grid of the
+#    1.4 B model's prompt first calls, and ORT's own profiler on the shapes that paid (which nodes
+#    a new token count pays for): what a prompt warm-up at start would have to cover.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -580,6 +583,20 @@ au)
     --shapes "$shapes,2x64,4x32,3x100,5x61,7x73,16x32" 2>&1 | grep -v "Warning\|STAGE\|USDT" \
     | python3 -c "import json,sys; [print(r['batch'], r['prompt'], r['eager_first_ms'], r['eager_ms']) for r in map(json.loads, (l for l in sys.stdin if l.startswith('{')))]"
   mid_synthetic_rounds 170
+  ;;
+av)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  run_test_cuda
+  step "waiting for the 1.4 B model"; wait
+  step "prompt steps' first calls over token counts, 1.4 B"
+  shapes=$(python3 -c "print(','.join(f'1x{t}' for t in (8, 16, 24, 32, 48, 64, 96, 100, 101, 128, 160, 192, 256, 384, 512, 768, 1024)))")
+  timeout 150 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-calls-mid.json" --no-kernels \
+    --shapes "$shapes,2x64,4x32,3x100,5x61,7x73,16x32" 2>&1 | grep -v "Warning\|STAGE\|USDT" \
+    | python3 -c "import json,sys; [print(r['batch'], r['prompt'], r['eager_first_ms'], r['eager_ms'], r['eager_exact_meta_first_ms'], r['eager_exact_meta_ms']) for r in map(json.loads, (l for l in sys.stdin if l.startswith('{')))]"
+  step "the same first calls under ORT's profiler: which nodes pay"
+  timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-nodes-mid.json" --ort-profile \
+    --shapes "1x8,1x100,1x101,1x128,4x128,2x256,3x100,1x512,1x1024" 2>&1 | grep "^{" | tee "$OUT/first-nodes.txt" | cut -c1-400
+  step done
   ;;
 *) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au" >&2; exit 2 ;;
 esac
