@@ -167,7 +167,8 @@ class EngineConfig:
     fused_replay: bool = setting(True, "CUDA: the commit's partial-keep replay (conv and recurrent rows) in two "
                                        "CUDA kernels instead of CuPy array code")
     warm_up: bool = setting(True, "CUDA: run every decode batch size once at start (ORT's first call of a "
-                                  "shape costs 45-85 ms)")
+                                  "shape costs 45-85 ms), and the model's matrix products at every token "
+                                  "count of a step (cuBLAS loads a kernel on its first use)")
     cuda_graphs: bool = setting(True, "CUDA: capture every decode and uniform verify step shape as a CUDA graph "
                                       "at start and replay them (off: every step runs eagerly, for debugging)")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "

@@ -247,6 +247,7 @@ class Runner:
             if cuda_stream:
                 options["user_compute_stream"] = str(cuda_stream)
             providers = [("CUDAExecutionProvider", options)]
+        self.providers = providers          # eager sessions on this device and stream (gemm_warmup)
         session_providers = providers
         if self.cuda_graphs:
             session_providers = [("CUDAExecutionProvider", {**providers[0][1], "enable_cuda_graph": "1"})]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -216,16 +217,25 @@ def main() -> None:
     p.add_argument("--shapes", default="1x16,1x96,1x256,4x96,16x32,16x96")
     p.add_argument("--no-kernels", action="store_true")
     p.add_argument("--ort-profile", action="store_true")
+    p.add_argument("--gemm-warm", type=int, default=0)
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     model = Model(args.model_dir, max(b for b, _ in shapes), max(b * n for b, n in shapes))
+    warm = None
+    if args.gemm_warm:
+        from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_up_gemms
+        files = ["model.onnx"] + (["mtp.onnx"] if os.path.exists(f"{args.model_dir}/mtp.onnx") else [])
+        gemms = model_gemm_shapes(args.model_dir, files)
+        seconds = warm_up_gemms(gemms, args.gemm_warm, [("CUDAExecutionProvider", {"device_id": 0})], cp)
+        warm = {"rows": args.gemm_warm, "shapes": sorted(gemms), "seconds": round(seconds, 2)}
+        print(f"# gemm warm-up: {len(gemms)} shapes at 1..{args.gemm_warm} rows in {seconds:.2f} s", flush=True)
     if args.ort_profile:
-        json.dump({"model": args.model_dir, "ort": ort.__version__,
+        json.dump({"model": args.model_dir, "ort": ort.__version__, "gemm_warm": warm,
                    "first_calls": first_call_nodes(model, shapes, args.out.replace(".json", "-ort"))},
                   open(args.out, "w"), indent=1)
         return
     rng = np.random.default_rng(0)
-    result = {"model": args.model_dir, "ort": ort.__version__, "shapes": []}
+    result = {"model": args.model_dir, "ort": ort.__version__, "gemm_warm": warm, "shapes": []}
     for gid, (B, P) in enumerate(shapes, start=1):
         T = B * P
         rec = {"batch": B, "prompt": P, "tokens": T}
@@ -257,7 +267,7 @@ def main() -> None:
             zeroed = [0] * B
             zeroed[0] = T                             # one request takes every token, the rest none
             splits.append(zeroed)
-        if B >= 4:
+        if B >= 4 and B % 2 == 0:
             half = [0] * B
             for b in range(0, B, 2):
                 half[b] = 2 * P                       # every other request empty

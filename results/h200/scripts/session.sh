@@ -123,9 +123,14 @@
 # av: test_cuda (the review mend routed keep_hidden through keep_step), then au's grid of the
 #    1.4 B model's prompt first calls, and ORT's own profiler on the shapes that paid (which nodes
 #    a new token count pays for): what a prompt warm-up at start would have to cover.
+# aw: av: a new prompt token count pays 15-20 ms once, in MatMul nodes (cuBLAS loading kernels):
+#    the same grid after the engine's start-up warm-up of the matrix products at 1..2048 rows
+#    (engine/gemm_warmup.py) in a session of its own, then the 1.4 B model K=0 vs og.Engine
+#    (b's run, fresh kernel cache: its TTFT p99 at C=32 / 64 is where mixed steps of new token
+#    counts land).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -596,6 +601,22 @@ av)
   step "the same first calls under ORT's profiler: which nodes pay"
   timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-nodes-mid.json" --ort-profile \
     --shapes "1x8,1x100,1x101,1x128,4x128,2x256,3x100,1x512,1x1024" 2>&1 | grep "^{" | tee "$OUT/first-nodes.txt" | cut -c1-400
+  step done
+  ;;
+aw)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "prompt first calls over token counts after the GEMM warm-up, 1.4 B"
+  shapes=$(python3 -c "print(','.join(f'1x{t}' for t in (8, 16, 24, 32, 48, 64, 96, 100, 101, 128, 160, 192, 256, 384, 512, 768, 1024)))")
+  timeout 150 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-calls-mid-gemm-warm.json" --no-kernels \
+    --gemm-warm 2048 --shapes "$shapes,2x64,4x32,3x100,5x61,7x73,16x32,3x333,9x111" 2>&1 | grep -v "Warning\|STAGE\|USDT" \
+    | python3 -c "import json,sys; [print(l.strip()) if l.startswith('#') else print(r['batch'], r['prompt'], r['eager_first_ms'], r['eager_ms']) for l in sys.stdin for r in ([json.loads(l)] if l.startswith('{') else [None]) if l.startswith(('#', '{'))]"
+  step "the same under ORT's profiler, after the warm-up"
+  timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-nodes-mid-gemm-warm.json" --ort-profile \
+    --gemm-warm 2048 --shapes "1x8,1x100,1x128,4x128,3x100,1x1024,5x61" 2>&1 | grep "^[{#]" | cut -c1-300
+  step 1.4 B vs og.Engine, fresh kernel cache, with the GEMM warm-up
+  (fresh_cupy; timeout 330 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --compare ortgenai --phases on --name mid-vs-ortgenai-gemm-warm) 2>&1 \
+    | grep -v "prefill:" | tail -40
   step done
   ;;
 *) echo "usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au" >&2; exit 2 ;;

@@ -1,0 +1,115 @@
+"""Warming the model's matrix products at every row count a step can have, before the first step.
+
+On CUDA a step's MatMuls go to cuBLAS, whose heuristic picks a kernel by the product's shape;
+each kernel is loaded into the process the first time any session uses it. A prompt or mixed
+step of a token count no earlier step had can pick kernels not yet loaded, and pays for them on
+a live step: on the H200 the 1.4 B model's first prompt step of most new token counts cost 15-20
+ms more than the next one (results/h200 session av: 1 x 100 24.3 ms against 5.7; 1 x 101, after
+it, 7.8), all of it in MatMul nodes by ORT's own profiler, a few ms in the first node of each
+weight shape. Other splits of a total already seen paid nothing (4 x 128 after 1 x 512).
+
+So the engine runs, once at start, a small graph of bare MatMuls, one per weight shape of the
+model (main graph and MTP head), at every row count from 1 to the step's token budget, in a
+throwaway session on the same device. It computes nothing the engine keeps; the kernels it
+makes cuBLAS load are the ones the model's own MatMuls of those shapes pick (the weights are
+graph inputs here, zeros, bound once: a large LM head is not copied per run).
+
+    weight [K, N] of each MatMul in model.onnx / mtp.onnx  ->  X_K [M, K] @ W_KN  for M = 1..max_rows
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+
+
+def gemm_shapes(graph: onnx.GraphProto) -> set[tuple[int, int, int]]:
+    """(K, N, onnx elem type) of every MatMul in ``graph`` whose second operand is a 2-D weight
+    (an initializer), read without the weights' data."""
+    weights = {i.name: i for i in graph.initializer}
+    shapes = set()
+    for node in graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in weights:
+            w = weights[node.input[1]]
+            if len(w.dims) == 2 and w.data_type in _DTYPES:
+                shapes.add((int(w.dims[0]), int(w.dims[1]), int(w.data_type)))
+    return shapes
+
+
+def model_gemm_shapes(model_dir: Path, filenames: Iterable[str]) -> set[tuple[int, int, int]]:
+    """The weight shapes of the given graphs of an export (weights not loaded)."""
+    shapes = set()
+    for name in filenames:
+        shapes |= gemm_shapes(onnx.load(str(Path(model_dir) / name), load_external_data=False).graph)
+    return shapes
+
+
+def gemm_model(shapes: Iterable[tuple[int, int, int]]) -> bytes:
+    """A graph of one MatMul per shape: inputs ``x_K_T`` [M, K] (one per K and type) and
+    ``w_K_N_T`` [K, N], outputs ``y_K_N_T`` [M, N]."""
+    inputs, outputs, nodes, xs = [], [], [], set()
+    for k, n, t in sorted(shapes):
+        x, w, y = f"x_{k}_{t}", f"w_{k}_{n}_{t}", f"y_{k}_{n}_{t}"
+        if x not in xs:
+            xs.add(x)
+            inputs.append(helper.make_tensor_value_info(x, t, ["M", k]))
+        inputs.append(helper.make_tensor_value_info(w, t, [k, n]))
+        outputs.append(helper.make_tensor_value_info(y, t, ["M", n]))
+        nodes.append(helper.make_node("MatMul", [x, w], [y]))
+    graph = helper.make_graph(nodes, "gemm_warm_up", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def warm_up_gemms(shapes: set[tuple[int, int, int]], max_rows: int, providers: list, xp,
+                  device: str = "cuda") -> float:
+    """Run ``gemm_model(shapes)`` at every row count 1..max_rows in its own session with
+    ``providers`` (pass the engine's CUDA provider options: same device, same stream). Inputs
+    are zeros of ``xp`` (cupy on CUDA) bound once at the largest row count; a run binds views of
+    them. Returns the seconds it took. The session and its buffers are released afterwards."""
+    import onnxruntime as ort
+
+    if not shapes or max_rows < 1:
+        return 0.0
+    started = time.perf_counter()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.enable_mem_pattern = False
+    session = ort.InferenceSession(gemm_model(shapes), so, providers=providers)
+    binding = session.io_binding()
+    buffers = {}
+    for k, n, t in sorted(shapes):
+        dtype = _DTYPES[t]
+        buffers.setdefault(f"x_{k}_{t}", xp.zeros((max_rows, k), dtype))
+        buffers[f"w_{k}_{n}_{t}"] = xp.zeros((k, n), dtype)
+        buffers[f"y_{k}_{n}_{t}"] = xp.empty((max_rows, n), dtype)
+
+    for name, arr in buffers.items():
+        if name.startswith("w_"):
+            _bind(binding, name, arr, list(arr.shape), device, output=False)
+    for rows in range(1, max_rows + 1):
+        for name, arr in buffers.items():
+            if not name.startswith("w_"):
+                _bind(binding, name, arr, [rows, arr.shape[1]], device, output=name.startswith("y_"))
+        session.run_with_iobinding(binding)
+    binding.synchronize_outputs()
+    del binding, session, buffers
+    if hasattr(xp, "get_default_memory_pool"):      # the LM head's zeros: hundreds of MB on a real model
+        xp.get_default_memory_pool().free_all_blocks()
+    return time.perf_counter() - started
+
+
+def _bind(binding, name: str, arr, shape: list[int], device: str, output: bool) -> None:
+    ptr = arr.ctypes.data if device == "cpu" else arr.data.ptr
+    (binding.bind_output if output else binding.bind_input)(name, device, 0, arr.dtype.type, shape, ptr)
