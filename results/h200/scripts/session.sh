@@ -128,9 +128,14 @@
 #    (engine/gemm_warmup.py) in a session of its own, then the 1.4 B model K=0 vs og.Engine
 #    (b's run, fresh kernel cache: its TTFT p99 at C=32 / 64 is where mixed steps of new token
 #    counts land).
+# ax: test_cuda (the engine's start-up now warms the matrix products), then auto_ab.py: K=0,
+#    auto and an MTP engine that never drafts taking turns in one process (the bench's rounds
+#    saw the same K=0 run take 0.49-0.82 ms a step from one round to the next), bundled, C=16 with
+#    each run's step p50 / p90 and garbage-collector passes, the same after gc.freeze(), and C=1
+#    with K=2 / 3 beside them (auto against the best fixed K).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -601,6 +606,18 @@ av)
   step "the same first calls under ORT's profiler: which nodes pay"
   timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-nodes-mid.json" --ort-profile \
     --shapes "1x8,1x100,1x101,1x128,4x128,2x256,3x100,1x512,1x1024" 2>&1 | grep "^{" | tee "$OUT/first-nodes.txt" | cut -c1-400
+  step done
+  ;;
+ax)
+  run_test_cuda
+  for f in "" --freeze; do
+    step "auto_ab.py, bundled, C=16, 128 requests, 12 rounds $f"
+    timeout 120 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
+      "$OUT/auto-ab-c16$f.json" --concurrency 16 --requests 128 --rounds 12 $f 2>&1 | grep "^round\|median" | cut -c1-420
+  done
+  step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
+  timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
+    "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
   step done
   ;;
 aw)
