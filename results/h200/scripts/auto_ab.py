@@ -83,6 +83,28 @@ def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) ->
             "step_p90_ms": round(q[8] * 1e3, 4), "gc": clock.close()}
 
 
+def profile_pair(engines: dict, prompts: list, concurrency: int) -> list:
+    import cProfile
+    import pstats
+    own, calls = {}, {}
+    for name in ("auto", "never drafts"):
+        pr = cProfile.Profile()
+        pr.enable()
+        r = run(engines[name], prompts, concurrency, f"prof-{name}")
+        pr.disable()
+        st = pstats.Stats(pr).stats
+        key = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", v) for k, v in st.items()]
+        own[name] = {k: v[2] / r["steps"] * 1e6 for k, v in key}
+        calls[name] = {k: v[1] / r["steps"] for k, v in key}
+        print(f"profiled {name}: {r['ms_per_step']:.3f} ms/step", flush=True)
+    a, b = own["never drafts"], own["auto"]
+    diff = sorted(((b.get(k, 0.0) - a.get(k, 0.0), k) for k in set(a) | set(b)), reverse=True)
+    print(f"own time per step, auto minus never drafts (us), total {sum(b.values()) - sum(a.values()):.1f}:")
+    for d, k in diff[:25]:
+        print(f"  {d:7.1f}  {k}  calls/step {calls['auto'].get(k, 0):.2f} vs {calls['never drafts'].get(k, 0):.2f}")
+    return [(k, round(d, 2), round(calls["auto"].get(k, 0), 3)) for d, k in diff[:40]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model_dir")
@@ -95,6 +117,8 @@ def main() -> None:
     p.add_argument("--fixed", default="", help="fixed draft counts to run beside them, e.g. 2,3")
     p.add_argument("--synthetic", type=float, default=None, help="synthetic acceptance (an untrained head)")
     p.add_argument("--random-prompts", type=int, default=0, help="random prompts of this many tokens")
+    p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
+                   "the engine that never drafts: own time per step, auto minus it, largest first")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device)
 
@@ -142,6 +166,8 @@ def main() -> None:
     for n, s in summary.items():
         print(f"{n}: median {s['median_vs_k0']:.3f}x K=0 over {args.rounds} rounds "
               f"(min {min(s['ratios']):.3f}, max {max(s['ratios']):.3f})", flush=True)
+    if args.profile:
+        summary["profile_auto_minus_never_us"] = profile_pair(engines, prompts, args.concurrency)
     fixed = [n for n in names if n.startswith("K=")]
     if len(fixed) > 1:
         vs_best = [r["auto"]["tok_s"] / max(r[n]["tok_s"] for n in fixed) for r in rounds]

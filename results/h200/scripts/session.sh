@@ -133,9 +133,12 @@
 #    saw the same K=0 run take 0.49-0.82 ms a step from one round to the next), bundled, C=16 with
 #    each run's step p50 / p90 and garbage-collector passes, the same after gc.freeze(), and C=1
 #    with K=2 / 3 beside them (auto against the best fixed K).
+# ay: (a diagnostic call) ax: at C=16 auto ran 0.859x K=0 while an MTP engine that never drafts
+#    ran 0.976x (its p50 step +30-40 us, p90 +100 us; one exploring draft step a run; gc.freeze
+#    changed nothing): auto_ab.py --profile, cProfile's own time per step of auto against it.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax|ay}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -618,6 +621,13 @@ ax)
   step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
   timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
     "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
+  step done
+  ;;
+ay)
+  step "auto_ab.py --profile, bundled, C=16, 128 requests, 4 rounds"
+  timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
+    "$OUT/auto-ab-c16-profile.json" --concurrency 16 --requests 128 --rounds 4 --profile 2>&1 \
+    | grep -v "Warning\|onnxruntime" | cut -c1-300 | tail -34
   step done
   ;;
 aw)
