@@ -136,9 +136,12 @@
 # ay: (a diagnostic call) ax: at C=16 auto ran 0.859x K=0 while an MTP engine that never drafts
 #    ran 0.976x (its p50 step +30-40 us, p90 +100 us; one exploring draft step a run; gc.freeze
 #    changed nothing): auto_ab.py --profile, cProfile's own time per step of auto against it.
+# az: after the draft policy's drafting term (ay: auto held K=4 at C=16, 0.55-0.80x K=0, its fit
+#    extrapolating K=0 from the depths it saw): auto_ab.py at C=16 and 8 (K=0 / auto / never
+#    drafts), and at C=1 with K=2 / 3 beside (auto against the best fixed K).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax|ay}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax|ay|az}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -621,6 +624,18 @@ ax)
   step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
   timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
     "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
+  step done
+  ;;
+az)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py, bundled, C=$c, 128 requests, 12 rounds"
+    timeout 120 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c$c.json" --concurrency $c --requests 128 \
+      --rounds 12 2>&1 | grep "^round\|median" | cut -c1-420
+  done
+  step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
+  timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 \
+    --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
   step done
   ;;
 ay)
