@@ -12,14 +12,13 @@ it were (prefix acceptance). A request carrying K drafts then emits on average
     E[tokens | K] = 1 + alpha + alpha^2 + ... + alpha^K
 
 The step's cost is measured on each replica (``StepCostEstimator``: a least-squares fit of decode
-step times, ``seconds ~ a + b * main_rows + c * head_forwards + h * head_catch_up_rows + e *
-drafting``, e being what any step with drafts pays before its levels). The
+step times, ``seconds ~ a + b * main_rows + c * head_forwards + h * head_catch_up_rows``). The
 head's forwards are paid once per step for everyone (one forward per draft level), so the choice
 is made per step: the depth D in 0..max with the most expected tokens, summed over the step's
 requests, per predicted second (``best_depth``; each request carries min(D, its cap); one D for
 all under uniform steps). Each batch-size class (1, 2-3, 4-7, ... requests: ``batch_class``)
 has a fit of its own. Until a class's fit exists (its first ``min_steps`` decode steps) its steps
-take D = 0, 1, 0, 2 by turns, which is what the fit needs and never costs much, unless the nearest
+alternate D = 0 and 1, which is what the fit needs and never costs much, unless the nearest
 fitted class says no depth pays for the step: then they stay at 0 (a drafting step there would
 make the head catch up on every position since each request last drafted: as a batch shrank
 through classes, those steps had auto at 0.79x-0.90x K=0 at C=16 on a 2-core CPU). A fit's
@@ -28,9 +27,9 @@ or the planner's cluster-wide value): judged on the guessed prior, the steps kee
 until the trials are in (else a replica where drafting pays moderately stopped drafting on the
 guess and never measured it). A static
 guess of the cost can cost a lot (the old policy's deep start on one where drafts are dear). Every
-``explore_interval``-th step takes another depth (below, above and 0 by turns), so the fit keeps
-seeing more than one depth and steps without drafts. While the best depth is 0, only every
-``idle_explore_interval``-th step (1024) drafts (1 or 2 tokens), so acceptance keeps being measured,
+``explore_interval``-th step takes a neighbouring depth (below and above by turns), so the fit
+keeps seeing more than one depth. While the best depth is 0, only every
+``idle_explore_interval``-th step (1024) drafts (one token), so acceptance keeps being measured,
 slowly: a request that drafts again makes the head catch up on every position since it last
 drafted, its prompt included (on a 2-core CPU at C=16, with one such step every 128, a round of
 ``bench --rounds`` had auto at 0.85x K=0 while it drafted on 3 of 252 steps).
@@ -59,10 +58,6 @@ from mtpserve.engine.speculative import MAX_NUM_DRAFTS
 # plain decode step (scaled up with load), and a new request's acceptance is guessed at PRIOR.
 DEFAULT_DRAFT_COST = 0.15
 PRIOR_ACCEPTANCE = 0.6
-# A class's steps before its step-cost fit exists: no drafts half the time, and two drafting
-# depths (a fit tells a draft level's cost from a drafting step's fixed cost only with both)
-CALIBRATION_DEPTHS = (0, 1, 0, 2)
-DRAFTING_RIDGE = 0.02
 
 
 class DraftPolicy:
@@ -136,7 +131,7 @@ class DraftCostModel:
 
 class StepCostEstimator:
     """The replica's measured step time,
-    ``seconds ~ a + b * main_rows + c * head_forwards + h * head_rows + e * drafting``.
+    ``seconds ~ a + b * main_rows + c * head_forwards + h * head_rows``.
 
     Fitted by exponentially weighted least squares (a small ridge keeps it solvable) over decode
     steps (steps with a prompt chunk cost differently and are skipped). ``head_rows`` are the
@@ -146,22 +141,10 @@ class StepCostEstimator:
     and a replica that once stopped drafting judged drafting too dear to start again (the tests'
     closed-loop simulation at C=1 with CPU costs stayed at K=0, 0.86x the best fixed K).
 
-    ``drafting`` is 1 for a step that drafts at all: such a step pays ``e`` before its levels (a
-    verify graph in place of the decode graph, the accept, the host's drafting path). On the H200
-    that was most of a drafting step's extra cost (the bundled model at 16 requests: K=0 0.49 ms,
-    K=2 1.35, K=3 1.60 a step, so e ~ 0.37 ms and a level ~0.25); a fit without it extrapolated
-    a line through the depths it saw, and depending on which it saw first it read drafting as
-    free (a policy held at K=4, 0.55-0.80x K=0: ``results/h200/scripts/auto_ab.py``, session ay) or a
-    first level as dear as it really is and every level after it as dear too (held at K=0 where
-    K=3 paid 1.27x, in the closed-loop simulation). Telling ``e`` from ``c`` takes steps of two
-    drafting depths, and ``a`` from ``e`` steps without drafts: the policy's calibration and
-    exploring steps give both.
-
-    With B requests decoding, K drafts each add B main-model rows and K head forwards, and the
-    first adds e, so the cost of K levels relative to a plain decode step is
-    ``(e + K * (b*B + c)) / (a + b*B)``; ``draft_cost()`` returns it per level at the deepest K
-    fitted (the catch-up left out), or None until enough steps with different draft counts
-    were seen.
+    With B requests decoding, K drafts each add B main-model rows and K head forwards, so the
+    marginal cost of one draft level relative to a plain decode step is ``(b*B + c) / (a + b*B)``:
+    what ``draft_cost()`` returns (the catch-up left out), or None until enough steps with
+    different draft counts were seen.
 
     The coefficients are not clipped: at a steady batch every step's rows are B * (1 + K), so
     they are fixed only up to directions along which every predicted step time, and the draft
@@ -186,7 +169,6 @@ class StepCostEstimator:
         """solve_every: the fit is solved again after this many fitted steps (a solve is ~60 us
         on a 2-core host; the fit's half-life is ``halflife_steps``)."""
         self.solve_every = solve_every
-        self.drafting_ridge = DRAFTING_RIDGE
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self.min_steps = min_steps
         self.outlier_factor = outlier_factor
@@ -195,26 +177,25 @@ class StepCostEstimator:
         self.num_outliers = 0
         self.num_solves = 0                # times the fit was solved (its coefficients' version)
         self._outliers_in_a_row = 0
-        self._xx = np.zeros((5, 5))
-        self._xy = np.zeros(5)
-        self._unfolded: list[tuple] = []  # fitted steps (x, seconds) not yet in _xx, _xy
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
+        self._unfolded: list[tuple[float, float, float, float, float]] = []  # fitted steps not yet in _xx, _xy
         self._batch = 0.0
         self._head_levels: set[int] = set()
         self._held: list[tuple[tuple, float, int]] = []    # the latest steps, until a fit
-        self._coefficients: tuple[float, float, float, float, float] | None = None
+        self._coefficients: tuple[float, float, float, float] | None = None
         self._solved = False               # False: solve again at the next coefficients()
 
     def observe(self, timing) -> None:
         """One engine step (an ``engine.StepTiming``)."""
         if timing is None or timing.has_prefill or timing.num_requests == 0:
             return
-        x = (1.0, float(timing.num_main_tokens), float(timing.num_head_forwards), float(timing.num_head_rows),
-             1.0 if timing.num_head_forwards else 0.0)
+        x = (1.0, float(timing.num_main_tokens), float(timing.num_head_forwards), float(timing.num_head_rows))
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             self._hold(x, timing.seconds, timing.num_requests)
             return
-        a, b, c, h, e = self.coefficients()
-        if timing.seconds > self.outlier_factor * (a + b * x[1] + c * x[2] + h * x[3] + e * x[4]):
+        a, b, c, h = self.coefficients()
+        if timing.seconds > self.outlier_factor * (a + b * x[1] + c * x[2] + h * x[3]):
             self._outliers_in_a_row += 1
             if self._outliers_in_a_row < self.max_outliers_in_a_row:
                 self.num_outliers += 1
@@ -259,18 +240,15 @@ class StepCostEstimator:
         """The most head forwards of a step fitted so far."""
         return max(self._head_levels, default=0)
 
-    def coefficients(self) -> tuple[float, float, float, float, float] | None:
-        """(a, b, c, h, e) in seconds, or None while the steps seen cannot separate them. (With
-        steps of one drafting depth only, c and e are not told apart: the small ridge splits
-        their sum, and the policy trusts the fit one depth past the deepest it saw.)"""
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, h) in seconds, or None while the steps seen cannot separate them."""
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
             return None
         if not self._solved:
             self._fold()
-            ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(5)
-            ridge[4, 4] += self.drafting_ridge * self._xx[0, 0]
-            self._coefficients = tuple(float(v) for v in np.linalg.solve(self._xx + ridge, self._xy))
-            self._solved = True
+            ridge = 1e-6 * max(self._xx[0, 0], 1.0) * np.eye(4)
+            a, b, c, h = np.linalg.solve(self._xx + ridge, self._xy)
+            self._coefficients, self._solved = (float(a), float(b), float(c), float(h)), True
             self.num_solves += 1
         return self._coefficients
 
@@ -282,7 +260,7 @@ class StepCostEstimator:
         rows = np.asarray(self._unfolded)
         self._unfolded = []
         k = len(rows)
-        x, y = rows[:, :5], rows[:, 5]
+        x, y = rows[:, :4], rows[:, 4]
         w = self._decay ** np.arange(k - 1, -1, -1, dtype=np.float64)
         xw = x * w[:, None]
         self._xx = self._decay ** k * self._xx + xw.T @ x
@@ -290,15 +268,13 @@ class StepCostEstimator:
 
     def draft_cost(self) -> float | None:
         """A draft level's cost in plain decode steps at the recent batch size (the planner's
-        input, a cost linear in the levels): a step of the deepest K fitted, its fixed drafting
-        cost included, over K; the head's catch-up left out. At least 0; None without a fit."""
+        input; the head's catch-up left out), at least 0; None without a fit."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c, _, e = coef
+        a, b, c, _ = coef
         plain = a + b * self._batch
-        k = max(1, self.deepest)
-        return max(0.0, (e / k + b * self._batch + c) / plain) if plain > 0.0 else None
+        return max(0.0, (b * self._batch + c) / plain) if plain > 0.0 else None
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -318,17 +294,10 @@ def choose_num_drafts(alpha: float, load: float, max_drafts: int,
 
 
 class AcceptanceEMA:
-    """Prefix-acceptance probability, exponentially smoothed over draft trials.
+    """Prefix-acceptance probability, exponentially smoothed over draft trials."""
 
-    The prior counts as ``prior_trials`` trials: until the trials seen outweigh the half-life,
-    the estimate is their running mean beside it (a weight of trials / (seen + prior_trials)),
-    not the prior moved 4% a trial. (With the half-life's weight alone, 10 trials at 0.93 from a
-    prior of 0.6 read 0.72, and a step of K=3 that paid 1.26x K=0 in the closed-loop
-    simulation was judged not to pay: the policy stayed at K=0.)"""
-
-    def __init__(self, prior: float = PRIOR_ACCEPTANCE, halflife_trials: float = 16.0, prior_trials: float = 4.0):
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE, halflife_trials: float = 16.0):
         self.value = prior
-        self.prior_trials = prior_trials
         self.num_trials = 0
         self._decay = 0.5 ** (1.0 / halflife_trials)
 
@@ -337,7 +306,7 @@ class AcceptanceEMA:
         if num_drafts <= 0:
             return
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        weight = max(1.0 - self._decay ** trials, trials / (self.num_trials + trials + self.prior_trials))
+        weight = 1.0 - self._decay ** trials
         self.value += weight * (num_accepted / trials - self.value)
         self.num_trials += trials
 
@@ -356,9 +325,8 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
     each carries min(D, cap), or D under ``uniform``. ``coefficients``: the step-cost fit
-    (a, b, c, h, e) of ``StepCostEstimator`` (e: what any drafting step pays before its levels);
-    a drafting request's head catch-up rows at a steady depth are the tokens it kept in its last
-    step, its expected tokens. Ties go to the smaller D.
+    (a, b, c, h) of ``StepCostEstimator``; a drafting request's head catch-up rows at a steady
+    depth are the tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
 
     Sums by depth (this runs on the host, beside ~0.5 ms GPU steps: ~15 us at 16 requests on a
     2-core host; ``step_drafts`` asks again only when the step's requests, an acceptance, the
@@ -366,7 +334,7 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
     at depth D has n + sum_{d<=D} cnt[d] main rows and n + sum_{d<=D} P[d] expected tokens. A
     step's predicted seconds never fall as D grows (a fit's extrapolation past the depths it saw
     can make them, and then the deepest step looked free)."""
-    a, b, c, h, e = coefficients
+    a, b, c, h = coefficients
     n = len(alphas)
     if n > 24 and max_depth > 0:                     # many requests: the sums in numpy
         al = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
@@ -396,7 +364,7 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
         tokens += power[d]
         head_rows = tokens - (n - count[1])          # the requests that draft at all catch up
         # a deeper step never costs less: a fit extrapolated past the depths it saw can say so
-        seconds = max(a + b * rows + c * d + h * head_rows + e, seconds)
+        seconds = max(a + b * rows + c * d + h * head_rows, seconds)
         if tokens / seconds > best_value * (1.0 + 1e-9):
             best, best_value = d, tokens / seconds
     return best
@@ -522,9 +490,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
                 depth = None
             elif judge is fit and depth == 0 and not self._acceptance_known():
                 depth = None         # "no depth pays" judged on the prior alone: measure it first
-        if depth is None:                                # calibration: 0, 1, 0, 2, 0, 1, ...
+        if depth is None:                                # calibration: 0, 1, 0, 1, ...
             c = batch_class(len(requests))
-            depth = min(CALIBRATION_DEPTHS[self._num_calibration.get(c, 0) % len(CALIBRATION_DEPTHS)], self.max_drafts)
+            depth = self._num_calibration.get(c, 0) % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
             exploring = self.explores(depth)
@@ -554,20 +522,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return min(fitted, key=lambda t: t[:2])[2] if fitted else None
 
     def _neighbour(self, depth: int) -> int:
-        """An exploring step's depth. From a best depth D > 0, by turns: D - 1, D + 1 (within
-        max_drafts; else D - 1 again) and 0, a step without drafts, what drafting is weighed
-        against (the fit's ``a`` apart from its drafting cost ``e``: a policy that only ever saw
-        its neighbouring depths extrapolated K=0 from them, and held K=4 at 0.55-0.80x K=0 on
-        the H200). From 0, 1 and 2 by turns (the fit's ``c`` apart from ``e``)."""
+        """An exploring step's depth: one below and one above by turns, within 0..max_drafts."""
         if depth == 0:
-            turn = self._step_index // max(1, self.idle_explore_interval)
-            return min(1 + turn % 2, self.max_drafts)
-        turn = (self._step_index // self.explore_interval) % 3
-        if turn == 2:
-            return 0
-        if turn == 1 and depth < self.max_drafts:
-            return depth + 1
-        return depth - 1
+            return 1
+        if depth == self.max_drafts:
+            return depth - 1
+        return depth + 1 if (self._step_index // self.explore_interval) % 2 else depth - 1
 
     def _track(self, request_id: str) -> AcceptanceEMA:
         """The request's acceptance estimate, made on first use: from the replica's measured

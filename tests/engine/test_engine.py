@@ -406,7 +406,7 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
             pass
 
         def coefficients(self):
-            return 1e-3, 1e-6, 1e-5, 0.0, 0.0      # (a, b, c, h, e): cheap drafts
+            return 1e-3, 1e-6, 1e-5, 0.0
     policy = None if fixed else AdaptiveDraftPolicy(4, prior=0.9, explore_interval=16)
     if policy is not None:
         cheap = CheapDrafts()
