@@ -418,7 +418,8 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
     head catch up on every position since it last drafted, its prompt included), with 10%
     jitter and a 10x stall now and then; the policy is told what the engine would tell it."""
     import random
-    a, b, c, h = costs
+    a, b, c, h, *fixed = costs
+    e = fixed[0] if fixed else 0.0        # what any drafting step costs beyond its levels
     rnd = random.Random(seed)
     ids = iter(range(10**6))
 
@@ -433,7 +434,7 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
         ks = [max(0, min(k, 4, r.left - 1)) for k, r in zip(wanted, running)]
         rows, depth = sum(1 + k for k in ks), max(ks)
         catch_up = sum(r.behind for r, k in zip(running, ks) if k)
-        step = (a + b * rows + c * depth + h * catch_up) * (1 + 0.1 * rnd.random()) * (10 if rnd.random() < 0.005 else 1)
+        step = (a + b * rows + c * depth + e * (depth > 0) + h * catch_up) * (1 + 0.1 * rnd.random()) * (10 if rnd.random() < 0.005 else 1)
         for r, k in zip(running, ks):
             accepted = 0
             while accepted < k and rnd.random() < r.alpha:
@@ -460,6 +461,10 @@ COMPUTE_BOUND_CPU = (4.3e-3, 0.7e-3, 1.5e-3, 0.1e-3)   # the bundled model on a 
 MODERATE_DRAFTS = (0.35e-3, 0.05e-3, 0.2e-3, 5e-6)    # the bundled model on the H200 after 2026-12-02: K=0 0.57 ms,
                                                       # K=2 1.07 ms a step at one request; drafting pays ~1.2x
 
+# (a, b, c, h, e): the bundled model's steps at 16 requests on the H200 (session as, 2026-12-04:
+# K=0 0.49 ms, K=2 1.35, K=3 1.60 a step): a drafting step pays e = 0.37 ms before its levels
+# (the verify graph, the accept, the head's first forward and the host's drafting path)
+H200_DRAFTING_STEP = (0.332e-3, 10e-6, 86e-6, 1e-6, 0.37e-3)
 
 MIXED_ALPHAS = (0.5, 0.9, 0.7)
 BUNDLED_ALPHAS = (0.93, 0.9, 0.95)                    # the bundled model's first-draft acceptance is ~0.9
@@ -474,6 +479,21 @@ BUNDLED_ALPHAS = (0.93, 0.9, 0.95)                    # the bundled model's firs
                                                         (MODERATE_DRAFTS, True, BUNDLED_ALPHAS, 0.95)])
 @pytest.mark.parametrize("batch", [1, 16])
 def test_auto_stays_near_the_best_fixed_k_in_a_closed_loop(costs, uniform, alphas, bound, batch):
+    _closed_loop_against_fixed(costs, uniform, alphas, bound, batch)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 11): the step-cost fit has no term for what any drafting "
+                   "step pays before its levels; at one request auto stays at K=0, ~0.76x the best fixed K (K=4)")
+def test_auto_finds_deep_drafts_when_drafting_steps_have_a_fixed_cost():
+    """The H200's cost shape: a drafting step pays ~0.37 ms before its levels, so K=1 loses to
+    K=0 where K=3-4 win (1.26-1.28x). A fit linear in the levels reads the first level's price
+    into every level. A fit with a drafting term (tried 2026-12-04: calibration 0, 1, 0, 2,
+    exploring steps to 0, a faster acceptance estimate) passed this at 0.93x in simulation but
+    drafted at C=8 / 16 on the H200 where K=0 was best (auto_ab.py, session az: 0.66-0.74x K=0)."""
+    _closed_loop_against_fixed(H200_DRAFTING_STEP, True, BUNDLED_ALPHAS, 0.92, 1)
+
+
+def _closed_loop_against_fixed(costs, uniform, alphas, bound, batch):
     """--draft-tokens auto's goal, in simulation: within a few percent of the best fixed K and
     never far below K = 0, whether drafting pays or not (the old per-request choice, with a deep
     start-up guess and clipped coefficients, came to 0.87-0.90x of the best in some of these;
