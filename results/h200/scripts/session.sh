@@ -116,10 +116,7 @@
 #    three a K=2 step) be stream-captured inside a CUDA graph of our own, with CuPy kernels between
 #    them, exact, and for how much host time a launch? Then prefill_cost.py on the 1.4 B model with
 #    each shape's first call timed (am: two 48-50 ms prompt steps at C=16).
-# au: (next) what a prompt warm-up would have to cover on the 1.4 B model: first calls over a grid
-#    of token counts (at: 4 x 128, 1 x 100 and 3 x 100 paid ~20 ms once, other splits of a seen
-#    total did not); then the 1.4 B model's auto rounds at synthetic 0.7 / 0.3 and the bundled
-#    rounds, after this session's cuts to auto's per-step host cost (as: 0.86x K=0 at C=16).
+# au: (written, never run: av and aw did its grid, ax-az its auto rounds)
 # av: test_cuda (the review mend routed keep_hidden through keep_step), then au's grid of the
 #    1.4 B model's prompt first calls, and ORT's own profiler on the shapes that paid (which nodes
 #    a new token count pays for): what a prompt warm-up at start would have to cover.
@@ -141,7 +138,7 @@
 #    drafts), and at C=1 with K=2 / 3 beside (auto against the best fixed K).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|au|av|aw|ax|ay|az}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -588,17 +585,6 @@ at)
   step "prompt steps eager (first calls timed) vs captured, 1.4 B"
   timeout 200 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-mid-first.json" --no-kernels \
     --shapes 1x128,4x128,2x256,8x64,16x32,1x100,1x101,3x100 2>&1 | grep -v "Warning\|STAGE\|USDT" | tail -9
-  ;;
-au)
-  (make_mid > "$OUT/make-mid.txt" 2>&1) &
-  bash "$0" aq
-  step "waiting for the 1.4 B model"; wait
-  step "prompt steps' first calls over token counts, 1.4 B"
-  shapes=$(python3 -c "print(','.join(f'1x{t}' for t in (8, 16, 24, 32, 48, 64, 96, 100, 101, 128, 160, 192, 256, 384, 512, 768, 1024)))")
-  timeout 200 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-first-calls-mid.json" --no-kernels \
-    --shapes "$shapes,2x64,4x32,3x100,5x61,7x73,16x32" 2>&1 | grep -v "Warning\|STAGE\|USDT" \
-    | python3 -c "import json,sys; [print(r['batch'], r['prompt'], r['eager_first_ms'], r['eager_ms']) for r in map(json.loads, (l for l in sys.stdin if l.startswith('{')))]"
-  mid_synthetic_rounds 170
   ;;
 av)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
