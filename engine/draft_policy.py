@@ -165,10 +165,16 @@ class StepCostEstimator:
     """
 
     def __init__(self, halflife_steps: float = 200.0, min_steps: int = 12,
-                 outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8, solve_every: int = 8):
+                 outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8, solve_every: int = 8,
+                 pipelined_only: bool = False):
         """solve_every: the fit is solved again after this many fitted steps (a solve is ~60 us
-        on a 2-core host; the fit's half-life is ``halflife_steps``)."""
+        on a 2-core host; the fit's half-life is ``halflife_steps``). pipelined_only: leave out
+        the steps an overlapping engine ran alone (``StepTiming.pipelined`` False: a step that
+        changed kind, drafting or not, paid its launch and GPU time in full, which steps of a
+        steady depth do not), counting them in ``num_alone``."""
         self.solve_every = solve_every
+        self.pipelined_only = pipelined_only
+        self.num_alone = 0
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self.min_steps = min_steps
         self.outlier_factor = outlier_factor
@@ -189,6 +195,9 @@ class StepCostEstimator:
     def observe(self, timing) -> None:
         """One engine step (an ``engine.StepTiming``)."""
         if timing is None or timing.has_prefill or timing.num_requests == 0:
+            return
+        if self.pipelined_only and timing.pipelined is False:
+            self.num_alone += 1
             return
         x = (1.0, float(timing.num_main_tokens), float(timing.num_head_forwards), float(timing.num_head_rows))
         if self.num_steps < self.min_steps or len(self._head_levels) < 2:
@@ -380,7 +389,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def __init__(self, max_drafts: int,
                  prior: float = PRIOR_ACCEPTANCE, explore_interval: int = 16,
-                 idle_explore_interval: int = 1024, min_prior_trials: int = 16):
+                 idle_explore_interval: int = 1024, min_prior_trials: int = 16,
+                 explore_burst: int = 1, fit_pipelined_only: bool = False):
+        """explore_burst: an exploring (or calibrating) depth is held for this many steps in a
+        row; with fit_pipelined_only (the fits leave out steps an overlapping engine ran alone)
+        only a burst's later steps are measured, at the cost its depth has when held. Both are
+        off by default: an experiment for the H200, where auto has two stable states at 16
+        requests (README, "A known gap"), not yet measured there."""
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -389,6 +404,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
+        if explore_burst < 1 or (explore_interval and explore_burst >= explore_interval):
+            raise ValueError(f"explore_burst must be in 1..explore_interval - 1, got {explore_burst}")
+        self.explore_burst = explore_burst
+        self.fit_pipelined_only = fit_pipelined_only
         self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
         self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
@@ -435,7 +454,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         c = batch_class(num_requests)
         fit = self.fits.get(c)
         if fit is None:
-            fit = self.fits[c] = StepCostEstimator()
+            fit = self.fits[c] = StepCostEstimator(pipelined_only=self.fit_pipelined_only)
         return fit
 
     @property
@@ -456,9 +475,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def explores(self, best: int) -> bool:
         """Whether this step takes a neighbouring depth instead of ``best``: every
-        explore_interval-th step, or every idle_explore_interval-th while the best is 0."""
+        explore_interval-th step, or every idle_explore_interval-th while the best is 0 (and the
+        ``explore_burst - 1`` steps after it)."""
         interval = self.explore_interval if best else self.idle_explore_interval
-        return interval > 0 and self._step_index % interval == 0
+        return interval > 0 and self._step_index % interval < self.explore_burst
 
     def step_drafts(self, requests: list, uniform: bool) -> list[int]:
         if not requests or self.max_drafts == 0:
@@ -492,7 +512,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
                 depth = None         # "no depth pays" judged on the prior alone: measure it first
         if depth is None:                                # calibration: 0, 1, 0, 1, ...
             c = batch_class(len(requests))
-            depth = self._num_calibration.get(c, 0) % 2
+            depth = self._num_calibration.get(c, 0) // self.explore_burst % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
         else:
             exploring = self.explores(depth)

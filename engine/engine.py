@@ -63,6 +63,10 @@ class StepTiming:
     seconds: float
     graphed: bool = False       # the main forward replayed a captured CUDA graph
     num_head_rows: int = 0      # rows the head caught up on before drafting (positions since each last drafted)
+    # overlapped decoding: True when the step was launched by the step before it (its launch and
+    # part of its GPU time were hidden behind that one's), False when it was launched and landed
+    # in this call (a step that changes kind, drafting or not, runs alone); None without overlap
+    pipelined: bool | None = None
 
 
 class Engine:
@@ -353,6 +357,7 @@ class Engine:
         started = time.perf_counter()
         self.last_step = None
         flight = self._in_flight
+        pipelined = flight is not None
         if flight is None:
             plan = self.scheduler.schedule()
             for req in plan.preempted:
@@ -373,7 +378,7 @@ class Engine:
         plan = flight.plan
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, flight.num_drafts,
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
-                                    graphed=flight.graphed, num_head_rows=flight.num_head_rows)
+                                    graphed=flight.graphed, num_head_rows=flight.num_head_rows, pipelined=pipelined)
         return events
 
     # ------------------------------------------------------------------ overlapped decoding (pipeline.py)
@@ -632,7 +637,7 @@ class Engine:
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
                                     graphed=self.graphs is not None and self.graphs.num_replays > replays,
-                                    num_head_rows=head_rows)
+                                    num_head_rows=head_rows, pipelined=False if self.overlap else None)
         return events
 
     def _keep_prefix_hits(self, plan: StepPlan) -> None:

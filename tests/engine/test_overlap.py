@@ -296,6 +296,44 @@ def test_mtp_engines_overlap_their_steps_without_drafts_and_keep_every_planned_d
     assert policy.draft_steps >= drafted - 1 > 15          # the last plan may find the requests finished
 
 
+class DraftsInRuns(EveryThirdStepDrafts):
+    """Answers 0 four times, then 3 four times, ...; keeps each step's timing."""
+
+    def __init__(self):
+        super().__init__()
+        self.timings = []
+
+    def observe_step(self, timing) -> None:
+        if timing is not None:
+            self.timings.append(timing)
+
+    def step_drafts(self, requests, uniform):
+        k = 3 if len(self.answers) // 4 % 2 else 0
+        self.answers.append(k)
+        return [k] * len(requests)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_timings_say_which_steps_ran_behind_the_one_before(model_dir, overlap):
+    """``StepTiming.pipelined`` (what a draft policy may leave out of its step-cost fit): a step
+    launched by the step before it is pipelined; one that changes kind, drafting or not, runs
+    alone (the engine continues a step only with one of its kind); without overlap, unknown."""
+    requests = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=60)) for i, p in enumerate(PROMPTS[:4])]
+    policy = DraftsInRuns()
+    engine = Engine(dataclasses.replace(make(model_dir, overlap, k=3).config), policy)
+    run(engine, requests)
+    flags = [t.pipelined for t in policy.timings]
+    if not overlap:
+        assert set(flags) == {None}
+        return
+    assert None not in flags
+    kinds = [t.num_head_forwards > 0 for t in policy.timings]
+    changed = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
+    assert changed and not any(flags[i] for i in changed), "a step that changed kind ran behind the one before"
+    steady = [flags[i] for i in range(1, len(kinds)) if kinds[i] == kinds[i - 1] and not policy.timings[i].has_prefill]
+    assert sum(steady) > 0.7 * len(steady), f"steps of a steady kind mostly run behind the one before: {flags}"
+
+
 def test_auto_drafting_overlaps_its_steps_without_drafts_and_keeps_greedy_tokens(model_dir):
     requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:8])]
     plain, overlapped, engine = both(model_dir, requests, k="auto")

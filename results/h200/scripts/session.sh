@@ -136,9 +136,13 @@
 # az: after the draft policy's drafting term (ay: auto held K=4 at C=16, 0.55-0.80x K=0, its fit
 #    extrapolating K=0 from the depths it saw): auto_ab.py at C=16 and 8 (K=0 / auto / never
 #    drafts), and at C=1 with K=2 / 3 beside (auto against the best fixed K).
+# ba: (next) the adaptive policy exploring in bursts and fitting only pipelined steps (StepTiming
+#    .pipelined; explore_burst=4 every 64, fit_pipelined_only) beside the default, K=0 and an MTP
+#    engine that never drafts: auto_ab.py --bursts at C=16 / 8, and at C=1 with K=2 / 3 beside.
+#    test_cuda first (StepTiming gained a field on the engine's step path).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -610,6 +614,19 @@ ax)
   step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
   timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
     "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
+  step done
+  ;;
+ba)
+  run_test_cuda
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py --bursts, bundled, C=$c, 128 requests, 10 rounds"
+    timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-bursts-c$c.json" --concurrency $c \
+      --requests 128 --rounds 10 --bursts 2>&1 | grep "^round\|median" | cut -c1-520
+  done
+  step "auto_ab.py --bursts, bundled, C=1, 16 requests, 6 rounds, K=2 / 3 beside"
+  timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-bursts-c1.json" --concurrency 1 \
+    --requests 16 --rounds 6 --fixed 2,3 --bursts 2>&1 | grep "^round\|median" | cut -c1-700
   step done
   ;;
 az)
