@@ -100,6 +100,7 @@ class Engine:
                     self.proposer.graphs.capture_all()
             if self._stream is not None and config.warm_up:
                 self._warm_up_shapes()
+                self._warm_up_gemms()
         if self._stream is not None and config.warm_up:
             self.warm_up_requests()
         if self._stream is not None:
@@ -221,7 +222,6 @@ class Engine:
             if self.runner.head_session is not None:
                 self.runner.run_head(rows, xp.zeros((batch, self.manifest.hidden_size), self.runner.hidden_dtype))
         self.state_bank.warm_up_kernels(largest)
-        self._warm_up_gemms()
         if self.proposer is not None:         # a draft step in flight's accept (no warm-up request reaches it)
             from mtpserve.engine.cuda_kernels import warm_up_accept
             warm_up_accept()
@@ -230,7 +230,7 @@ class Engine:
     def _warm_up_gemms(self) -> None:
         """The model's matrix products at every row count up to the step's token budget
         (``gemm_warmup``): a prompt or mixed step of a new token count otherwise loads cuBLAS
-        kernels on a live step (1.4 B model on the H200: 15-20 ms on most new counts)."""
+        kernels on a live step (1.4 B model on the H200: 12-20 ms on most new counts)."""
         from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_up_gemms
         m = self.manifest
         files = ["model.onnx"] + ([m.mtp.filename] if self.runner.head_session is not None else [])
