@@ -65,7 +65,7 @@ def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) ->
     queue = list(enumerate(prompts))
     tokens = 0
     in_flight = set()
-    times = []
+    times, pipelined = [], {"True": 0, "False": 0, "None": 0}
     clock = GcClock()
     t0 = time.perf_counter()
     while queue or in_flight:
@@ -79,11 +79,28 @@ def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) ->
             if ev.finish_reason is not None:
                 in_flight.discard(ev.request_id)
         times.append(time.perf_counter() - s0)
+        if engine.last_step is not None:
+            pipelined[str(engine.last_step.pipelined)] += 1
     wall = time.perf_counter() - t0
     q = statistics.quantiles(times, n=10)
     return {"tokens": tokens, "steps": len(times), "seconds": round(wall, 4), "tok_s": round(tokens / wall, 1),
             "ms_per_step": round(wall / len(times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
-            "step_p90_ms": round(q[8] * 1e3, 4), "gc": clock.close()}
+            "step_p90_ms": round(q[8] * 1e3, 4), "gc": clock.close(), "pipelined": pipelined,
+            "fits": fits(engine.draft_policy)}
+
+
+def fits(policy) -> dict:
+    """An adaptive policy's step-cost fits by batch-size class (coefficients in ms), what it
+    left out, and the depths it planned so far; {} for a fixed policy."""
+    out = {}
+    for c, f in sorted(getattr(policy, "fits", {}).items()):
+        co = f.coefficients()
+        out[str(c)] = {"coefficients_ms": None if co is None else [round(x * 1e3, 5) for x in co],
+                       "steps": f.num_steps, "outliers": f.num_outliers, "alone": getattr(f, "num_alone", 0),
+                       "deepest": f.deepest}
+    if out:
+        out["depths"] = dict(sorted(getattr(policy, "depths", {}).items()))
+    return out
 
 
 def profile_pair(engines: dict, prompts: list, concurrency: int) -> list:
