@@ -140,9 +140,12 @@
 #    .pipelined; explore_burst=4 every 64, fit_pipelined_only) beside the default, K=0 and an MTP
 #    engine that never drafts: auto_ab.py --bursts at C=16 / 8, and at C=1 with K=2 / 3 beside.
 #    test_cuda first (StepTiming gained a field on the engine's step path).
+# bb: (next, after ba) the 1.4 B model at synthetic acceptance 0.7 and 0.3 (the auto goal
+#    names both): auto_ab.py --bursts --synthetic A --random-prompts 128 at C=16 and C=1 (K=2
+#    beside at C=1), fewer rounds (each 1.4 B engine takes ~25 s to build).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba|bb}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -627,6 +630,18 @@ ba)
   step "auto_ab.py --bursts, bundled, C=1, 16 requests, 6 rounds, K=2 / 3 beside"
   timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-bursts-c1.json" --concurrency 1 \
     --requests 16 --rounds 6 --fixed 2,3 --bursts 2>&1 | grep "^round\|median" | cut -c1-700
+  step done
+  ;;
+bb)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  for a in 0.7 0.3; do
+    step "auto_ab.py --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
+    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-bursts-mid-$a-c16.json" --concurrency 16 \
+      --requests 64 --rounds 4 --bursts --synthetic $a --random-prompts 128 2>&1 | grep "^round\|median" | cut -c1-520
+    step "auto_ab.py --bursts, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
+    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-bursts-mid-$a-c1.json" --concurrency 1 \
+      --requests 6 --rounds 3 --fixed 2 --bursts --synthetic $a --random-prompts 128 2>&1 | grep "^round\|median" | cut -c1-600
+  done
   step done
   ;;
 az)
