@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from mtpserve.engine.gemm_warmup import gemm_model, gemm_shapes, model_gemm_shapes, warm_up_gemms
+from mtpserve.engine.gemm_warmup import EVERY_ROW_UP_TO, STRIDE, gemm_model, gemm_shapes, model_gemm_shapes, warm_rows, warm_up_gemms
 from mtpserve.engine.manifest import load_manifest
 
 
@@ -66,3 +66,14 @@ def test_warm_up_runs_the_bundled_models_shapes(model_dir):
     shapes = model_gemm_shapes(model_dir, ["model.onnx", m.mtp.filename])
     assert warm_up_gemms(shapes, 17, ["CPUExecutionProvider"], np, device="cpu") > 0
     assert warm_up_gemms(set(), 17, ["CPUExecutionProvider"], np, device="cpu") == 0.0
+
+
+def test_every_row_count_up_to_the_default_budget_and_a_stride_past_it():
+    """The warm-up's time grows with the square of its rows: every count up to the CUDA default
+    budget (2048), then every STRIDE-th, and the budget itself."""
+    assert warm_rows(2048) == list(range(1, 2049))
+    assert warm_rows(5) == [1, 2, 3, 4, 5]
+    big = warm_rows(8190)
+    assert big[:EVERY_ROW_UP_TO] == list(range(1, EVERY_ROW_UP_TO + 1)) and big[-1] == 8190
+    assert set(b - a for a, b in zip(big[EVERY_ROW_UP_TO - 1:-2], big[EVERY_ROW_UP_TO:-1])) == {STRIDE}
+    assert sum(big) < 4 * sum(warm_rows(2048)), "a 4x budget costs ~3x the default's warm-up, not 16x"
