@@ -228,16 +228,16 @@ class Engine:
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def _warm_up_gemms(self) -> None:
-        """The model's matrix products at every row count up to the step's token budget
-        (``gemm_warmup``): a prompt or mixed step of a new token count otherwise loads cuBLAS
-        kernels on a live step (1.4 B model on the H200: 12-20 ms on most new counts)."""
-        from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_up_gemms
+        """The model's matrix products at the row counts a step can have, up to the step's token
+        budget (``gemm_warmup.warm_rows``): a prompt or mixed step of a new token count otherwise
+        loads cuBLAS kernels on a live step (1.4 B model on the H200: 12-20 ms on most new counts)."""
+        from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_rows, warm_up_gemms
         m = self.manifest
         files = ["model.onnx"] + ([m.mtp.filename] if self.runner.head_session is not None else [])
         shapes = model_gemm_shapes(m.path, files)
         rows = self.config.scheduler.max_tokens_per_step
-        logger.info("engine: warming up %d matrix-product shapes at 1..%d rows (cuBLAS loads a kernel on "
-                    "its first use)", len(shapes), rows)
+        logger.info("engine: warming up %d matrix-product shapes at %d row counts up to %d (cuBLAS loads a "
+                    "kernel on its first use)", len(shapes), len(warm_rows(rows)), rows)
         seconds = warm_up_gemms(shapes, rows, self.runner.providers, self.xp)
         logger.info("engine: warmed up matrix products in %.1f s", seconds)
 

@@ -30,11 +30,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+from mtpserve.engine.runner import _Binding
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 EVERY_ROW_UP_TO = 2048
 STRIDE = 8
 
@@ -57,7 +58,7 @@ def gemm_shapes(graph: onnx.GraphProto) -> set[tuple[int, int, int]]:
     for node in graph.node:
         if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in weights:
             w = weights[node.input[1]]
-            if len(w.dims) == 2 and w.data_type in _DTYPES:
+            if len(w.dims) == 2 and w.data_type in _FLOATS:
                 shapes.add((int(w.dims[0]), int(w.dims[1]), int(w.data_type)))
     return shapes
 
@@ -88,12 +89,12 @@ def gemm_model(shapes: Iterable[tuple[int, int, int]]) -> bytes:
     return model.SerializeToString()
 
 
-def warm_up_gemms(shapes: set[tuple[int, int, int]], max_rows: int, providers: list, xp,
-                  device: str = "cuda") -> float:
+def warm_up_gemms(shapes: set[tuple[int, int, int]], max_rows: int, providers: list, xp) -> float:
     """Run ``gemm_model(shapes)`` at each row count of ``warm_rows(max_rows)`` in its own session with
     ``providers`` (pass the engine's CUDA provider options: same device, same stream). Inputs
-    are zeros of ``xp`` (cupy on CUDA) bound once at the largest row count; a run binds views of
-    them. Returns the seconds it took. The session and its buffers are released afterwards."""
+    are zeros of ``xp`` (cupy on CUDA, numpy on the CPU) made once at the largest row count; a
+    run binds views of them (the runner's ``_Binding``: the weights, unchanged, are bound once).
+    Returns the seconds it took. The session and its buffers are released afterwards."""
     import onnxruntime as ort
 
     if not shapes or max_rows < 1:
@@ -103,29 +104,19 @@ def warm_up_gemms(shapes: set[tuple[int, int, int]], max_rows: int, providers: l
     so.log_severity_level = 3
     so.enable_mem_pattern = False
     session = ort.InferenceSession(gemm_model(shapes), so, providers=providers)
-    binding = session.io_binding()
+    binding = _Binding(session, xp, "cuda")
     buffers = {}
     for k, n, t in sorted(shapes):
-        dtype = _DTYPES[t]
+        dtype = helper.tensor_dtype_to_np_dtype(t)
         buffers.setdefault(f"x_{k}_{t}", xp.zeros((max_rows, k), dtype))
         buffers[f"w_{k}_{n}_{t}"] = xp.zeros((k, n), dtype)
         buffers[f"y_{k}_{n}_{t}"] = xp.empty((max_rows, n), dtype)
-
-    for name, arr in buffers.items():
-        if name.startswith("w_"):
-            _bind(binding, name, arr, list(arr.shape), device, output=False)
     for rows in warm_rows(max_rows):
         for name, arr in buffers.items():
-            if not name.startswith("w_"):
-                _bind(binding, name, arr, [rows, arr.shape[1]], device, output=name.startswith("y_"))
-        session.run_with_iobinding(binding)
-    binding.synchronize_outputs()
+            binding.bind_at(name, arr if name.startswith("w_") else arr[:rows], output=name.startswith("y_"))
+        binding.run(session)
+    binding.io.synchronize_outputs()
     del binding, session, buffers
     if hasattr(xp, "get_default_memory_pool"):      # the LM head's zeros: hundreds of MB on a real model
         xp.get_default_memory_pool().free_all_blocks()
     return time.perf_counter() - started
-
-
-def _bind(binding, name: str, arr, shape: list[int], device: str, output: bool) -> None:
-    ptr = arr.ctypes.data if device == "cpu" else arr.data.ptr
-    (binding.bind_output if output else binding.bind_input)(name, device, 0, arr.dtype.type, shape, ptr)

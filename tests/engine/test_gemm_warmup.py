@@ -64,8 +64,8 @@ def test_warm_up_runs_the_bundled_models_shapes(model_dir):
     largest row count): it runs and releases everything."""
     m = load_manifest(model_dir)
     shapes = model_gemm_shapes(model_dir, ["model.onnx", m.mtp.filename])
-    assert warm_up_gemms(shapes, 17, ["CPUExecutionProvider"], np, device="cpu") > 0
-    assert warm_up_gemms(set(), 17, ["CPUExecutionProvider"], np, device="cpu") == 0.0
+    assert warm_up_gemms(shapes, 17, ["CPUExecutionProvider"], np) > 0
+    assert warm_up_gemms(set(), 17, ["CPUExecutionProvider"], np) == 0.0
 
 
 def test_every_row_count_up_to_the_default_budget_and_a_stride_past_it():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import time
@@ -224,7 +223,9 @@ def main() -> None:
     warm = None
     if args.gemm_warm:
         from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_up_gemms
-        files = ["model.onnx"] + (["mtp.onnx"] if os.path.exists(f"{args.model_dir}/mtp.onnx") else [])
+        from mtpserve.engine.manifest import load_manifest
+        mtp = load_manifest(args.model_dir).mtp
+        files = ["model.onnx"] + ([mtp.filename] if mtp is not None else [])
         gemms = model_gemm_shapes(args.model_dir, files)
         seconds = warm_up_gemms(gemms, args.gemm_warm, [("CUDAExecutionProvider", {"device_id": 0})], cp)
         warm = {"rows": args.gemm_warm, "shapes": sorted(gemms), "seconds": round(seconds, 2)}
