@@ -275,6 +275,26 @@ class StepCostEstimator:
         self._xx = self._decay ** k * self._xx + xw.T @ x
         self._xy = self._decay ** k * self._xy + xw.T @ y
 
+    @property
+    def version(self) -> int:
+        """Changes whenever the predicted step times do (a new solve)."""
+        return self.num_solves
+
+    @property
+    def trusted_depth(self) -> int:
+        """The deepest step the fit's prediction is taken for: one past the deepest it saw (a
+        policy on a fit climbs a level at a time)."""
+        return self.deepest + 1
+
+    def seconds_at(self, num_requests: int):
+        """``seconds(depth, main_rows, head_rows)`` of a decode step by the fit (None without
+        one): what ``best_depth`` judges a step of ``num_requests`` by."""
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c, h = coef
+        return lambda depth, rows, head_rows: a + b * rows + c * depth + h * head_rows
+
     def draft_cost(self) -> float | None:
         """A draft level's cost in plain decode steps at the recent batch size (the planner's
         input; the head's catch-up left out), at least 0; None without a fit."""
@@ -284,6 +304,111 @@ class StepCostEstimator:
         a, b, c, _ = coef
         plain = a + b * self._batch
         return max(0.0, (b * self._batch + c) / plain) if plain > 0.0 else None
+
+
+class StepCostTable:
+    """A decode step's seconds by batch size and draft depth, timed on the replica's own device
+    at start-up (``engine/draft_calibration.py``): what ``--draft-tokens auto`` judges depths by
+    where one was timed (CUDA, by default).
+
+    Why a table and not the fit: on the H200 a step's cost is not a line in its draft levels. A
+    drafting step pays ~0.37 ms before its first level (the bundled model at 16 requests: K=0
+    0.49 ms, K=2 1.35, K=3 1.60), and with overlapped decoding a step that changes kind runs
+    alone while steps of one kind hide part of their cost behind each other. A fit that sees one
+    or two depths at a time extrapolates the others from them, and it had two stable states
+    there: held at K=0, or held at K=4 at 0.55-0.80x K=0 (results/h200, sessions ax, ay). Here
+    every depth's cost is measured at every timed batch size, each as a steady run of that depth.
+
+    Between timed batch sizes the seconds are interpolated linearly, past the largest
+    extrapolated along its last segment (never below it); at each size a deeper step never costs
+    less than a shallower one (timing noise cannot make a deeper step look free)::
+
+        seconds
+          |            d=2 ___----o
+          |        o---
+          |      /      d=0 ___---o
+          |    o----o---
+          +----1----2----4--------8----> batch size (timed sizes: o; between them, lines)
+
+    The table is not refitted as the replica runs (a multiplicative drift of the host's speed
+    leaves the best depth unchanged); ``observe`` keeps, per depth, the running ratio of the
+    live pipelined decode steps' seconds to the table's (``drift``), for reports.
+    """
+
+    def __init__(self, seconds: dict[tuple[int, int], float]):
+        """seconds: {(batch size, depth): a steady step's seconds}, every depth 0..D at every
+        size."""
+        sizes = sorted({n for n, _ in seconds})
+        depth = max((d for _, d in seconds), default=-1)
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"a step-cost table needs batch sizes >= 1, got {sizes}")
+        missing = [(n, d) for n in sizes for d in range(depth + 1) if (n, d) not in seconds]
+        if missing or any(not v > 0 for v in seconds.values()):
+            raise ValueError(f"a step-cost table needs a positive time for every (size, depth): missing {missing}")
+        grid = np.array([[seconds[n, d] for d in range(depth + 1)] for n in sizes], dtype=np.float64)
+        self.sizes = tuple(sizes)
+        self.depth = depth
+        self.grid = np.maximum.accumulate(grid, axis=1)         # [size, depth]: never cheaper deeper
+        self.measured = dict(seconds)
+        self.drift: dict[int, float] = {}                        # depth -> live / table, running
+        self._by_size: dict[int, list[float]] = {}
+
+    @classmethod
+    def from_samples(cls, samples: dict[tuple[int, int], list[float]]) -> StepCostTable:
+        """The table of each (size, depth)'s median of timed steps."""
+        return cls({key: float(np.median(times)) for key, times in samples.items() if times})
+
+    version = 0                 # its predictions never change (StepCostEstimator's change with each solve)
+
+    @property
+    def trusted_depth(self) -> int:
+        return self.depth
+
+    def step_seconds(self, num_requests: int) -> list[float]:
+        """Seconds of a step of ``num_requests`` at each depth 0..D."""
+        out = self._by_size.get(num_requests)
+        if out is None:
+            n, sizes = max(1, num_requests), self.sizes
+            i = min(max(int(np.searchsorted(sizes, n)) - 1, 0), max(len(sizes) - 2, 0))
+            if len(sizes) == 1:
+                row = self.grid[0]
+            else:
+                lo, hi = sizes[i], sizes[i + 1]
+                t = (n - lo) / (hi - lo)
+                row = self.grid[i] + t * (self.grid[i + 1] - self.grid[i])
+                row = np.maximum(row, self.grid[-1]) if n > sizes[-1] else row
+            out = self._by_size[num_requests] = [float(x) for x in np.maximum.accumulate(row)]
+        return out
+
+    def seconds_at(self, num_requests: int):
+        """``seconds(depth, main_rows, head_rows)`` for ``best_depth``: the table's time of the
+        depth at this batch size (rows are the uniform step's: a step whose requests the
+        planner caps below the depth is priced as if each carried it, slightly dear)."""
+        row = self.step_seconds(num_requests)
+        return lambda depth, rows, head_rows: row[depth]
+
+    def draft_cost(self, num_requests: int) -> float:
+        """A draft level's mean cost in plain decode steps at this batch size, from K=0 to the
+        deepest (the planner's linear cost model)."""
+        row = self.step_seconds(num_requests)
+        return (row[-1] - row[0]) / (self.depth * row[0]) if self.depth else 0.0
+
+    def observe(self, timing) -> None:
+        """A live step: a pipelined (or not overlapped) decode step updates its depth's drift."""
+        if timing is None or timing.has_prefill or not timing.num_requests or timing.pipelined is False:
+            return
+        d = timing.num_head_forwards
+        if d > self.depth:
+            return
+        ratio = timing.seconds / self.step_seconds(timing.num_requests)[d]
+        old = self.drift.get(d)
+        self.drift[d] = ratio if old is None else old + 0.02 * (ratio - old)
+
+    def report(self) -> dict:
+        """The timed steps in ms by size and depth, and the drift, for logs and JSON."""
+        return {"sizes": list(self.sizes),
+                "ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.grid],
+                "drift": {d: round(r, 3) for d, r in sorted(self.drift.items())}}
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -303,11 +428,19 @@ def choose_num_drafts(alpha: float, load: float, max_drafts: int,
 
 
 class AcceptanceEMA:
-    """Prefix-acceptance probability, exponentially smoothed over draft trials."""
+    """Prefix-acceptance probability, exponentially smoothed over draft trials.
 
-    def __init__(self, prior: float = PRIOR_ACCEPTANCE, halflife_trials: float = 16.0):
+    The start value counts as ``prior_trials`` trials: until the trials seen outweigh it the
+    estimate is their running mean beside it, then an exponential average. (Started as the
+    average alone, a guessed 0.6 against true 0.93 was still read 0.77 after 16 trials; with
+    the H200's fixed drafting cost that judged K=0 best where K=4 was, and a policy at K=0
+    measures nothing more.)"""
+
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE, halflife_trials: float = 16.0,
+                 prior_trials: float = float("inf")):
         self.value = prior
         self.num_trials = 0
+        self.prior_trials = prior_trials
         self._decay = 0.5 ** (1.0 / halflife_trials)
 
     def observe_step(self, num_drafts: int, num_accepted: int) -> None:
@@ -315,9 +448,9 @@ class AcceptanceEMA:
         if num_drafts <= 0:
             return
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        weight = 1.0 - self._decay ** trials
-        self.value += weight * (num_accepted / trials - self.value)
         self.num_trials += trials
+        weight = max(1.0 - self._decay ** trials, trials / (self.num_trials + self.prior_trials))
+        self.value += weight * (num_accepted / trials - self.value)
 
 
 def batch_class(num_requests: int) -> int:
@@ -329,13 +462,20 @@ def batch_class(num_requests: int) -> int:
     return max(1, int(num_requests)).bit_length()
 
 
-def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int:
+def linear_seconds(coefficients):
+    """``seconds(depth, main_rows, head_rows)`` of the linear model (a, b, c, h)."""
+    a, b, c, h = coefficients
+    return lambda depth, rows, head_rows: a + b * rows + c * depth + h * head_rows
+
+
+def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool) -> int:
     """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
-    each carries min(D, cap), or D under ``uniform``. ``coefficients``: the step-cost fit
-    (a, b, c, h) of ``StepCostEstimator``; a drafting request's head catch-up rows at a steady
-    depth are the tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
+    each carries min(D, cap), or D under ``uniform``. ``seconds(depth, main_rows, head_rows)``:
+    the step's predicted time (``seconds_at`` of a ``StepCostEstimator`` or a
+    ``StepCostTable``); a drafting request's head catch-up rows at a steady depth are the
+    tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
 
     Sums by depth (this runs on the host, beside ~0.5 ms GPU steps: ~15 us at 16 requests on a
     2-core host; ``step_drafts`` asks again only when the step's requests, an acceptance, the
@@ -343,7 +483,6 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
     at depth D has n + sum_{d<=D} cnt[d] main rows and n + sum_{d<=D} P[d] expected tokens. A
     step's predicted seconds never fall as D grows (a fit's extrapolation past the depths it saw
     can make them, and then the deepest step looked free)."""
-    a, b, c, h = coefficients
     n = len(alphas)
     if n > 24 and max_depth > 0:                     # many requests: the sums in numpy
         al = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)
@@ -365,17 +504,17 @@ def best_depth(alphas, caps, coefficients, max_depth: int, uniform: bool) -> int
                 p *= alpha
                 power[d] += p
                 count[d] += 1
-    seconds = max(a + b * n, 1e-9)
-    best, best_value = 0, n / seconds
+    step = max(seconds(0, n, 0.0), 1e-9)
+    best, best_value = 0, n / step
     rows, tokens = n, float(n)
     for d in range(1, max_depth + 1):
         rows += count[d]
         tokens += power[d]
         head_rows = tokens - (n - count[1])          # the requests that draft at all catch up
         # a deeper step never costs less: a fit extrapolated past the depths it saw can say so
-        seconds = max(a + b * rows + c * d + h * head_rows, seconds)
-        if tokens / seconds > best_value * (1.0 + 1e-9):
-            best, best_value = d, tokens / seconds
+        step = max(seconds(d, rows, head_rows), step)
+        if tokens / step > best_value * (1.0 + 1e-9):
+            best, best_value = d, tokens / step
     return best
 
 
@@ -389,13 +528,18 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def __init__(self, max_drafts: int,
                  prior: float = PRIOR_ACCEPTANCE, explore_interval: int = 16,
-                 idle_explore_interval: int = 1024, min_prior_trials: int = 16,
-                 explore_burst: int = 1, fit_pipelined_only: bool = False):
+                 idle_explore_interval: int = 1024, min_prior_trials: int = 16, min_request_trials: int = 4,
+                 probe_interval: int = 32,
+                 explore_burst: int = 1, fit_pipelined_only: bool = False,
+                 cost_table: StepCostTable | None = None):
         """explore_burst: an exploring (or calibrating) depth is held for this many steps in a
         row; with fit_pipelined_only (the fits leave out steps an overlapping engine ran alone)
         only a burst's later steps are measured, at the cost its depth has when held. Both are
         off by default: an experiment for the H200, where auto has two stable states at 16
-        requests (README, "A known gap"), not yet measured there."""
+        requests (README, "A known gap"), not yet measured there. cost_table: the replica's
+        timed step costs (``set_cost_table``); min_request_trials, probe_interval: how a policy
+        on a table measures the acceptance of requests it does not draft for
+        (``_table_depth``)."""
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -404,10 +548,14 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.explore_interval = explore_interval
         self.idle_explore_interval = idle_explore_interval
         self.min_prior_trials = min_prior_trials
+        self.min_request_trials = min_request_trials
+        self.probe_interval = probe_interval
         if explore_burst < 1 or (explore_interval and explore_burst >= explore_interval):
             raise ValueError(f"explore_burst must be in 1..explore_interval - 1, got {explore_burst}")
         self.explore_burst = explore_burst
         self.fit_pipelined_only = fit_pipelined_only
+        self.cost_table = None                    # timed at start-up: judges every depth when set
+        self._batch = 1                           # the latest step's requests (the planner's draft cost)
         self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
         self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
@@ -422,6 +570,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._inputs_version = 0                 # bumped whenever an acceptance, the plan or the prior changes
         self._judged: tuple | None = None
         self._judged_depth: int | None = None
+        self.set_cost_table(cost_table)
 
     # ---- from the planner (reporting thread) ---------------------------------------------
     def set_plan(self, num_drafts: dict[str, int], prior: float | None = None) -> None:
@@ -432,16 +581,44 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.prior, self._prior_measured = prior, True
         self._inputs_version += 1
 
+    def set_cost_table(self, table: StepCostTable | None) -> None:
+        """Judge depths by ``table`` (every depth's timed cost at each batch size) instead of the
+        fits of live steps; None: back to the fits. Neighbouring depths are then never explored
+        for their cost; a step drafts at a depth the table does not judge best only to measure
+        acceptance (``step_drafts``)."""
+        self.cost_table = table
+        self._judged = None
+        # on a table a step at K=0 measures nothing more, so the replica's first trials must
+        # move its estimate: a running mean beside the guessed prior (worth 2 trials) until
+        # the EMA takes over. (The fits keep exploring neighbours and take the EMA alone; with
+        # the faster start they lost at one request on the CPU's costs, 0.90x the best.)
+        self.replica_acceptance.prior_trials = 2.0 if table is not None else float("inf")
+
     # ---- the engine's hooks (owner thread) ------------------------------------------------
     def observe_step(self, timing) -> None:
         """Feed the step-cost model with what the step ran and how long it took (None: the
-        step ran nothing)."""
+        step ran nothing). With a cost table the fits are not fed (the table judges), only the
+        table's drift."""
         if timing is not None and timing.num_requests:
-            self._last_fit = self.fit_for(timing.num_requests)
-            self._last_fit.observe(timing)
+            self._batch = timing.num_requests
+            if self.cost_table is not None:
+                self.cost_table.observe(timing)
+            else:
+                self._last_fit = self.fit_for(timing.num_requests)
+                self._last_fit.observe(timing)
         self._step_index += 1
 
+    def draft_cost(self) -> float | None:
+        """A draft level's cost in plain decode steps at the latest step's batch size, for the
+        planner: the table's, or the latest fit's (None without one)."""
+        if self.cost_table is not None:
+            return self.cost_table.draft_cost(self._batch)
+        return self.estimator.draft_cost()
+
     def reset_step_costs(self) -> None:
+        """Forget the live steps' costs (the fits, the table's drift), not the timed table."""
+        if self.cost_table is not None:
+            self.cost_table.drift.clear()
         self.fits.clear()
         self._judged = None
         self._last_fit = None
@@ -488,7 +665,75 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if plan:
             caps = [min(plan.get(r.request_id, top), top) for r in requests]
             top = sorted(caps)[len(caps) // 2] if uniform else max(caps)   # uniform: the planner's median
-        exploring = False
+        if self.cost_table is not None:
+            depth, exploring = self._table_depth(requests, caps, top, uniform)
+        else:
+            depth, exploring = self._fitted_depth(requests, caps, top, uniform)
+        self.depths[depth] = self.depths.get(depth, 0) + 1
+        if uniform:
+            return [depth] * len(requests)
+        if exploring:                  # a request the planner holds at 0 measures its acceptance too
+            caps = [max(c, 1) for c in caps]
+        return [min(depth, c) for c in caps]
+
+    def _judge(self, judge, requests: list, caps: list[int], top: int, uniform: bool) -> int:
+        """``best_depth`` by ``judge`` (a fit or the table), or its answer for the same inputs."""
+        # what best_depth reads: the requests (their acceptances and, with the plan, caps), the costs
+        key = (self._inputs_version, judge, judge.version, judge.trusted_depth, uniform,
+               tuple([r.request_id for r in requests]))
+        if key != self._judged:
+            alphas = [(self._tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
+            depth = best_depth(alphas, caps, judge.seconds_at(len(requests)), min(top, judge.trusted_depth), uniform)
+            self._judged, self._judged_depth = key, depth
+        return self._judged_depth
+
+    def _table_depth(self, requests: list, caps: list[int], top: int, uniform: bool) -> tuple[int, bool]:
+        """(depth, exploring) by the timed table. Every depth's cost is known, so no step
+        explores for cost; while the best depth is 0 a step drafts one only to measure
+        acceptance (one, the cheapest: judged at acceptance 1 the probes went 4 deep, at 4.4x a
+        plain step's cost), where acceptance 1 would make some depth pay (``_probe_depth``):
+
+        - every step until the replica has measured ``min_prior_trials`` trials (the depth was
+          judged on the guessed prior);
+        - in a step of 1-3 requests, every ``probe_interval``-th step while one of them has
+          fewer than ``min_request_trials`` trials of its own, judging those at acceptance 1
+          (a request's start is the replica's value, and requests differ: in simulation at one
+          request with acceptances 0.5, 0.9 and 0.7 by turns, the first one's 0.43 held every
+          later one at K=0, 0.87-0.90x the best). Not in larger steps, where the replica's
+          value is an average of many and a request's own is a small part of the step's
+          choice: at 16 requests, such probes after each wave of new requests, with their
+          head catch-up and the overlap they break, cost 3-12% where K=0 was best;
+        - every ``idle_explore_interval``-th step, judging all at acceptance 1 (acceptance
+          drifts with the workload)."""
+        depth = self._judge(self.cost_table, requests, caps, top, uniform)
+        if depth:
+            return depth, False
+        if not self._acceptance_known():
+            probe = self._probe_depth(requests, caps, top, uniform, lambda r: True)
+        elif self.explores(0):
+            probe = self._probe_depth(requests, caps, top, uniform, lambda r: True)
+        elif self.probe_interval and self._step_index % self.probe_interval == 0:
+            def unmeasured(r):
+                track = self._tracks.get(r.request_id)
+                return track is None or track.num_trials < self.min_request_trials
+            probe = self._probe_depth(requests, caps, top, uniform, unmeasured) if len(requests) < 4 else 0
+        else:
+            probe = 0
+        return (1, True) if probe else (0, False)
+
+    def _probe_depth(self, requests: list, caps: list[int], top: int, uniform: bool, optimistic) -> int:
+        """The table's best depth with the requests ``optimistic(request)`` says at acceptance 1
+        (0 when none is)."""
+        alphas = [1.0 if optimistic(r) else (self._tracks.get(r.request_id) or self._track(r.request_id)).value
+                  for r in requests]
+        if all(a < 1.0 for a in alphas):
+            return 0
+        n = len(requests)
+        return best_depth(alphas, caps, self.cost_table.seconds_at(n), min(top, self.cost_table.depth), uniform)
+
+    def _fitted_depth(self, requests: list, caps: list[int], top: int, uniform: bool) -> tuple[int, bool]:
+        """(depth, exploring) by the fits of live steps, calibrating and exploring neighbours
+        so that they see more than one depth."""
         fit = self.fit_for(len(requests))
         # the own fit; before the class has one, the nearest class's, trusted only to say that no
         # depth pays (then calibrating would pay every request's head catch-up since it last
@@ -497,15 +742,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         judge = fit if fit.coefficients() is not None else self._nearest_fit(len(requests))
         depth = None
         if judge is not None:
-            # what best_depth reads: the requests (their acceptances and, with the plan, caps), the fit
-            key = (self._inputs_version, judge, judge.num_solves, judge.deepest, uniform,
-                   tuple([r.request_id for r in requests]))
-            if key == self._judged:
-                depth = self._judged_depth
-            else:
-                alphas = [(self._tracks.get(r.request_id) or self._track(r.request_id)).value for r in requests]
-                depth = best_depth(alphas, caps, judge.coefficients(), min(top, judge.deepest + 1), uniform)
-                self._judged, self._judged_depth = key, depth
+            depth = self._judge(judge, requests, caps, top, uniform)
             if judge is not fit and depth > 0:
                 depth = None
             elif judge is fit and depth == 0 and not self._acceptance_known():
@@ -514,16 +751,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
             c = batch_class(len(requests))
             depth = self._num_calibration.get(c, 0) // self.explore_burst % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
-        else:
-            exploring = self.explores(depth)
-            if exploring:
-                depth = self._neighbour(depth)
-        self.depths[depth] = self.depths.get(depth, 0) + 1
-        if uniform:
-            return [depth] * len(requests)
-        if exploring:                  # a request the planner holds at 0 measures its acceptance too
-            caps = [max(c, 1) for c in caps]
-        return [min(depth, c) for c in caps]
+            return depth, False
+        if self.explores(depth):
+            return self._neighbour(depth), True
+        return depth, False
 
     def _acceptance_known(self) -> bool:
         """Whether the acceptance the depths are judged on was measured (the replica's own
@@ -556,7 +787,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if track is None:
             measured = self.replica_acceptance.num_trials >= self.min_prior_trials
             start = self.replica_acceptance.value if measured else self.prior
-            with self._lock:
+            with self._lock:   # the replica's measured value is a better start than the guess
                 track = self._tracks[request_id] = AcceptanceEMA(start)
         return track
 
