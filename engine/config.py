@@ -111,6 +111,10 @@ class SpecConfig:
     level's cost in plain decode steps) is the guess where nothing is measured: the planner's
     counts for a replica that has not reported a fit. An integer given as a string ("3") is
     taken as that integer.
+    draft_calibration: with "auto", time every decode step shape the policy can choose at
+    start-up (``engine/draft_calibration.py``) and judge depths by that table
+    (``StepCostTable``) instead of a fit of live steps. Off by default until measured on the
+    H200 against the fit.
     synthetic_acceptance: benchmarking only, for models whose MTP head is untrained: the verifier
     accepts each draft with this probability instead of comparing it with the target (greedy
     requests). The output is then NOT the model's; every report labels such runs synthetic.
@@ -122,6 +126,10 @@ class SpecConfig:
                                                     "planner's first counts)")
     synthetic_acceptance: float | None = setting(None, "benchmarks only: accept each draft with this "
                                                        "probability (the output is not the model's)")
+    draft_calibration: bool = setting(False, "draft_tokens auto: time a decode step of every batch size class "
+                                             "and draft depth at start (~0.5-3 s on a GPU) and judge depths by "
+                                             "those times instead of fitting live steps (see README, 'A known "
+                                             "gap on the H200')")
 
     def __post_init__(self) -> None:
         k = self.draft_tokens

@@ -88,9 +88,10 @@ class DraftPolicy:
     def observe_step(self, timing) -> None:
         """One engine step ran (an ``engine.StepTiming``)."""
 
-    def reset_step_costs(self) -> None:
-        """Forget the step times measured so far (the engine's start-up steps, which pay one-time
-        costs no later step pays)."""
+    def forget_start_up(self) -> None:
+        """Forget what the engine's start-up steps taught: their times (they pay one-time costs
+        no later step pays) and their drafts' acceptance (their prompts are made up, not the
+        workload's)."""
 
     def forget(self, request_id: str) -> None:
         """The request ended (finished, cancelled)."""
@@ -615,10 +616,16 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return self.cost_table.draft_cost(self._batch)
         return self.estimator.draft_cost()
 
-    def reset_step_costs(self) -> None:
-        """Forget the live steps' costs (the fits, the table's drift), not the timed table."""
+    def forget_start_up(self) -> None:
+        """Forget the live steps' costs (the fits, the table's drift; not the timed table) and
+        every acceptance measured (back to the prior)."""
         if self.cost_table is not None:
             self.cost_table.drift.clear()
+        with self._lock:
+            self._tracks.clear()
+        self.replica_acceptance = AcceptanceEMA(self.prior, halflife_trials=64.0,
+                                                prior_trials=self.replica_acceptance.prior_trials)
+        self._inputs_version += 1
         self.fits.clear()
         self._judged = None
         self._last_fit = None

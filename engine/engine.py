@@ -103,6 +103,8 @@ class Engine:
                 self._warm_up_gemms()
         if self._stream is not None and config.warm_up:
             self.warm_up_requests()
+        if config.spec.adaptive and config.spec.draft_calibration and self.max_drafts:
+            self.calibrate_draft_costs()
         if self._stream is not None:
             self._stream.synchronize()
         # start-up leaves many new long-lived objects behind (ORT sessions, captured graphs, the
@@ -247,7 +249,7 @@ class Engine:
         so a step carries several decode rows beside several prompt chunks, drafts are verified
         and rolled back (MTP), and greedy and sampled accepts run at batch sizes above one.
         Afterwards the engine is idle and empty, its counters are zero again, and the draft
-        policy has forgotten these steps' times.
+        policy has forgotten these steps' times and acceptance.
 
         Several rows of each kind, because CuPy builds a kernel on the first use of each
         arrangement of an op's arrays, which one row does not reach. (The first burst's one slow
@@ -268,7 +270,28 @@ class Engine:
         while self.has_work:                 # second wave's prompts go in beside it
             self.step()
         assert self.is_idle_and_empty(), "the warm-up requests left something behind"
-        self.draft_policy.reset_step_costs()
+        self._forget_start_up()
+        logger.info("engine: warm-up requests in %.2f s", time.perf_counter() - started)
+
+    def calibrate_draft_costs(self, sizes=None, steps: int = 12):
+        """Time a decode step of each batch size (default ``calibration_sizes`` up to the
+        step's request limit) at each draft depth, and have an adaptive draft policy judge
+        depths by that table (``engine/draft_calibration.py``); returns the table. The engine
+        is idle and empty afterwards, its counters zero again."""
+        from mtpserve.engine.draft_calibration import calibration_sizes, time_draft_depths
+        if sizes is None:
+            sizes = calibration_sizes(min(self.config.scheduler.max_requests_per_step,
+                                          self.config.cache.max_resident_requests))
+        table = time_draft_depths(self, sizes, steps)
+        if isinstance(self.draft_policy, AdaptiveDraftPolicy):
+            self.draft_policy.set_cost_table(table)
+        self._forget_start_up()
+        return table
+
+    def _forget_start_up(self) -> None:
+        """Counters, the draft policy's start-up knowledge and the prefix cache's statistics as
+        before any start-up request (the warm-up's, the draft calibration's)."""
+        self.draft_policy.forget_start_up()
         self.num_steps, self.last_step, self.num_continuations, self.num_draft_continuations = 0, None, 0, 0
         self.overlap_blockers.clear()
         self.scheduler.stats = SpecDecodeStats()
@@ -280,7 +303,6 @@ class Engine:
                 graphs.num_replays = 0
         if self.graphs is not None:
             self.graphs.num_eager = self.graphs.num_device_drafts = 0
-        logger.info("engine: warm-up requests in %.2f s", time.perf_counter() - started)
 
     def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:
         """The cached prefix of ``prompt`` as msgpack records another engine of this model can

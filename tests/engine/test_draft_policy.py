@@ -340,10 +340,17 @@ def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh()
     assert policy.step_drafts([_request("b")], uniform=True) == [0], "judged on the ended request's estimate"
 
 
-def test_reset_step_costs_forgets_the_start_up_steps():
+def test_forget_start_up_forgets_the_start_up_steps_and_their_acceptance():
+    """The engine's warm-up requests draft on made-up prompts: neither their step times nor
+    their acceptance are the workload's."""
     policy = measured(AdaptiveDraftPolicy(4, prior=0.85, explore_interval=0), 0.0, 1e-3, 0.0)
     assert policy.step_drafts([_request()], uniform=True) == [0]            # measured: drafts cost whole steps
-    policy.reset_step_costs()
+    for _ in range(200):
+        policy.observe_verified("r", 4, 0)
+    assert policy.replica_acceptance.value < 0.3 and policy.acceptance()["r"][0] < 0.3
+    policy.forget_start_up()
+    assert policy.acceptance() == {} and policy.replica_acceptance.num_trials == 0
+    assert policy.replica_acceptance.value == 0.85
     assert policy.estimator.num_steps == 0 and policy.estimator.draft_cost() is None
     assert policy.step_drafts([_request("b")], uniform=True) == [0]          # calibrating again: 0, then 1
     assert policy.step_drafts([_request("b")], uniform=True) == [1]
@@ -625,7 +632,7 @@ def test_a_tables_drift_follows_live_decode_steps_that_ran_behind_another():
     assert table.drift == {1: pytest.approx(1.5)}
     assert policy.fits == {}, "with a table the fits are not fed"
     assert policy.draft_cost() == pytest.approx(1.0), "the planner's cost: the table's at the latest batch"
-    policy.reset_step_costs()
+    policy.forget_start_up()
     assert table.drift == {} and policy.cost_table is table, "a reset forgets live steps, not the timed table"
 
 

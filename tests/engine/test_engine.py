@@ -435,6 +435,50 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
         assert all(c == {fixed} for c in counts)
 
 
+def test_draft_calibration_times_every_size_and_depth_and_changes_no_output(model_dir, greedy_reference):
+    """``--draft-calibration on`` (``engine/draft_calibration.py``): a timed step of each batch
+    size and draft depth, the adaptive policy judging by them; the engine is then idle, empty
+    and intact with its counters at zero, and MTP on that table is still token-exact."""
+    from mtpserve.engine.draft_policy import StepCostTable
+    engine = make_engine(model_dir, k="auto", budget=48)
+    table = engine.calibrate_draft_costs(sizes=(1, 2, 3), steps=5)
+    assert isinstance(table, StepCostTable) and engine.draft_policy.cost_table is table
+    assert engine.scheduler.draft_policy is engine.draft_policy, "the steps' policy is the adaptive one again"
+    assert table.sizes == (1, 2, 3) and table.depth == engine.max_drafts == 4
+    assert set(table.measured) == {(n, d) for n in (1, 2, 3) for d in range(5)}
+    assert (table.grid > 0).all()
+    assert engine.is_idle_and_empty() and engine.num_steps == 0 and engine.stats.num_draft_tokens == 0
+    assert engine.draft_policy.acceptance() == {} and engine.draft_policy.replica_acceptance.num_trials == 0
+    engine.check_integrity()
+    # this CPU's drafts are dear (its table says K=0 at 8+ requests): a GPU-like table, so
+    # that the requests after the calibration draft deep
+    engine.draft_policy.set_cost_table(StepCostTable({(n, d): 1e-3 * (1 + 0.01 * d) for n in (1, 16) for d in range(5)}))
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    assert tokens == greedy_reference
+    assert engine.stats.num_draft_tokens > 1000, engine.stats
+    assert engine.draft_policy.fits == {}, "on a table the live steps are not fitted"
+
+
+def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time(model_dir):
+    config = EngineConfig(str(model_dir), num_threads=2,
+                          cache=CacheConfig(num_blocks=512, max_resident_requests=2),
+                          scheduler=SchedulerConfig(max_tokens_per_step=48, max_requests_per_step=2),
+                          spec=SpecConfig(draft_tokens="auto", draft_calibration=True))
+    engine = Engine(config)
+    assert engine.draft_policy.cost_table.sizes == (1, 2), "the default sizes: powers of two up to the request limit"
+    assert engine.is_idle_and_empty()
+    fixed = make_engine(model_dir, k=2)
+    with pytest.raises(ValueError, match="steps must exceed"):
+        fixed.calibrate_draft_costs(sizes=(1,), steps=3)
+    with pytest.raises(ValueError, match="MTP head"):
+        make_engine(model_dir, k=0).calibrate_draft_costs(sizes=(1,))
+    small = make_engine(model_dir, k="auto", num_blocks=40)     # 8 blocks a request's calibration
+    assert small.calibrate_draft_costs(sizes=(1, 2, 8), steps=4).sizes == (1, 2), "sizes the pool cannot hold are left out"
+    small.check_integrity()
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_engine(model_dir, k="auto", num_blocks=6).calibrate_draft_costs(sizes=(1,), steps=4)
+
+
 def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no_output(model_dir, greedy_reference):
     """What a CUDA engine runs at start (``warm_up_requests``: a prefill beside a decode, MTP
     verify and rollback, a greedy and a sampled accept) leaves nothing a user would notice:

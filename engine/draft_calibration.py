@@ -1,0 +1,111 @@
+"""Timing every decode step ``--draft-tokens auto`` can choose, at start-up: the draft policy's
+step-cost table (``draft_policy.StepCostTable``).
+
+For each batch size in ``calibration_sizes`` (1, 2, 4, ... and the step's request limit) the
+engine runs that many made-up requests, and once they all decode, holds each draft depth
+0..max for ``steps`` steps in a row, under a fixed policy::
+
+    size n:  prompts | d=0 x steps | d=1 x steps | ... | d=D x steps | abort all
+                       ^^ the first `skip` steps of each depth are left out: the first
+                          runs alone (overlapped decoding launches a step of one kind
+                          behind another of its kind) and catches up the head
+
+A depth's time is the median of its kept steps' wall time (``StepTiming.seconds``) that ran
+behind another (``pipelined``; all of them without overlap): the cost a depth has while
+held, which is what a policy that holds it pays. Requests are aborted at the end; the engine
+is idle and empty again, and nothing the requests did reaches the adaptive policy (the fixed
+one hears their verifies).
+
+On the H200 this is ~0.5 s for the bundled model (7 sizes x 5 depths x 12 steps of 0.4-3 ms);
+``Engine`` runs it on CUDA when auto drafts (``SpecConfig.draft_calibration``) and logs the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from mtpserve.engine.draft_policy import FixedDraftPolicy, StepCostTable
+from mtpserve.engine.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def calibration_sizes(largest: int) -> tuple[int, ...]:
+    """Powers of two below ``largest``, and ``largest`` itself."""
+    sizes, n = [], 1
+    while n < largest:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes + [max(1, largest)])
+
+
+def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len: int = 64,
+                      seed: int = 0) -> StepCostTable:
+    """The table of ``engine``'s decode steps at each size in ``sizes`` and depth
+    0..``engine.max_drafts`` (see the module docstring). Sizes whose requests the KV pool or the
+    resident rows cannot hold at once are left out (logged); ValueError when none fits or the
+    engine has no MTP head."""
+    if engine.max_drafts < 1:
+        raise ValueError("timing draft depths needs an engine with an MTP head and draft_tokens auto or > 0")
+    if steps <= skip + 1:
+        raise ValueError(f"steps must exceed skip + 1 ({skip + 1}), got {steps}")
+    depths = range(engine.max_drafts + 1)
+    m = engine.manifest
+    # every depth's steps may keep all their drafts: tokens = prompt + steps * sum(1 + d)
+    max_tokens = steps * sum(1 + d for d in depths) + engine.max_drafts + 1
+    prompt_len = min(prompt_len, m.context_length - max_tokens - 1)
+    if prompt_len < 1:
+        raise ValueError(f"the context ({m.context_length} tokens) is too short to time {steps} steps a depth")
+    blocks = -(-(prompt_len + max_tokens) // m.block_size)
+    fits = [n for n in sizes if n * blocks <= engine.kv_pool.num_usable_blocks
+            and n <= engine.config.cache.max_resident_requests]
+    if len(fits) < len(sizes):
+        logger.warning("engine: timing draft depths at %s requests only (the KV pool holds %d blocks, %d a request)",
+                       fits, engine.kv_pool.num_usable_blocks, blocks)
+    if not fits:
+        raise ValueError("the KV pool cannot hold even one request's calibration")
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    samples: dict[tuple[int, int], list[float]] = {}
+    policy = engine.scheduler.draft_policy
+    started = time.perf_counter()
+    try:
+        for n in fits:
+            ids = [f"<draft-calibration-{n}-{i}>" for i in range(n)]
+            engine.scheduler.draft_policy = FixedDraftPolicy(0)
+            for rid in ids:
+                engine.add_request(rid, rng.integers(0, m.vocab_size, prompt_len).tolist(), params)
+            for _ in range(n * prompt_len + 8):              # until every prompt is in
+                engine.step()
+                t = engine.last_step
+                if t is not None and not t.has_prefill and t.num_requests == n:
+                    break
+            for d in depths:
+                engine.scheduler.draft_policy = FixedDraftPolicy(d)
+                held, alone = [], []
+                for i in range(steps):
+                    engine.step()
+                    t = engine.last_step
+                    if i < skip or t is None or t.has_prefill or t.num_requests != n or t.num_head_forwards != d:
+                        continue
+                    (alone if t.pipelined is False else held).append(t.seconds)
+                # a depth that never ran behind another runs alone live too: its alone time
+                samples[n, d] = held if len(held) >= 3 else held + alone
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_work:                            # a launched step lands
+                engine.step()
+            logger.info("engine: %d requests a step: %s ms by draft depth", n,
+                        " ".join(f"{np.median(samples[n, d]) * 1e3:.2f}" if samples[n, d] else "-" for d in depths))
+    finally:
+        engine.scheduler.draft_policy = policy
+    assert engine.is_idle_and_empty(), "draft calibration left something behind"
+    missing = [key for key, v in samples.items() if not v]
+    if missing:
+        raise RuntimeError(f"draft calibration timed no step at (size, depth) {missing}")
+    logger.info("engine: timed draft depths 0..%d at %d batch sizes in %.1f s", engine.max_drafts, len(fits),
+                time.perf_counter() - started)
+    return StepCostTable.from_samples(samples)
