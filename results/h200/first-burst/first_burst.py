@@ -35,7 +35,7 @@ if os.environ.get("OLD_WARMUP") == "1":           # the warm-up before two waves
         self.add_request("<warm-up-1>", prompt[::-1], SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0, max_tokens=n, ignore_eos=True))
         while self.has_work:
             self.step()
-        self.draft_policy.reset_step_costs()
+        self.draft_policy.forget_start_up()
         self.num_steps, self.last_step = 0, None
     engine_mod.Engine.warm_up_requests = _old
 import gc
