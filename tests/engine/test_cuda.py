@@ -289,6 +289,25 @@ def _greedy_run(engine, params) -> tuple[dict, dict, dict]:
     return tokens, reasons, tops
 
 
+def near_tie_partings(ref, ref_reasons, tops, out, reasons) -> list[dict]:
+    """Where each sequence of ``out`` first parts from ``ref`` (whose top two logprobs at every
+    token are ``tops``); a sequence that never parts has ``ref``'s finish reason. Asserts that
+    at most MAX_PARTED part, each between ``ref``'s two best tokens, less than NEAR_TIE apart."""
+    parted = []
+    for rid in ref:
+        j = next((n for n, (x, y) in enumerate(zip(out[rid], ref[rid])) if x != y), None)
+        if j is None:
+            assert out[rid] == ref[rid] and reasons[rid] == ref_reasons[rid], rid
+            continue
+        (a, la), (b, lb) = tops[rid][j][2][:2]
+        parted.append({"request": rid, "position": j, "tokens": {out[rid][j], ref[rid][j]},
+                       "top two": {a, b}, "gap": la - lb})
+    assert len(parted) <= MAX_PARTED
+    for p in parted:
+        assert p["tokens"] == p["top two"] and p["gap"] < NEAR_TIE, f"a parting that is no near-tie: {p}"
+    return parted
+
+
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs,k", [(True, 0), (False, 0), (True, "auto"), (True, 2), (False, 3)])
 def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(model_dir, cuda_graphs, k):
@@ -314,26 +333,42 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
     out, reasons, _ = _greedy_run(engine, params)
     print(f"overlap (graphs {cuda_graphs}, K={k}): {engine.num_continuations} of {engine.num_steps} steps launched "
           f"before their predecessor landed; no continuation: {engine.overlap_blockers}")
-    parted = []
-    for rid in ref:
-        j = next((n for n, (x, y) in enumerate(zip(out[rid], ref[rid])) if x != y), None)
-        if j is None:
-            assert out[rid] == ref[rid] and reasons[rid] == ref_reasons[rid], rid
-            continue
-        (a, la), (b, lb) = tops[rid][j][2][:2]
-        parted.append({"request": rid, "position": j, "tokens": {out[rid][j], ref[rid][j]},
-                       "top two": {a, b}, "gap": la - lb})
+    parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
     print(f"{len(parted)} of {len(ref)} sequences part from stepping one at a time with MTP off: {parted}")
     if k == 0:
         assert not parted
-    assert len(parted) <= MAX_PARTED
-    for p in parted:
-        assert p["tokens"] == p["top two"] and p["gap"] < NEAR_TIE, f"a parting that is no near-tie: {p}"
     assert engine.num_continuations > (0.5 * engine.num_steps if k == 0 else 0)
     if isinstance(k, int) and k > 0:
         assert engine.num_draft_continuations > 0
     if cuda_graphs:
         assert engine.graphs.num_replays > engine.num_continuations / 2
+
+
+@needs_cuda
+def test_cuda_draft_calibration_times_every_depth_on_graphs_and_leaves_output_exact(model_dir):
+    """--draft-calibration on with CUDA graphs and overlapped decoding: every (size, depth) of
+    the table timed from steps that replayed graphs, the engine idle, empty and intact
+    afterwards, and auto on that table gives MTP off's tokens (or parts at a near-tie, as in
+    the overlap test)."""
+    import dataclasses
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, overlap=False),
+                                         [dataclasses.replace(p, logprobs=2) for p in params])
+    engine = engine_on(model_dir, "cuda", k="auto", budget=48)
+    table = engine.calibrate_draft_costs()
+    print("timed table (ms):", table.report())
+    # (32 requests' calibration needs 512 blocks of this engine's 511)
+    assert table.sizes == (1, 2, 4, 8, 16) and table.depth == engine.max_drafts
+    assert engine.draft_policy.cost_table is table and engine.scheduler.draft_policy is engine.draft_policy
+    assert engine.is_idle_and_empty() and engine.num_steps == 0
+    engine.check_integrity()
+    assert engine.graphs.num_replays == 0, "counters are zero again after the calibration"
+    out, reasons, _ = _greedy_run(engine, params)
+    parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
+    print(f"auto on the table: depths {engine.draft_policy.depths}, drift {table.drift}, "
+          f"{len(parted)} of {len(ref)} sequences part from MTP off: {parted}")
+    assert engine.graphs.num_replays > 0
 
 
 @needs_cuda

@@ -6,7 +6,7 @@ many short runs each, the order rotated every round; each round's ratio is again
 of that round.
 
     python3 auto_ab.py MODEL_DIR OUT.json [--concurrency 16] [--requests 64] [--rounds 12] [--freeze] [--fixed 2,3]
-        [--synthetic 0.7 --random-prompts 128]
+        [--synthetic 0.7 --random-prompts 128] [--bursts] [--table]
 
 Each run also records its steps' p50 / p90 wall time and the garbage collector's passes during it
 (their count and milliseconds, by generation); --freeze calls gc.freeze() once the engines are
@@ -21,6 +21,9 @@ N requests in all. Engines:
   auto bursts    (--bursts) the adaptive policy exploring in bursts of 4 steps every 64 and
                  fitting only the steps that ran behind another (AdaptiveDraftPolicy's
                  explore_burst / fit_pipelined_only: not the default until measured here)
+  auto table     (--table) the adaptive policy judging depths by a table of every batch size's
+                 and depth's step time, timed at start-up (--draft-calibration on; the table
+                 and its live drift are in each run's "fits")
 """
 from __future__ import annotations
 
@@ -98,6 +101,9 @@ def fits(policy) -> dict:
         out[str(c)] = {"coefficients_ms": None if co is None else [round(x * 1e3, 5) for x in co],
                        "steps": f.num_steps, "outliers": f.num_outliers, "alone": getattr(f, "num_alone", 0),
                        "deepest": f.deepest}
+    table = getattr(policy, "cost_table", None)
+    if table is not None:
+        out["table"] = table.report()
     if out:
         out["depths"] = dict(sorted(getattr(policy, "depths", {}).items()))
     return out
@@ -138,13 +144,14 @@ def main() -> None:
     p.add_argument("--synthetic", type=float, default=None, help="synthetic acceptance (an untrained head)")
     p.add_argument("--random-prompts", type=int, default=0, help="random prompts of this many tokens")
     p.add_argument("--bursts", action="store_true", help="also the adaptive policy exploring in bursts")
+    p.add_argument("--table", action="store_true", help="also the adaptive policy on a timed step-cost table")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
                    "the engine that never drafts: own time per step, auto minus it, largest first")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device)
 
-    def spec(k):
-        return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None)
+    def spec(k, calibrate=False):
+        return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None, draft_calibration=calibrate)
     engines = {"K=0": Engine(dataclasses.replace(base, spec=spec(0))),
                "auto": Engine(dataclasses.replace(base, spec=spec("auto"))),
                "never drafts": Engine(dataclasses.replace(base, spec=spec("auto")),
@@ -153,6 +160,10 @@ def main() -> None:
         policy = AdaptiveDraftPolicy(engines["auto"].max_drafts, explore_interval=64, explore_burst=4,
                                      fit_pipelined_only=True)
         engines["auto bursts"] = Engine(dataclasses.replace(base, spec=spec("auto")), draft_policy=policy)
+    if args.table:
+        engines["auto table"] = Engine(dataclasses.replace(base, spec=spec("auto", calibrate=True)))
+        print("auto table: ms by batch size (rows) and depth:", engines["auto table"].draft_policy.cost_table.report(),
+              flush=True)
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
     e0 = engines["K=0"]
