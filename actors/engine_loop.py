@@ -607,7 +607,7 @@ class EngineLoop:
             num_running=len(e.scheduler.requests), num_pending=len(self._pending),
             max_pending_seen=self._max_pending_seen, sessions=self.sessions.session_ids,
             acceptance=self.policy.acceptance() if self.policy is not None else {},
-            draft_cost=self.policy.estimator.draft_cost() if self.policy is not None else None,
+            draft_cost=self.policy.draft_cost() if self.policy is not None else None,
             spec=SpecDecodeStats().merged(e.stats), num_steps=e.num_steps, num_overlapped_steps=e.num_continuations,
             step_time_ema_s=self._step_time_ema, **prefix,
             failed=None if self._failed is None else repr(self._failed), taken_at=time.time())

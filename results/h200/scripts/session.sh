@@ -140,12 +140,19 @@
 #    .pipelined; explore_burst=4 every 64, fit_pipelined_only) beside the default, K=0 and an MTP
 #    engine that never drafts: auto_ab.py --bursts at C=16 / 8, and at C=1 with K=2 / 3 beside.
 #    test_cuda first (StepTiming gained a field on the engine's step path).
-# bb: (next, after ba) the 1.4 B model at synthetic acceptance 0.7 and 0.3 (the auto goal
-#    names both): auto_ab.py --bursts --synthetic A --random-prompts 128 at C=16 and C=1 (K=2
-#    beside at C=1), fewer rounds (each 1.4 B engine takes ~25 s to build).
+# bb: (next, after bc) the 1.4 B model at synthetic acceptance 0.7 and 0.3 (the auto goal
+#    names both): auto_ab.py --table --bursts --synthetic A --random-prompts 128 at C=16 and C=1
+#    (K=2 beside at C=1), fewer rounds (each 1.4 B engine takes ~25 s to build).
+# ba: (written for session 16; the device went back mid-kit and no machine was lent again that
+#    session: not run) superseded by bc.
+# bc: (next) test_cuda first (the draft calibration's new test; the engine's start-up and
+#    forget_start_up changed), then auto_ab.py --table --bursts: K=0, the fit (auto), the fit in
+#    bursts, auto on a table timed at start-up (--draft-calibration on) and an MTP engine that
+#    never drafts, bundled, at C=16 and 8, and at C=1 with K=2 / 3 beside (auto against the best
+#    fixed K). The table and its live drift are in each run's "fits".
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba|bb}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba|bb|bc}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -632,15 +639,30 @@ ba)
     --requests 16 --rounds 6 --fixed 2,3 --bursts 2>&1 | grep "^round\|median" | cut -c1-700
   step done
   ;;
+bc)
+  run_test_cuda
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py --table --bursts, bundled, C=$c, 128 requests, 8 rounds"
+    timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c$c.json" --concurrency $c \
+      --requests 128 --rounds 8 --table --bursts 2>&1 | grep "^auto table:\|^round\|median" | cut -c1-900
+  done
+  step "auto_ab.py --table --bursts, bundled, C=1, 16 requests, 5 rounds, K=2 / 3 beside"
+  timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c1.json" --concurrency 1 \
+    --requests 16 --rounds 5 --fixed 2,3 --table --bursts 2>&1 | grep "^round\|median" | cut -c1-900
+  step done
+  ;;
 bb)
   make_mid > "$OUT/make-mid.txt" 2>&1
   for a in 0.7 0.3; do
-    step "auto_ab.py --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
-    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-bursts-mid-$a-c16.json" --concurrency 16 \
-      --requests 64 --rounds 4 --bursts --synthetic $a --random-prompts 128 2>&1 | grep "^round\|median" | cut -c1-520
-    step "auto_ab.py --bursts, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
-    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-bursts-mid-$a-c1.json" --concurrency 1 \
-      --requests 6 --rounds 3 --fixed 2 --bursts --synthetic $a --random-prompts 128 2>&1 | grep "^round\|median" | cut -c1-600
+    step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
+    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c16.json" --concurrency 16 \
+      --requests 64 --rounds 4 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
+      | grep "^auto table:\|^round\|median" | cut -c1-900
+    step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
+    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c1.json" --concurrency 1 \
+      --requests 6 --rounds 3 --fixed 2 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
+      | grep "^round\|median" | cut -c1-900
   done
   step done
   ;;
