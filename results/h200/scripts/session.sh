@@ -143,8 +143,8 @@
 # bb: (next, after bc) the 1.4 B model at synthetic acceptance 0.7 and 0.3 (the auto goal
 #    names both): auto_ab.py --table --bursts --synthetic A --random-prompts 128 at C=16 and C=1
 #    (K=2 beside at C=1), fewer rounds (each 1.4 B engine takes ~25 s to build).
-# ba: (written for session 16; the device went back mid-kit and no machine was lent again that
-#    session: not run) superseded by bc.
+# ba: (written for session 16, never run: the device went back mid-kit and no machine was lent
+#    again that session; removed, bc runs its engines and more)
 # bc: (next) test_cuda first (the draft calibration's new test; the engine's start-up and
 #    forget_start_up changed), then auto_ab.py --table --bursts: K=0, the fit (auto), the fit in
 #    bursts, auto on a table timed at start-up (--draft-calibration on) and an MTP engine that
@@ -152,7 +152,7 @@
 #    fixed K). The table and its live drift are in each run's "fits".
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|ba|bb|bc}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -624,19 +624,6 @@ ax)
   step "auto_ab.py, bundled, C=1, 16 requests, 8 rounds, K=2 / 3 beside"
   timeout 150 python3 results/h200/scripts/auto_ab.py "$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')" \
     "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
-  step done
-  ;;
-ba)
-  run_test_cuda
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  for c in 16 8; do
-    step "auto_ab.py --bursts, bundled, C=$c, 128 requests, 10 rounds"
-    timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-bursts-c$c.json" --concurrency $c \
-      --requests 128 --rounds 10 --bursts 2>&1 | grep "^round\|median" | cut -c1-520
-  done
-  step "auto_ab.py --bursts, bundled, C=1, 16 requests, 6 rounds, K=2 / 3 beside"
-  timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-bursts-c1.json" --concurrency 1 \
-    --requests 16 --rounds 6 --fixed 2,3 --bursts 2>&1 | grep "^round\|median" | cut -c1-700
   step done
   ;;
 bc)
