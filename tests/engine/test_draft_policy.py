@@ -12,6 +12,7 @@ from mtpserve.engine.draft_policy import (
     DraftCostModel,
     DraftPolicy,
     FixedDraftPolicy,
+    PositionAcceptance,
     StepCostEstimator,
     StepCostTable,
     batch_class,
@@ -155,12 +156,17 @@ def test_the_depth_maximises_the_steps_tokens_summed_over_its_requests():
     assert best_depth([0.6] * 8, [4] * 8, linear_seconds((1e-3, 1e-5, 1e-5, 2e-4)), 4, uniform=True) == 0
 
 
-def _tokens_per_second(alphas, caps, coef, depth, uniform):
-    """The plain definition: every request's expected tokens at depth D over the step's cost."""
+def _tokens_per_second(alphas, caps, coef, depth, uniform, profile=None):
+    """The plain definition: every request's expected tokens at depth D over the step's cost
+    (position d kept with probability min(1, alpha * profile[d-1]) given the ones before)."""
     a, b, c, h = coef
     ks = [depth if uniform else min(depth, cap) for cap in caps]
-    tokens = sum(expected_tokens(al, k) for al, k in zip(alphas, ks))
-    head_rows = sum(expected_tokens(al, k) for al, k in zip(alphas, ks) if k)
+
+    def expected(al, k):
+        rates = [min(1.0, max(al, 0.0) * (profile[d] if profile else 1.0)) for d in range(k)]
+        return 1.0 + sum(float(np.prod(rates[:j + 1])) for j in range(k))
+    tokens = sum(expected(al, k) for al, k in zip(alphas, ks))
+    head_rows = sum(expected(al, k) for al, k in zip(alphas, ks) if k)
     return tokens / (a + b * (len(alphas) + sum(ks)) + c * depth + h * head_rows)
 
 
@@ -173,8 +179,9 @@ def test_best_depth_is_the_brute_force_argmax():
         alphas = [rnd.random() for _ in range(n)]
         caps = [rnd.randrange(0, 8) for _ in range(n)]
         coef = rnd.uniform(0, 2e-3), rnd.uniform(0, 1e-4), rnd.uniform(0, 5e-4), rnd.uniform(0, 1e-4)
-        values = [_tokens_per_second(alphas, caps, coef, d, uniform) for d in range(top + 1)]
-        got = best_depth(alphas, caps, linear_seconds(coef), top, uniform)
+        profile = [rnd.uniform(0.6, 1.3) for _ in range(8)] if rnd.random() < 0.5 else None
+        values = [_tokens_per_second(alphas, caps, coef, d, uniform, profile) for d in range(top + 1)]
+        got = best_depth(alphas, caps, linear_seconds(coef), top, uniform, profile)
         assert values[got] >= max(values) * (1 - 1e-9), (got, values)
 
 
@@ -420,7 +427,7 @@ def test_fixed_draft_policy():
 
 def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tokens: int = 128,
                 prompt_len: int = 32, alphas=(0.5, 0.9, 0.7), overlap: float = 0.0,
-                num_requests: int | None = None) -> float:
+                num_requests: int | None = None, position_decay: float = 1.0) -> float:
     """Tokens per simulated second of ``num_requests`` (default ``4 * batch``) requests (a ``prompt_len``-token prompt,
     ``num_tokens`` out, ``batch`` at a time, a finished one replaced at once), each accepting a
     draft with its own alpha given the ones before it were accepted. A step costs
@@ -430,7 +437,9 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
 
     ``overlap``: the share of that cost hidden when a step continues one of its own kind (a step
     without drafts after one without, a drafting step after a drafting one: the engine launches
-    it before the one it follows lands); a step that changes kind runs alone and pays it all."""
+    it before the one it follows lands); a step that changes kind runs alone and pays it all.
+    ``position_decay``: draft i (from 0) is kept with probability alpha * position_decay^i given
+    the ones before it (an MTP head's chained drafts are kept less often the deeper they are)."""
     import random
     a, b, c, h, *fixed = costs
     e = fixed[0] if fixed else 0.0        # what any drafting step costs beyond its levels
@@ -457,7 +466,7 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
             drafted_last = depth > 0
         for r, k in zip(running, ks):
             accepted = 0
-            while accepted < k and rnd.random() < r.alpha:
+            while accepted < k and rnd.random() < r.alpha * position_decay ** accepted:
                 accepted += 1
             policy.observe_verified(r.request_id, k, accepted)
             r.behind = (0 if k else r.behind) + 1 + accepted
@@ -706,3 +715,44 @@ def test_on_a_table_a_step_at_k0_drafts_one_only_to_measure_acceptance():
     policy = AdaptiveDraftPolicy(4, cost_table=never, probe_interval=1, idle_explore_interval=1)
     assert all(policy.step_drafts([_request(f"r{i}")], uniform=True) == [0] for i in range(8)), \
         "a draft costs two plain steps: not even acceptance 1 pays for one"
+
+
+def test_acceptance_by_position_counts_the_positions_each_step_tried():
+    """A step with K drafts and j kept tried positions 1..min(j + 1, K); each position's rate
+    over the rate of all trials is what a request's average acceptance is scaled by there."""
+    positions = PositionAcceptance(4, min_trials=4)
+    assert positions.relative() == [1.0] * 4
+    for _ in range(10):
+        positions.observe_step(3, 3)        # 1, 2, 3 kept
+        positions.observe_step(3, 1)        # 1 kept, 2 rejected, 3 not tried
+    assert positions.counts == [20, 20, 10, 0]
+    rel = positions.relative()
+    average = 40 / 50                       # 40 of 50 trials kept
+    assert rel[0] == pytest.approx(1.0 / average, rel=0.02) and rel[1] == pytest.approx(0.5 / average, rel=0.02)
+    assert rel[2] == pytest.approx(1.0 / average, rel=0.02) and rel[3] == 1.0, "position 4: never tried"
+    positions.observe_step(0, 0)
+    assert positions.counts == [20, 20, 10, 0]
+
+
+def test_on_a_table_acceptance_by_position_keeps_auto_off_deep_drafts_the_head_makes_badly():
+    """An MTP head's chained drafts are kept less often the deeper they are (0.9x per position
+    here). One acceptance for every position overrates the deep steps the H200's fixed
+    drafting cost favours; by position, auto keeps near the best fixed K."""
+    costs, decay = H200_DRAFTING_STEP, 0.9
+    seeds = range(3)
+
+    def loop(policy_for, s):
+        return closed_loop(policy_for(), costs, 1, True, s, alphas=BUNDLED_ALPHAS, num_requests=16,
+                           position_decay=decay)
+    fixed = {k: sum(loop(lambda k=k: FixedDraftPolicy(k), s) for s in seeds) for k in range(5)}
+    table = timed_table(costs, True, 0.0)
+
+    def flat():
+        policy = AdaptiveDraftPolicy(4, cost_table=table)
+        policy.positions.relative = lambda: None       # one acceptance for every position
+        return policy
+    by_position = sum(loop(lambda: AdaptiveDraftPolicy(4, cost_table=table), s) for s in seeds)
+    one = sum(loop(flat, s) for s in seeds)
+    best = max(fixed.values())
+    print(f"by position {by_position / best:.3f}x the best, one acceptance {one / best:.3f}x")
+    assert by_position >= 0.94 * best and by_position > 1.03 * one
