@@ -40,6 +40,13 @@ The estimator: a step that drafted K and had j accepted observed j successes in
 starts from the replica's own running acceptance (every request's trials), or the planner's
 cluster-wide prior until the replica has measured some.
 
+With ``--draft-calibration on`` the engine times every batch size's and depth's step at start-up
+(``StepCostTable``, ``engine/draft_calibration.py``) and the policy judges by that table instead
+of the fits: no depth is explored for its cost (on the H200 the fits, a line in the draft levels
+seeing one or two depths at a time, had two stable states at 16 requests), only acceptance is
+learned live, and by draft position (``PositionAcceptance``: an MTP head's deeper drafts are
+kept less often). Opt-in until measured on the H200 against the fits.
+
 On a Serve replica the planner actor sends a per-request K (its plan from the same reports);
 the policy takes it as that request's cap. Every decoding request follows the step's depth,
 seeded sampled ones too: their tokens do not depend on K (``speculative.accept_step``).
