@@ -340,7 +340,9 @@ class StepCostTable:
 
     The table is not refitted as the replica runs (a multiplicative drift of the host's speed
     leaves the best depth unchanged); ``observe`` keeps, per depth, the running ratio of the
-    live pipelined decode steps' seconds to the table's (``drift``), for reports.
+    live decode steps' seconds to the table's (``drift`` for pipelined steps, ``alone`` for the
+    others) and their total, for reports: what a measurement on the device needs to say whether
+    live steps cost what the table says.
     """
 
     def __init__(self, seconds: dict[tuple[int, int], float]):
@@ -358,7 +360,9 @@ class StepCostTable:
         self.depth = depth
         self.grid = np.maximum.accumulate(grid, axis=1)         # [size, depth]: never cheaper deeper
         self.measured = dict(seconds)
-        self.drift: dict[int, float] = {}                        # depth -> live / table, running
+        self.drift: dict[int, float] = {}                        # depth -> live / table, running (pipelined)
+        self.alone: dict[int, float] = {}                        # ... of decode steps that ran alone
+        self.seconds_by_depth: dict[int, tuple[int, float]] = {}  # depth -> (live decode steps, seconds)
         self._by_size: dict[int, list[float]] = {}
 
     @classmethod
@@ -402,21 +406,36 @@ class StepCostTable:
         return (row[-1] - row[0]) / (self.depth * row[0]) if self.depth else 0.0
 
     def observe(self, timing) -> None:
-        """A live step: a pipelined (or not overlapped) decode step updates its depth's drift."""
-        if timing is None or timing.has_prefill or not timing.num_requests or timing.pipelined is False:
+        """A live decode step: a pipelined (or not overlapped) one updates its depth's
+        ``drift``, one that ran alone its depth's ``alone`` (live / table, running), and either
+        adds its seconds to ``seconds_by_depth`` (how the live time of each depth splits)."""
+        if timing is None or timing.has_prefill or not timing.num_requests:
             return
         d = timing.num_head_forwards
         if d > self.depth:
             return
         ratio = timing.seconds / self.step_seconds(timing.num_requests)[d]
-        old = self.drift.get(d)
-        self.drift[d] = ratio if old is None else old + 0.02 * (ratio - old)
+        ratios = self.alone if timing.pipelined is False else self.drift
+        old = ratios.get(d)
+        ratios[d] = ratio if old is None else old + 0.02 * (ratio - old)
+        steps, seconds = self.seconds_by_depth.get(d, (0, 0.0))
+        self.seconds_by_depth[d] = (steps + 1, seconds + timing.seconds)
+
+    def forget_live(self) -> None:
+        """Forget what live steps said (start-up's steps)."""
+        self.drift.clear()
+        self.alone.clear()
+        self.seconds_by_depth.clear()
 
     def report(self) -> dict:
-        """The timed steps in ms by size and depth, and the drift, for logs and JSON."""
+        """The timed steps in ms by size and depth, and what live decode steps said of them, for
+        logs and JSON: by depth, the running live / table ratio of pipelined steps (drift) and
+        of steps run alone (alone), and the steps seen and their ms in all (live)."""
         return {"sizes": list(self.sizes),
                 "ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.grid],
-                "drift": {d: round(r, 3) for d, r in sorted(self.drift.items())}}
+                "drift": {d: round(r, 3) for d, r in sorted(self.drift.items())},
+                "alone": {d: round(r, 3) for d, r in sorted(self.alone.items())},
+                "live": {d: [n, round(t * 1e3, 2)] for d, (n, t) in sorted(self.seconds_by_depth.items())}}
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -676,7 +695,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """Forget the live steps' costs (the fits, the table's drift; not the timed table) and
         every acceptance measured (back to the prior)."""
         if self.cost_table is not None:
-            self.cost_table.drift.clear()
+            self.cost_table.forget_live()
         with self._lock:
             self._tracks.clear()
         self.replica_acceptance = AcceptanceEMA(self.prior, halflife_trials=64.0,

@@ -638,11 +638,12 @@ def test_a_tables_drift_follows_live_decode_steps_that_ran_behind_another():
     policy.observe_step(StepTiming(8, 16, 1, False, 6e-3, pipelined=True))
     policy.observe_step(StepTiming(8, 8, 0, False, 9e-3, pipelined=False))     # ran alone: not its cost
     policy.observe_step(StepTiming(8, 300, 0, True, 9e-3))                     # a prompt chunk
-    assert table.drift == {1: pytest.approx(1.5)}
+    assert table.drift == {1: pytest.approx(1.5)} and table.alone == {0: pytest.approx(4.5)}
+    assert table.report()["live"] == {0: [1, 9.0], 1: [1, 6.0]}
     assert policy.fits == {}, "with a table the fits are not fed"
     assert policy.draft_cost() == pytest.approx(1.0), "the planner's cost: the table's at the latest batch"
     policy.forget_start_up()
-    assert table.drift == {} and policy.cost_table is table, "a reset forgets live steps, not the timed table"
+    assert table.drift == {} == table.alone and policy.cost_table is table, "a reset forgets live steps, not the table"
 
 
 class _TimedDepth(FixedDraftPolicy):
