@@ -5,16 +5,21 @@ For each batch size in ``calibration_sizes`` (1, 2, 4, ... and the step's reques
 engine runs that many made-up requests, and once they all decode, holds each draft depth
 0..max for ``steps`` steps in a row, under a fixed policy::
 
-    size n:  prompts | d=0 x steps | d=1 x steps | ... | d=D x steps | abort all
-                       ^^ the first `skip` steps of each depth are left out: the first
-                          runs alone (overlapped decoding launches a step of one kind
-                          behind another of its kind) and catches up the head
+    size n:  prompts | d=0: steps, join, join | d=1: steps, join, join | ... | abort all
+                            ^^ the first `skip` steps of each depth are left out: the
+                               first runs alone (overlapped decoding launches a step of
+                               one kind behind another of its kind) and catches up the head
 
 A depth's time is the median of its kept steps' wall time (``StepTiming.seconds``) that ran
 behind another (``pipelined``; all of them without overlap): the cost a depth has while
-held, which is what a policy that holds it pays. Requests are aborted at the end; the engine
-is idle and empty again, and nothing the requests did reaches the adaptive policy (the fixed
-one hears their verifies).
+held, which is what a policy that holds it pays. A join ends one request and starts another
+(a fresh prompt of ``prompt_len`` tokens) and times the ``join_steps`` steps from there: the
+prompt's step, the new request's first drafts (its head catches up on the whole prompt), the
+steps that run alone until the overlap is back. What those cost beyond as many steady steps,
+more than at depth 0 (whose joins pay the prompt's step too), is the depth's join price
+(``StepCostTable`` ``joins``). Requests are aborted at the end; the engine is idle and empty
+again, and nothing the requests did reaches the adaptive policy (the fixed one hears their
+verifies).
 
 On the H200 this is ~0.5 s for the bundled model (7 sizes x 5 depths x 12 steps of 0.4-3 ms);
 ``Engine`` runs it on CUDA when auto drafts (``SpecConfig.draft_calibration``) and logs the table.
@@ -43,7 +48,7 @@ def calibration_sizes(largest: int) -> tuple[int, ...]:
 
 
 def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len: int = 64,
-                      seed: int = 0) -> StepCostTable:
+                      seed: int = 0, join_steps: int = 5, num_joins: int = 3) -> StepCostTable:
     """The table of ``engine``'s decode steps at each size in ``sizes`` and depth
     0..``engine.max_drafts`` (see the module docstring). Sizes whose requests the KV pool or the
     resident rows cannot hold at once are left out (logged); ValueError when none fits or the
@@ -55,7 +60,7 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     depths = range(engine.max_drafts + 1)
     m = engine.manifest
     # every depth's steps may keep all their drafts: tokens = prompt + steps * sum(1 + d)
-    max_tokens = steps * sum(1 + d for d in depths) + engine.max_drafts + 1
+    max_tokens = (steps + num_joins * join_steps) * sum(1 + d for d in depths) + engine.max_drafts + 1
     prompt_len = min(prompt_len, m.context_length - max_tokens - 1)
     if prompt_len < 1:
         raise ValueError(f"the context ({m.context_length} tokens) is too short to time {steps} steps a depth")
@@ -70,14 +75,19 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     samples: dict[tuple[int, int], list[float]] = {}
+    windows: dict[tuple[int, int], list[float]] = {}        # join windows' seconds over steady steps
     policy = engine.scheduler.draft_policy
     started = time.perf_counter()
+    serial = iter(range(10**9))
+
+    def start_request() -> str:
+        rid = f"<draft-calibration-{next(serial)}>"
+        engine.add_request(rid, rng.integers(0, m.vocab_size, prompt_len).tolist(), params)
+        return rid
     try:
         for n in fits:
-            ids = [f"<draft-calibration-{n}-{i}>" for i in range(n)]
             engine.scheduler.draft_policy = FixedDraftPolicy(0)
-            for rid in ids:
-                engine.add_request(rid, rng.integers(0, m.vocab_size, prompt_len).tolist(), params)
+            ids = [start_request() for _ in range(n)]
             for _ in range(n * prompt_len + 8):              # until every prompt is in
                 engine.step()
                 t = engine.last_step
@@ -94,6 +104,15 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                     (alone if t.pipelined is False else held).append(t.seconds)
                 # a depth that never ran behind another runs alone live too: its alone time
                 samples[n, d] = held if len(held) >= 3 else held + alone
+                steady = float(np.median(samples[n, d])) if samples[n, d] else 0.0
+                for _ in range(num_joins):
+                    engine.abort(ids.pop(0))
+                    ids.append(start_request())
+                    window = 0.0
+                    for _ in range(join_steps):
+                        engine.step()
+                        window += engine.last_step.seconds if engine.last_step is not None else 0.0
+                    windows.setdefault((n, d), []).append(window - join_steps * steady)
             for rid in ids:
                 engine.abort(rid)
             while engine.has_work:                            # a launched step lands
@@ -106,6 +125,10 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     missing = [key for key, v in samples.items() if not v]
     if missing:
         raise RuntimeError(f"draft calibration timed no step at (size, depth) {missing}")
-    logger.info("engine: timed draft depths 0..%d at %d batch sizes in %.1f s", engine.max_drafts, len(fits),
-                time.perf_counter() - started)
-    return StepCostTable.from_samples(samples)
+    joins = {(n, d): [float(np.median(windows[n, d])) - float(np.median(windows[n, 0]))]
+             for n in fits for d in depths if d and windows.get((n, d)) and windows.get((n, 0))}
+    table = StepCostTable.from_samples(samples, joins)
+    logger.info("engine: timed draft depths 0..%d at %d batch sizes in %.1f s; a joining request costs %s ms "
+                "more by depth at %d requests", engine.max_drafts, len(fits), time.perf_counter() - started,
+                " ".join(f"{x * 1e3:.2f}" for x in table.join_seconds(fits[-1])), fits[-1])
+    return table

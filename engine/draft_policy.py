@@ -294,14 +294,15 @@ class StepCostEstimator:
         policy on a fit climbs a level at a time)."""
         return self.deepest + 1
 
-    def seconds_at(self, num_requests: int):
-        """``seconds(depth, main_rows, head_rows)`` of a decode step by the fit (None without
-        one): what ``best_depth`` judges a step of ``num_requests`` by."""
+    def seconds_at(self, num_requests: int, arrivals_per_token: float = 0.0):
+        """``seconds(depth, main_rows, head_rows, tokens)`` of a decode step by the fit (None
+        without one): what ``best_depth`` judges a step of ``num_requests`` by (the fit has no
+        join term: ``arrivals_per_token`` is not used)."""
         coef = self.coefficients()
         if coef is None:
             return None
         a, b, c, h = coef
-        return lambda depth, rows, head_rows: a + b * rows + c * depth + h * head_rows
+        return lambda depth, rows, head_rows, tokens: a + b * rows + c * depth + h * head_rows
 
     def draft_cost(self) -> float | None:
         """A draft level's cost in plain decode steps at the recent batch size (the planner's
@@ -338,6 +339,15 @@ class StepCostTable:
           |    o----o---
           +----1----2----4--------8----> batch size (timed sizes: o; between them, lines)
 
+    ``joins`` (optional): per (size, depth >= 1), what a request that joins the decoding batch
+    costs beyond steady steps, more than it costs at depth 0 (its prompt's step breaks the
+    overlap, and its first drafting step makes the head catch up on the whole prompt). On the
+    H200 at 16 requests, drafting steps averaged 1.52 ms against ~1.25 steady, ~1.4 ms more per
+    joining request (results/h200 session z); with 128-token outputs a request joins every
+    2.5 steps at K=3, which made K=3 lose to K=0 where its steady steps won by 17%. A step's
+    price at depth d is then ``seconds[d] + arrivals_per_token * tokens(d) * joins[d]``, with
+    the replica's measured rate of joining requests per emitted token (``ArrivalRate``).
+
     The table is not refitted as the replica runs (a multiplicative drift of the host's speed
     leaves the best depth unchanged); ``observe`` keeps, per depth, the running ratio of the
     live decode steps' seconds to the table's (``drift`` for pipelined steps, ``alone`` for the
@@ -345,9 +355,10 @@ class StepCostTable:
     live steps cost what the table says.
     """
 
-    def __init__(self, seconds: dict[tuple[int, int], float]):
+    def __init__(self, seconds: dict[tuple[int, int], float], joins: dict[tuple[int, int], float] | None = None):
         """seconds: {(batch size, depth): a steady step's seconds}, every depth 0..D at every
-        size."""
+        size; joins: {(batch size, depth): a joining request's extra seconds at that depth over
+        depth 0} (missing ones, and depth 0, are 0; negative ones are taken as 0)."""
         sizes = sorted({n for n, _ in seconds})
         depth = max((d for _, d in seconds), default=-1)
         if not sizes or sizes[0] < 1:
@@ -359,6 +370,9 @@ class StepCostTable:
         self.sizes = tuple(sizes)
         self.depth = depth
         self.grid = np.maximum.accumulate(grid, axis=1)         # [size, depth]: never cheaper deeper
+        joins = joins or {}
+        self.join_grid = np.array([[max(0.0, joins.get((n, d), 0.0)) if d else 0.0 for d in range(depth + 1)]
+                                   for n in sizes], dtype=np.float64)
         self.measured = dict(seconds)
         self.drift: dict[int, float] = {}                        # depth -> live / table, running (pipelined)
         self.alone: dict[int, float] = {}                        # ... of decode steps that ran alone
@@ -366,9 +380,11 @@ class StepCostTable:
         self._by_size: dict[int, list[float]] = {}
 
     @classmethod
-    def from_samples(cls, samples: dict[tuple[int, int], list[float]]) -> StepCostTable:
-        """The table of each (size, depth)'s median of timed steps."""
-        return cls({key: float(np.median(times)) for key, times in samples.items() if times})
+    def from_samples(cls, samples: dict[tuple[int, int], list[float]],
+                     joins: dict[tuple[int, int], list[float]] | None = None) -> StepCostTable:
+        """The table of each (size, depth)'s median of timed steps (and of timed joins)."""
+        return cls({key: float(np.median(times)) for key, times in samples.items() if times},
+                   {key: float(np.median(v)) for key, v in (joins or {}).items() if v})
 
     version = 0                 # its predictions never change (StepCostEstimator's change with each solve)
 
@@ -376,28 +392,42 @@ class StepCostTable:
     def trusted_depth(self) -> int:
         return self.depth
 
+    def _at(self, grid: np.ndarray, n: int) -> np.ndarray:
+        """``grid``'s row at batch size ``n``: interpolated, extrapolated past the largest size
+        along its last segment, never below the largest size's row."""
+        sizes = self.sizes
+        if len(sizes) == 1:
+            return grid[0]
+        i = min(max(int(np.searchsorted(sizes, n)) - 1, 0), len(sizes) - 2)
+        lo, hi = sizes[i], sizes[i + 1]
+        row = grid[i] + (n - lo) / (hi - lo) * (grid[i + 1] - grid[i])
+        return np.maximum(row, grid[-1]) if n > sizes[-1] else row
+
     def step_seconds(self, num_requests: int) -> list[float]:
-        """Seconds of a step of ``num_requests`` at each depth 0..D."""
+        """Seconds of a steady step of ``num_requests`` at each depth 0..D."""
         out = self._by_size.get(num_requests)
         if out is None:
-            n, sizes = max(1, num_requests), self.sizes
-            i = min(max(int(np.searchsorted(sizes, n)) - 1, 0), max(len(sizes) - 2, 0))
-            if len(sizes) == 1:
-                row = self.grid[0]
-            else:
-                lo, hi = sizes[i], sizes[i + 1]
-                t = (n - lo) / (hi - lo)
-                row = self.grid[i] + t * (self.grid[i + 1] - self.grid[i])
-                row = np.maximum(row, self.grid[-1]) if n > sizes[-1] else row
-            out = self._by_size[num_requests] = [float(x) for x in np.maximum.accumulate(row)]
-        return out
+            n = max(1, num_requests)
+            out = self._by_size[num_requests] = (
+                [float(x) for x in np.maximum.accumulate(self._at(self.grid, n))],
+                [max(0.0, float(x)) for x in self._at(self.join_grid, n)])
+        return out[0]
 
-    def seconds_at(self, num_requests: int):
-        """``seconds(depth, main_rows, head_rows)`` for ``best_depth``: the table's time of the
-        depth at this batch size (rows are the uniform step's: a step whose requests the
-        planner caps below the depth is priced as if each carried it, slightly dear)."""
-        row = self.step_seconds(num_requests)
-        return lambda depth, rows, head_rows: row[depth]
+    def join_seconds(self, num_requests: int) -> list[float]:
+        """A joining request's extra seconds at each depth 0..D over depth 0, at this size."""
+        self.step_seconds(num_requests)
+        return self._by_size[num_requests][1]
+
+    def seconds_at(self, num_requests: int, arrivals_per_token: float = 0.0):
+        """``seconds(depth, main_rows, head_rows, tokens)`` for ``best_depth``: the table's
+        time of the depth at this batch size, and its joins' share (``arrivals_per_token *
+        tokens`` requests join per step; see the class docstring). Rows are the uniform step's:
+        a step whose requests the planner caps below the depth is priced as if each carried
+        it, slightly dear."""
+        row, joins = self.step_seconds(num_requests), self.join_seconds(num_requests)
+        if not arrivals_per_token:
+            return lambda depth, rows, head_rows, tokens: row[depth]
+        return lambda depth, rows, head_rows, tokens: row[depth] + arrivals_per_token * tokens * joins[depth]
 
     def draft_cost(self, num_requests: int) -> float:
         """A draft level's mean cost in plain decode steps at this batch size, from K=0 to the
@@ -433,6 +463,7 @@ class StepCostTable:
         of steps run alone (alone), and the steps seen and their ms in all (live)."""
         return {"sizes": list(self.sizes),
                 "ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.grid],
+                "join_ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.join_grid],
                 "drift": {d: round(r, 3) for d, r in sorted(self.drift.items())},
                 "alone": {d: round(r, 3) for d, r in sorted(self.alone.items())},
                 "live": {d: [n, round(t * 1e3, 2)] for d, (n, t) in sorted(self.seconds_by_depth.items())}}
@@ -478,6 +509,32 @@ class AcceptanceEMA:
         self.num_trials += trials
         weight = max(1.0 - self._decay ** trials, trials / (self.num_trials + self.prior_trials))
         self.value += weight * (num_accepted / trials - self.value)
+
+
+class ArrivalRate:
+    """Requests that join the decoding batch per token emitted, exponentially weighted over
+    tokens (half-life ``halflife_tokens``): 0 until ``min_tokens`` tokens were counted. A
+    workload's property (1 / its mean output length, when requests run to their end), which
+    a table's joins are priced by."""
+
+    def __init__(self, halflife_tokens: float = 2048.0, min_tokens: int = 64):
+        self._log_decay = np.log(0.5) / halflife_tokens
+        self.min_tokens = min_tokens
+        self.joins = 0.0
+        self.tokens = 0.0
+        self.num_tokens = 0
+
+    def observe(self, joined: int, tokens: int) -> None:
+        if tokens <= 0 and not joined:
+            return
+        decay = float(np.exp(self._log_decay * tokens))
+        self.joins = decay * self.joins + joined
+        self.tokens = decay * self.tokens + tokens
+        self.num_tokens += tokens
+
+    @property
+    def per_token(self) -> float:
+        return self.joins / self.tokens if self.num_tokens >= self.min_tokens and self.tokens > 0 else 0.0
 
 
 class PositionAcceptance:
@@ -530,17 +587,17 @@ def batch_class(num_requests: int) -> int:
 
 
 def linear_seconds(coefficients):
-    """``seconds(depth, main_rows, head_rows)`` of the linear model (a, b, c, h)."""
+    """``seconds(depth, main_rows, head_rows, tokens)`` of the linear model (a, b, c, h)."""
     a, b, c, h = coefficients
-    return lambda depth, rows, head_rows: a + b * rows + c * depth + h * head_rows
+    return lambda depth, rows, head_rows, tokens: a + b * rows + c * depth + h * head_rows
 
 
 def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=None) -> int:
     """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
-    each carries min(D, cap), or D under ``uniform``. ``seconds(depth, main_rows, head_rows)``:
-    the step's predicted time (``seconds_at`` of a ``StepCostEstimator`` or a
+    each carries min(D, cap), or D under ``uniform``. ``seconds(depth, main_rows, head_rows,
+    expected_tokens)``: the step's predicted time (``seconds_at`` of a ``StepCostEstimator`` or a
     ``StepCostTable``); a drafting request's head catch-up rows at a steady depth are the
     tokens it kept in its last step, its expected tokens. Ties go to the smaller D.
     ``profile``: per draft position d = 1..max_depth, how a request's acceptance there compares
@@ -579,7 +636,7 @@ def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=Non
                 p *= alpha if profile is None else min(1.0, alpha * profile[d - 1])
                 power[d] += p
                 count[d] += 1
-    step = max(seconds(0, n, 0.0), 1e-9)
+    step = max(seconds(0, n, 0.0, float(n)), 1e-9)
     best, best_value = 0, n / step
     rows, tokens = n, float(n)
     for d in range(1, max_depth + 1):
@@ -587,7 +644,7 @@ def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=Non
         tokens += power[d]
         head_rows = tokens - (n - count[1])          # the requests that draft at all catch up
         # a deeper step never costs less: a fit extrapolated past the depths it saw can say so
-        step = max(seconds(d, rows, head_rows), step)
+        step = max(seconds(d, rows, head_rows, tokens), step)
         if tokens / step > best_value * (1.0 + 1e-9):
             best, best_value = d, tokens / step
     return best
@@ -635,6 +692,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
         self.positions = PositionAcceptance(max(1, max_drafts))
+        self.arrivals = ArrivalRate()
+        self._arrivals_per_token = 0.0            # the rate the depths are judged on (refreshed now and then)
+        self._joined = self._accepted = 0         # since the last observed step
         self.depths: dict[int, int] = {}         # depth -> steps planned with it (a report's figure)
         self._step_index = 1                     # the step about to run, counted from 1
         self._num_calibration: dict[int, int] = {}   # batch-size class -> calibration steps planned
@@ -677,8 +737,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
         table's drift."""
         if timing is not None and timing.num_requests:
             self._batch = timing.num_requests
+            self.arrivals.observe(self._joined, timing.num_requests + self._accepted)
+            self._joined = self._accepted = 0
             if self.cost_table is not None:
                 self.cost_table.observe(timing)
+                if self._step_index % 8 == 0:
+                    rate = self.arrivals.per_token     # judged again when it moved by 5%
+                    if abs(rate - self._arrivals_per_token) > 0.05 * max(rate, self._arrivals_per_token):
+                        self._arrivals_per_token = rate
+                        self._inputs_version += 1
             else:
                 self._last_fit = self.fit_for(timing.num_requests)
                 self._last_fit.observe(timing)
@@ -701,6 +768,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.replica_acceptance = AcceptanceEMA(self.prior, halflife_trials=64.0,
                                                 prior_trials=self.replica_acceptance.prior_trials)
         self.positions = PositionAcceptance(len(self.positions.trials))
+        self.arrivals = ArrivalRate()
+        self._arrivals_per_token = 0.0
+        self._joined = self._accepted = 0
         self._inputs_version += 1
         self.fits.clear()
         self._judged = None
@@ -724,6 +794,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def observe_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self._track(request_id).observe_step(num_drafts, num_accepted)
+        self._accepted += num_accepted
         self.replica_acceptance.observe_step(num_drafts, num_accepted)
         self.positions.observe_step(num_drafts, num_accepted)
         self._inputs_version += 1
@@ -770,8 +841,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             # on the table, acceptance by position; the fits keep one for all (with the profile
             # they came to 0.935x the best at one request on the moderate costs, against 0.95x)
             profile = self.positions.relative() if judge is self.cost_table else None
-            depth = best_depth(alphas, caps, judge.seconds_at(len(requests)), min(top, judge.trusted_depth), uniform,
-                               profile)
+            seconds = judge.seconds_at(len(requests), self._arrivals_per_token)
+            depth = best_depth(alphas, caps, seconds, min(top, judge.trusted_depth), uniform, profile)
             self._judged, self._judged_depth = key, depth
         return self._judged_depth
 
@@ -817,7 +888,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if all(a < 1.0 for a in alphas):
             return 0
         n = len(requests)
-        return best_depth(alphas, caps, self.cost_table.seconds_at(n), min(top, self.cost_table.depth), uniform)
+        return best_depth(alphas, caps, self.cost_table.seconds_at(n, self._arrivals_per_token),
+                          min(top, self.cost_table.depth), uniform)
 
     def _fitted_depth(self, requests: list, caps: list[int], top: int, uniform: bool) -> tuple[int, bool]:
         """(depth, exploring) by the fits of live steps, calibrating and exploring neighbours
@@ -875,8 +947,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if track is None:
             measured = self.replica_acceptance.num_trials >= self.min_prior_trials
             start = self.replica_acceptance.value if measured else self.prior
-            with self._lock:   # the replica's measured value is a better start than the guess
+            with self._lock:
                 track = self._tracks[request_id] = AcceptanceEMA(start)
+            self._joined += 1                     # a request new to the decoding batch
         return track
 
     def acceptance(self) -> dict[str, tuple[float, int]]:

@@ -9,6 +9,7 @@ import pytest
 from mtpserve.engine.draft_policy import (
     AcceptanceEMA,
     AdaptiveDraftPolicy,
+    ArrivalRate,
     DraftCostModel,
     DraftPolicy,
     FixedDraftPolicy,
@@ -427,7 +428,7 @@ def test_fixed_draft_policy():
 
 def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tokens: int = 128,
                 prompt_len: int = 32, alphas=(0.5, 0.9, 0.7), overlap: float = 0.0,
-                num_requests: int | None = None, position_decay: float = 1.0) -> float:
+                num_requests: int | None = None, position_decay: float = 1.0, join_cost: float = 0.0) -> float:
     """Tokens per simulated second of ``num_requests`` (default ``4 * batch``) requests (a ``prompt_len``-token prompt,
     ``num_tokens`` out, ``batch`` at a time, a finished one replaced at once), each accepting a
     draft with its own alpha given the ones before it were accepted. A step costs
@@ -439,7 +440,9 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
     without drafts after one without, a drafting step after a drafting one: the engine launches
     it before the one it follows lands); a step that changes kind runs alone and pays it all.
     ``position_decay``: draft i (from 0) is kept with probability alpha * position_decay^i given
-    the ones before it (an MTP head's chained drafts are kept less often the deeper they are)."""
+    the ones before it (an MTP head's chained drafts are kept less often the deeper they are).
+    ``join_cost``: seconds a request adds to the first step it drafts in (beyond the head's
+    catch-up: the steps around a joining request's prompt that run alone)."""
     import random
     a, b, c, h, *fixed = costs
     e = fixed[0] if fixed else 0.0        # what any drafting step costs beyond its levels
@@ -449,7 +452,7 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
     def new():
         i = next(ids)
         return SimpleNamespace(request_id=f"q{i}", params=SamplingParams(temperature=0),
-                               alpha=alphas[i % len(alphas)], left=num_tokens, behind=prompt_len)
+                               alpha=alphas[i % len(alphas)], left=num_tokens, behind=prompt_len, fresh=True)
     running, started = [new() for _ in range(batch)], batch
     seconds = tokens = 0.0
     drafted_last = None
@@ -459,6 +462,10 @@ def closed_loop(policy, costs, batch: int, uniform: bool, seed: int = 0, num_tok
         rows, depth = sum(1 + k for k in ks), max(ks)
         catch_up = sum(r.behind for r, k in zip(running, ks) if k)
         step = (a + b * rows + c * depth + e * (depth > 0) + h * catch_up) * (1 + 0.1 * rnd.random()) * (10 if rnd.random() < 0.005 else 1)
+        for r, k in zip(running, ks):
+            if k and r.fresh:
+                step += join_cost
+                r.fresh = False
         pipelined = None
         if overlap:
             pipelined = drafted_last == (depth > 0)
@@ -623,7 +630,7 @@ def test_a_timed_table_interpolates_between_sizes_and_never_prices_a_deeper_step
     assert table.step_seconds(2) == pytest.approx([1 + 1 / 3, 3.0, 2 + 4 / 3])
     assert table.step_seconds(8) == pytest.approx([2 + 4 / 3, 9.0, 6 + 16 / 3]), "past the largest: its last segment"
     seconds = table.seconds_at(4)
-    assert [seconds(d, 99, 99) for d in range(3)] == [2.0, 5.0, 6.0], "rows do not move a timed step"
+    assert [seconds(d, 99, 99, 99) for d in range(3)] == [2.0, 5.0, 6.0], "rows do not move a timed step"
     assert table.draft_cost(4) == pytest.approx((6.0 - 2.0) / (2 * 2.0))
     assert StepCostTable.from_samples({(1, 0): [1.0, 9.0, 2.0], (1, 1): [3.0]}).step_seconds(1) == [2.0, 3.0]
     with pytest.raises(ValueError, match="every"):
@@ -757,3 +764,31 @@ def test_on_a_table_acceptance_by_position_keeps_auto_off_deep_drafts_the_head_m
     best = max(fixed.values())
     print(f"by position {by_position / best:.3f}x the best, one acceptance {one / best:.3f}x")
     assert by_position >= 0.94 * best and by_position > 1.03 * one
+
+
+def test_on_a_table_the_price_of_joining_requests_keeps_auto_from_drafting_where_it_loses():
+    """At 16 requests of 128 tokens each a request joins every few steps; on the H200 a joining
+    request cost drafting steps ~1.4 ms more than steady ones (session z), enough to make K=0
+    best where steady steps favour deep drafts. With the table's join prices and the measured
+    rate of joining requests, auto keeps near the best fixed K; without them it drafts deep.
+    (256 requests: its one step that measures acceptance at the start pays the first 16
+    requests' joins, 7% of a run of 64.)"""
+    costs, join = H200_DRAFTING_STEP, 1.4e-3
+    seeds = range(3)
+
+    def loop(policy, s):
+        return closed_loop(policy, costs, 16, True, s, alphas=BUNDLED_ALPHAS, num_requests=256, join_cost=join)
+    fixed = {k: sum(loop(FixedDraftPolicy(k), s) for s in seeds) for k in range(5)}
+    timed = timed_table(costs, True, 0.0)
+    priced = StepCostTable(timed.measured, {(n, d): join for n in timed.sizes for d in range(1, 5)})
+    with_joins = sum(loop(AdaptiveDraftPolicy(4, cost_table=priced), s) for s in seeds)
+    without = sum(loop(AdaptiveDraftPolicy(4, cost_table=timed), s) for s in seeds)
+    best = max(fixed, key=fixed.get)
+    print(f"joins priced {with_joins / fixed[best]:.3f}x the best (K={best}), not priced {without / fixed[best]:.3f}x; "
+          + " ".join(f"K={k} {v / fixed[0]:.2f}" for k, v in fixed.items()))
+    assert with_joins >= 0.96 * fixed[best] and with_joins >= 0.96 * fixed[0]
+    assert without < 0.95 * fixed[best], "the join price made no difference: the test exercised nothing"
+    rate = ArrivalRate(halflife_tokens=512, min_tokens=64)
+    for _ in range(200):
+        rate.observe(1, 128)                  # one request joins per 128 tokens
+    assert rate.per_token == pytest.approx(1 / 128)

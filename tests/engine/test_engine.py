@@ -447,6 +447,7 @@ def test_draft_calibration_times_every_size_and_depth_and_changes_no_output(mode
     assert table.sizes == (1, 2, 3) and table.depth == engine.max_drafts == 4
     assert set(table.measured) == {(n, d) for n in (1, 2, 3) for d in range(5)}
     assert (table.grid > 0).all()
+    assert table.join_grid.shape == table.grid.shape and (table.join_grid >= 0).all() and not table.join_grid[:, 0].any()
     assert engine.is_idle_and_empty() and engine.num_steps == 0 and engine.stats.num_draft_tokens == 0
     assert engine.draft_policy.acceptance() == {} and engine.draft_policy.replica_acceptance.num_trials == 0
     engine.check_integrity()
@@ -472,7 +473,7 @@ def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time
         fixed.calibrate_draft_costs(sizes=(1,), steps=3)
     with pytest.raises(ValueError, match="MTP head"):
         make_engine(model_dir, k=0).calibrate_draft_costs(sizes=(1,))
-    small = make_engine(model_dir, k="auto", num_blocks=40)     # 8 blocks a request's calibration
+    small = make_engine(model_dir, k="auto", num_blocks=60)     # 23 blocks a request's calibration
     assert small.calibrate_draft_costs(sizes=(1, 2, 8), steps=4).sizes == (1, 2), "sizes the pool cannot hold are left out"
     small.check_integrity()
     with pytest.raises(ValueError, match="cannot hold"):
