@@ -45,7 +45,8 @@ With ``--draft-calibration on`` the engine times every batch size's and depth's 
 of the fits: no depth is explored for its cost (on the H200 the fits, a line in the draft levels
 seeing one or two depths at a time, had two stable states at 16 requests), only acceptance is
 learned live, and by draft position (``PositionAcceptance``: an MTP head's deeper drafts are
-kept less often). Opt-in until measured on the H200 against the fits.
+kept less often), with the rate of requests joining the batch (``ArrivalRate``), which the
+table's join prices are paid at. Opt-in until measured on the H200 against the fits.
 
 On a Serve replica the planner actor sends a per-request K (its plan from the same reports);
 the policy takes it as that request's cap. Every decoding request follows the step's depth,
