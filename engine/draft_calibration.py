@@ -16,8 +16,9 @@ held, which is what a policy that holds it pays. A join ends one request and sta
 (a fresh prompt of ``prompt_len`` tokens) and times the ``join_steps`` steps from there: the
 prompt's step, the new request's first drafts (its head catches up on the whole prompt), the
 steps that run alone until the overlap is back. What those cost beyond as many steady steps,
-more than at depth 0 (whose joins pay the prompt's step too), is the depth's join price
-(``StepCostTable`` ``joins``). Requests are aborted at the end; the engine is idle and empty
+more than at depth 0 (whose joins pay the prompt's step too), is the join price of a drafting
+step at that size (``StepCostTable`` ``joins``; one price for every depth, the median over
+all of theirs). Requests are aborted at the end; the engine is idle and empty
 again, and nothing the requests did reaches the adaptive policy (the fixed one hears their
 verifies).
 
@@ -125,8 +126,15 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     missing = [key for key, v in samples.items() if not v]
     if missing:
         raise RuntimeError(f"draft calibration timed no step at (size, depth) {missing}")
-    joins = {(n, d): [float(np.median(windows[n, d])) - float(np.median(windows[n, 0]))]
-             for n in fits for d in depths if d and windows.get((n, d)) and windows.get((n, 0))}
+    # one join price for every depth >= 1 at a size, the median of all their joins: what a join
+    # adds (the head's catch-up on the prompt, steps run alone) hardly depends on the depth,
+    # and 3 joins a depth alone were noisy (on this CPU: 0 to 6.8 ms between depths of one size)
+    joins = {}
+    for n in fits:
+        drafting = [w for d in depths if d for w in windows.get((n, d), [])]
+        if drafting and windows.get((n, 0)):
+            price = float(np.median(drafting)) - float(np.median(windows[n, 0]))
+            joins.update({(n, d): [price] for d in depths if d})
     table = StepCostTable.from_samples(samples, joins)
     logger.info("engine: timed draft depths 0..%d at %d batch sizes in %.1f s; a joining request costs %s ms "
                 "more by depth at %d requests", engine.max_drafts, len(fits), time.perf_counter() - started,
