@@ -735,8 +735,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
     # ---- the engine's hooks (owner thread) ------------------------------------------------
     def observe_step(self, timing) -> None:
         """Feed the step-cost model with what the step ran and how long it took (None: the
-        step ran nothing). With a cost table the fits are not fed (the table judges), only the
-        table's drift."""
+        step ran nothing), and the count of requests joining per token. With a cost table the
+        fits are not fed (the table judges), only the table's record of live steps."""
         if timing is not None and timing.num_requests:
             self._batch = timing.num_requests
             self.arrivals.observe(self._joined, timing.num_requests + self._accepted)
