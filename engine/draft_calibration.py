@@ -12,23 +12,29 @@ engine runs that many made-up requests, and once they all decode, holds each dra
 
 A depth's time is the median of its kept steps' wall time (``StepTiming.seconds``) that ran
 behind another (``pipelined``; all of them without overlap): the cost a depth has while
-held, which is what a policy that holds it pays. A join ends one request and starts another
-(a fresh prompt of ``prompt_len`` tokens) and times the ``join_steps`` steps from there: the
-prompt's step, the new request's first drafts (its head catches up on the whole prompt), the
-steps that run alone until the overlap is back. What those cost beyond as many steady steps,
-more than at depth 0 (whose joins pay the prompt's step too), is the join price of a drafting
-step at that size (``StepCostTable`` ``joins``; one price for every depth, the median over
-all of theirs). Requests are aborted at the end; the engine is idle and empty
-again, and nothing the requests did reaches the adaptive policy (the fixed one hears their
-verifies).
+held, which is what a policy that holds it pays.
 
-On the H200 this is ~0.5 s for the bundled model (7 sizes x 5 depths x 12 steps of 0.4-3 ms);
-``Engine`` runs it on CUDA when auto drafts (``SpecConfig.draft_calibration``) and logs the table.
+A join ends one request and starts another (a fresh prompt of ``prompt_len`` tokens), and
+times the steps from there to ``join_steps`` past its prompt's last step: the prompt's steps,
+the new request's first drafts (its head catches up on the whole prompt), the steps that run
+alone until the overlap is back. What those cost beyond as many steady steps, more than at
+depth 0 (whose joins pay the prompt's steps too), is the join price of a drafting step at that
+size (``StepCostTable`` ``joins``; one price for every depth, the median over all of theirs).
+
+Requests are aborted at the end; the engine is idle and empty again, and nothing the requests
+did reaches the adaptive policy (the fixed one hears their verifies). A depth whose step
+would not fit the step's token budget (n * (1 + d) rows) is priced infinite: the scheduler
+would cut its drafts, so no policy can choose it.
+
+On the H200 this should take ~1-2 s for the bundled model (7 sizes x 5 depths x 12 steps of
+0.4-3 ms, and 3 joins a depth; not yet timed there). ``Engine`` runs it when auto drafts and
+``SpecConfig.draft_calibration`` is on, and logs the table.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -73,6 +79,7 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                        fits, engine.kv_pool.num_usable_blocks, blocks)
     if not fits:
         raise ValueError("the KV pool cannot hold even one request's calibration")
+    budget = engine.config.scheduler.max_tokens_per_step
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     samples: dict[tuple[int, int], list[float]] = {}
@@ -95,6 +102,9 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                 if t is not None and not t.has_prefill and t.num_requests == n:
                     break
             for d in depths:
+                if n * (1 + d) > budget:       # the scheduler cuts such steps' drafts: never run
+                    samples[n, d] = [math.inf]
+                    continue
                 engine.scheduler.draft_policy = FixedDraftPolicy(d)
                 held, alone = [], []
                 for i in range(steps):
@@ -109,17 +119,22 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                 for _ in range(num_joins):
                     engine.abort(ids.pop(0))
                     ids.append(start_request())
-                    window = 0.0
-                    for _ in range(join_steps):
-                        engine.step()
-                        window += engine.last_step.seconds if engine.last_step is not None else 0.0
-                    windows.setdefault((n, d), []).append(window - join_steps * steady)
+                    window, num_steps, decoding = 0.0, 0, 0
+                    while decoding < join_steps and num_steps < prompt_len + join_steps + 8:
+                        engine.step()                 # the prompt's steps, then join_steps more
+                        t = engine.last_step
+                        num_steps += 1
+                        window += t.seconds if t is not None else 0.0
+                        decoding = 0 if t is not None and t.has_prefill else decoding + 1
+                    windows.setdefault((n, d), []).append(window - num_steps * steady)
             for rid in ids:
                 engine.abort(rid)
             while engine.has_work:                            # a launched step lands
                 engine.step()
             logger.info("engine: %d requests a step: %s ms by draft depth", n,
                         " ".join(f"{np.median(samples[n, d]) * 1e3:.2f}" if samples[n, d] else "-" for d in depths))
+            if not any(math.isfinite(x) for d in depths if d for x in samples[n, d]):
+                break                           # a larger size has no drafting depth either
     finally:
         engine.scheduler.draft_policy = policy
     assert engine.is_idle_and_empty(), "draft calibration left something behind"
@@ -135,7 +150,7 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
         if drafting and windows.get((n, 0)):
             price = float(np.median(drafting)) - float(np.median(windows[n, 0]))
             joins.update({(n, d): [price] for d in depths if d})
-    table = StepCostTable.from_samples(samples, joins)
+    table = StepCostTable.from_samples(samples, joins, max_rows=budget)
     logger.info("engine: timed draft depths 0..%d at %d batch sizes in %.1f s; a joining request costs %s ms "
                 "more by depth at %d requests", engine.max_drafts, len(fits), time.perf_counter() - started,
                 " ".join(f"{x * 1e3:.2f}" for x in table.join_seconds(fits[-1])), fits[-1])

@@ -357,10 +357,13 @@ class StepCostTable:
     live steps cost what the table says.
     """
 
-    def __init__(self, seconds: dict[tuple[int, int], float], joins: dict[tuple[int, int], float] | None = None):
+    def __init__(self, seconds: dict[tuple[int, int], float], joins: dict[tuple[int, int], float] | None = None,
+                 max_rows: int | None = None):
         """seconds: {(batch size, depth): a steady step's seconds}, every depth 0..D at every
-        size; joins: {(batch size, depth): a joining request's extra seconds at that depth over
-        depth 0} (missing ones, and depth 0, are 0; negative ones are taken as 0)."""
+        size (infinite: a step no budget lets run); joins: {(batch size, depth): a joining request's extra seconds at that depth over
+        depth 0} (missing ones, and depth 0, are 0; negative ones are taken as 0); max_rows: the
+        step's token budget: a step of n requests at depth d needs n * (1 + d) rows, and one
+        that does not fit is priced infinite at any size (the scheduler would cut its drafts)."""
         sizes = sorted({n for n, _ in seconds})
         depth = max((d for _, d in seconds), default=-1)
         if not sizes or sizes[0] < 1:
@@ -376,6 +379,7 @@ class StepCostTable:
         self.join_grid = np.array([[max(0.0, joins.get((n, d), 0.0)) if d else 0.0 for d in range(depth + 1)]
                                    for n in sizes], dtype=np.float64)
         self.measured = dict(seconds)
+        self.max_rows = max_rows
         self.drift: dict[int, float] = {}                        # depth -> live / table, running (pipelined)
         self.alone: dict[int, float] = {}                        # ... of decode steps that ran alone
         self.seconds_by_depth: dict[int, tuple[int, float]] = {}  # depth -> (live decode steps, seconds)
@@ -383,10 +387,11 @@ class StepCostTable:
 
     @classmethod
     def from_samples(cls, samples: dict[tuple[int, int], list[float]],
-                     joins: dict[tuple[int, int], list[float]] | None = None) -> StepCostTable:
+                     joins: dict[tuple[int, int], list[float]] | None = None,
+                     max_rows: int | None = None) -> StepCostTable:
         """The table of each (size, depth)'s median of timed steps (and of timed joins)."""
         return cls({key: float(np.median(times)) for key, times in samples.items() if times},
-                   {key: float(np.median(v)) for key, v in (joins or {}).items() if v})
+                   {key: float(np.median(v)) for key, v in (joins or {}).items() if v}, max_rows)
 
     version = 0                 # its predictions never change (StepCostEstimator's change with each solve)
 
@@ -402,7 +407,13 @@ class StepCostTable:
             return grid[0]
         i = min(max(int(np.searchsorted(sizes, n)) - 1, 0), len(sizes) - 2)
         lo, hi = sizes[i], sizes[i + 1]
-        row = grid[i] + (n - lo) / (hi - lo) * (grid[i + 1] - grid[i])
+        t = (n - lo) / (hi - lo)
+        if t == 0.0:
+            return grid[i]
+        with np.errstate(invalid="ignore"):        # inf - inf: a depth no step of either size can run
+            row = grid[i] + t * (grid[i + 1] - grid[i])
+        # a depth one of the sizes cannot run (infinite) is priced infinite between them
+        row = np.where(np.isinf(grid[i]) | np.isinf(grid[i + 1]), np.inf, row)
         return np.maximum(row, grid[-1]) if n > sizes[-1] else row
 
     def step_seconds(self, num_requests: int) -> list[float]:
@@ -410,9 +421,10 @@ class StepCostTable:
         out = self._by_size.get(num_requests)
         if out is None:
             n = max(1, num_requests)
-            out = self._by_size[num_requests] = (
-                [float(x) for x in np.maximum.accumulate(self._at(self.grid, n))],
-                [max(0.0, float(x)) for x in self._at(self.join_grid, n)])
+            steps = [float(x) for x in np.maximum.accumulate(self._at(self.grid, n))]
+            if self.max_rows is not None:
+                steps = [x if d == 0 or n * (1 + d) <= self.max_rows else math.inf for d, x in enumerate(steps)]
+            out = self._by_size[num_requests] = (steps, [max(0.0, float(x)) for x in self._at(self.join_grid, n)])
         return out[0]
 
     def join_seconds(self, num_requests: int) -> list[float]:
@@ -431,11 +443,13 @@ class StepCostTable:
             return lambda depth, rows, head_rows, tokens: row[depth]
         return lambda depth, rows, head_rows, tokens: row[depth] + arrivals_per_token * tokens * joins[depth]
 
-    def draft_cost(self, num_requests: int) -> float:
+    def draft_cost(self, num_requests: int) -> float | None:
         """A draft level's mean cost in plain decode steps at this batch size, from K=0 to the
-        deepest (the planner's linear cost model)."""
+        deepest depth a step of this size can run (the planner's linear cost model); None
+        where none can."""
         row = self.step_seconds(num_requests)
-        return (row[-1] - row[0]) / (self.depth * row[0]) if self.depth else 0.0
+        deepest = max((d for d in range(1, self.depth + 1) if math.isfinite(row[d])), default=0)
+        return (row[deepest] - row[0]) / (deepest * row[0]) if deepest else None
 
     def observe(self, timing) -> None:
         """A live decode step: a pipelined (or not overlapped) one updates its depth's
@@ -444,7 +458,7 @@ class StepCostTable:
         if timing is None or timing.has_prefill or not timing.num_requests:
             return
         d = timing.num_head_forwards
-        if d > self.depth:
+        if d > self.depth or not math.isfinite(self.step_seconds(timing.num_requests)[d]):
             return
         ratio = timing.seconds / self.step_seconds(timing.num_requests)[d]
         ratios = self.alone if timing.pipelined is False else self.drift

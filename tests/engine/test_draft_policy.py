@@ -1,6 +1,7 @@
 """The draft-count policy (``--draft-tokens auto``): the depth a step drafts follows acceptance
 and the measured step cost, and in a closed loop of simulated steps it stays near the best fixed
 K under host costs of several shapes."""
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -633,6 +634,13 @@ def test_a_timed_table_interpolates_between_sizes_and_never_prices_a_deeper_step
     assert [seconds(d, 99, 99, 99) for d in range(3)] == [2.0, 5.0, 6.0], "rows do not move a timed step"
     assert table.draft_cost(4) == pytest.approx((6.0 - 2.0) / (2 * 2.0))
     assert StepCostTable.from_samples({(1, 0): [1.0, 9.0, 2.0], (1, 1): [3.0]}).step_seconds(1) == [2.0, 3.0]
+    # a step's token budget: 4 requests at depth 2 need 12 rows, 8 at depth 1 need 16
+    capped = StepCostTable({(1, 0): 1.0, (1, 1): 2.0, (1, 2): 3.0, (4, 0): 2.0, (4, 1): 4.0, (4, 2): math.inf},
+                           max_rows=12)
+    assert capped.step_seconds(1) == [1.0, 2.0, 3.0], "a timed size is its own row, whatever the next one's"
+    assert capped.step_seconds(2)[2] == math.inf, "between a size that runs a depth and one that cannot: infinite"
+    assert capped.step_seconds(8) == [pytest.approx(10 / 3), math.inf, math.inf] and capped.draft_cost(8) is None
+    assert best_depth([1.0] * 8, [4] * 8, capped.seconds_at(8), 2, uniform=True) == 0
     with pytest.raises(ValueError, match="every"):
         StepCostTable({(1, 0): 1.0, (1, 1): 2.0, (2, 0): 1.5})              # (2, 1) missing
     with pytest.raises(ValueError, match="positive"):

@@ -1,6 +1,8 @@
 """The engine end to end on the real bundled model: exactness of MTP, batching, preemption, cancel."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -460,6 +462,12 @@ def test_draft_calibration_times_every_size_and_depth_and_changes_no_output(mode
     assert engine.draft_policy.fits == {}, "on a table the live steps are not fitted"
 
 
+class _Req:
+    """What the draft policy reads of a request: its id."""
+    def __init__(self, request_id):
+        self.request_id = request_id
+
+
 def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time(model_dir):
     config = EngineConfig(str(model_dir), num_threads=2,
                           cache=CacheConfig(num_blocks=512, max_resident_requests=2),
@@ -478,6 +486,12 @@ def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time
     small.check_integrity()
     with pytest.raises(ValueError, match="cannot hold"):
         make_engine(model_dir, k="auto", num_blocks=6).calibrate_draft_costs(sizes=(1,), steps=4)
+    tight = make_engine(model_dir, k="auto", budget=12)          # 12 rows a step: 4 requests draft 2 at most
+    table = tight.calibrate_draft_costs(sizes=(1, 4), steps=4)
+    assert [d for d in range(5) if math.isinf(table.measured[4, d])] == [3, 4]
+    assert all(math.isfinite(x) for x in table.step_seconds(1)), "one request fits every depth"
+    assert tight.draft_policy.step_drafts([_Req(r) for r in "abcd"], True)[0] <= 2
+    assert table.draft_cost(4) is not None and table.draft_cost(16) is None
 
 
 def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no_output(model_dir, greedy_reference):
