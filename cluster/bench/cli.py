@@ -138,7 +138,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("configurations")
     g.add_argument("--draft-tokens", help="MTP draft counts to run, e.g. 0,1,2,3,auto (0 = MTP off, auto = the "
-                                          "adaptive policy; default 0,2); with --replicas the servers' one "
+                                          "adaptive policy, auto-timed = it on step costs timed at start-up, "
+                                          "--draft-calibration on; default 0,2); with --replicas the servers' one "
                                           "setting, K or auto (default auto)")
     g.add_argument("--synthetic-acceptance", type=float, default=None,
                    help="accept each draft with this probability (untrained MTP heads); labels the run synthetic "
@@ -200,8 +201,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def draft_count(value: str) -> int | str:
-    """One --draft-tokens item: an integer K, or "auto" (the adaptive policy)."""
-    return "auto" if value.strip().lower() == "auto" else int(value)
+    """One --draft-tokens item: an integer K, "auto" (the adaptive policy) or "auto-timed" (the
+    adaptive policy on a table of step costs timed at start-up)."""
+    v = value.strip().lower()
+    return v if v in ("auto", "auto-timed") else int(value)
 
 
 def parse_list(value: str | None, kind, what: str) -> tuple:
@@ -372,7 +375,7 @@ def _bench(args) -> int:
             from mtpserve.cluster.bench.anchor import AnchorSweep, run_anchor
             anchor_k = parse_list(args.anchor_draft_tokens, int, "--anchor-draft-tokens")
             if not anchor_k:
-                anchor_k = (0,) if synthetic else tuple(k for k in draft_tokens if k != "auto")
+                anchor_k = (0,) if synthetic else tuple(k for k in draft_tokens if isinstance(k, int))
                 if synthetic:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")

@@ -26,7 +26,7 @@ class EngineSweep:
     model_dir: str
     device: str
     num_threads: int
-    draft_tokens: tuple[int | str, ...]       # fixed counts, or "auto"
+    draft_tokens: tuple[int | str, ...]       # fixed counts, "auto", or "auto-timed" (auto on a timed table)
     synthetic_acceptance: float | None
     loads: tuple[Load, ...]
     max_tokens: int
@@ -54,10 +54,12 @@ NO_OVERLAP = "mtpserve no-overlap"       # ... and with overlapped decoding turn
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
                   num_requests: int) -> EngineConfig:
     """Pools sized so every load can keep its requests resident (unless told otherwise); k is
-    a fixed draft count or "auto"."""
+    a fixed draft count, "auto" (the adaptive policy on its fits) or "auto-timed" (on a table
+    of step costs timed at start-up: ``SpecConfig.draft_calibration``)."""
     peak = max((l.concurrency or num_requests) for l in sweep.loads)
     resident = sweep.max_resident_requests or max(1, min(peak, 256))
-    most_drafts = MAX_NUM_DRAFTS if k == "auto" else k
+    adaptive = isinstance(k, str)
+    most_drafts = MAX_NUM_DRAFTS if adaptive else k
     per_request = math.ceil((max_prompt_len + sweep.max_tokens + most_drafts + 1) / block_size) + 1
     num_blocks = sweep.num_blocks or max(64, resident * per_request + 8)
     default = SchedulerConfig().for_device(sweep.device).max_tokens_per_step
@@ -66,7 +68,8 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident,
                                           prefix_cache=sweep.prefix_cache, prefix_snapshots=sweep.prefix_snapshots),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
-                        spec=SpecConfig(draft_tokens=k, synthetic_acceptance=sweep.synthetic_acceptance if k else None),
+                        spec=SpecConfig(draft_tokens="auto" if adaptive else k, draft_calibration=k == "auto-timed",
+                                        synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs,
                         overlap_decode=sweep.overlap_decode)
 
@@ -230,6 +233,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     depths = getattr(engine.draft_policy, "depths", None)
     if depths is not None:          # steps planned at each draft depth (auto): what it chose
         extra["draft_depths"] = {str(d): n - depths0.get(d, 0) for d, n in sorted(depths.items()) if n > depths0.get(d, 0)}
+    table = getattr(engine.draft_policy, "cost_table", None)
+    if table is not None:           # auto-timed: its table, and what live steps said of it so far
+        extra["draft_table"] = table.report()
     if engine.prefix_cache is not None:
         extra["prefix_cache"] = {"hit_tokens": engine.prefix_cache.stats.hits - hits0,
                                  "query_tokens": engine.prefix_cache.stats.queries - queries0,

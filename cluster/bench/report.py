@@ -134,7 +134,7 @@ def spec_figures(spec: dict, k: int | str | None, synthetic: float | None) -> di
     if forwards and emitted:
         out["tokens_per_target_forward"] = round(emitted / forwards, 4)
     per_pos = out.get("acceptance_rate_per_position")
-    if k == "auto":                 # the adaptive policy's K varies per request and step: no one theory
+    if isinstance(k, str):          # auto: the adaptive policy's K varies per request and step: no one theory
         return out
     if k is None and per_pos:       # a server's K: as many positions as its counters report
         k = out["inferred_num_draft_tokens"] = len(per_pos)
@@ -256,9 +256,9 @@ def comparisons(summaries: list[dict]) -> list[dict]:
             found.append(_ratio("overlap_on_vs_off", s, no_overlap))
         if system == "mtpserve snapshots-all" and uncached is not None:
             found.append(_ratio("snapshots_all_vs_off", s, uncached))
-        if k == "auto":
+        if isinstance(k, str):      # auto or auto-timed, against the best fixed K
             fixed = [f for (sy, fk, fl, fr), f in by_key.items()
-                     if sy == system and fl == load and fr == rnd and fk != "auto"]
+                     if sy == system and fl == load and fr == rnd and isinstance(fk, int)]
             if fixed:
                 best = max(fixed, key=lambda f: f["output_token_throughput"])
                 found.append(_ratio("auto_vs_best_fixed", s, best) | {"baseline": "best fixed K",

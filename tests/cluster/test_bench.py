@@ -280,6 +280,24 @@ def test_rounds_interleave_the_draft_counts_and_report_each_ratios_median(model_
     assert "--rounds interleaves the in-process engines only" in capsys.readouterr().err
 
 
+def test_auto_timed_runs_auto_on_a_table_timed_at_start_beside_the_others(model_dir, tmp_path):
+    """--draft-tokens auto-timed: the adaptive policy on a step-cost table timed at start-up
+    (--draft-calibration on), labelled apart, compared with K=0 and the best fixed K like auto,
+    its table and what live steps said of it in the run's JSON."""
+    rc = bench(["--model", str(model_dir), "--draft-tokens", "0,auto-timed", "--num-prompts", "4", "--max-tokens", "8",
+                "--concurrency", "2", "--warmup-requests", "1", "--no-plot", "--results-dir", str(tmp_path)])
+    assert rc == 0
+    data = only_json(tmp_path)
+    timed = [r for r in data["results"] if r["num_draft_tokens"] == "auto-timed"]
+    assert len(timed) == 1 and timed[0]["num_completed"] == 4 and timed[0]["label"] == "mtpserve K=auto-timed"
+    table = timed[0]["extra"]["draft_table"]
+    assert table["sizes"] == [1, 2] and len(table["ms"][0]) == 5 and table["live"]
+    kinds = {(c["kind"], c["label"]) for c in data["comparisons"]}
+    assert {("speedup_vs_k0", "mtpserve K=auto-timed"), ("auto_vs_best_fixed", "mtpserve K=auto-timed")} <= kinds
+    assert "theory_tokens_per_forward" not in timed[0]["spec"]
+    assert bench(["--model", str(model_dir), "--draft-tokens", "auto-fast", "--results-dir", str(tmp_path)]) == 2
+
+
 def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, tmp_path, capsys):
     """--phases on: ms per step of each phase, prefill and decode steps apart; the outermost phases
     and "other" add up to the step, a nested phase fits inside its caller, and the timed engine
