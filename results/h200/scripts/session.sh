@@ -149,7 +149,8 @@
 #    forget_start_up changed), then auto_ab.py --table --bursts: K=0, the fit (auto), the fit in
 #    bursts, auto on a table timed at start-up (--draft-calibration on) and an MTP engine that
 #    never drafts, bundled, at C=16 and 8, and at C=1 with K=2 / 3 beside (auto against the best
-#    fixed K). The table and its live drift are in each run's "fits".
+#    fixed K). The table and its live drift are in each run's "fits". Then the bench's own rounds:
+#    K=0 / 3 / auto / auto-timed at C=1 / 16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc}
@@ -637,6 +638,9 @@ bc)
   step "auto_ab.py --table --bursts, bundled, C=1, 16 requests, 5 rounds, K=2 / 3 beside"
   timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c1.json" --concurrency 1 \
     --requests 16 --rounds 5 --fixed 2,3 --table --bursts 2>&1 | grep "^round\|median" | cut -c1-900
+  step "bench K=0 / 3 / auto / auto-timed, C=1 / 16, 32 prompts, 2 rounds"
+  timeout 120 "${bench[@]}" --draft-tokens 0,3,auto,auto-timed --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+    --rounds 2 --name bundled-auto-timed-rounds 2>&1 | grep -v "prefill:" | tail -16
   step done
   ;;
 bb)
