@@ -127,9 +127,9 @@ class SpecConfig:
     synthetic_acceptance: float | None = setting(None, "benchmarks only: accept each draft with this "
                                                        "probability (the output is not the model's)")
     draft_calibration: bool = setting(False, "draft_tokens auto: time a decode step of every batch size class "
-                                             "and draft depth at start (~0.5-3 s on a GPU) and judge depths by "
-                                             "those times instead of fitting live steps (see README, 'A known "
-                                             "gap on the H200')")
+                                             "and draft depth at start (seconds; the log says how long) and judge "
+                                             "depths by those times instead of fitting live steps (see README, "
+                                             "'A known gap on the H200')")
 
     def __post_init__(self) -> None:
         k = self.draft_tokens
@@ -158,6 +158,9 @@ class SpecConfig:
             raise ValueError(f"draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] or 'auto', got {k!r}")
         if self.draft_cost <= 0:
             raise ValueError(f"draft_cost must be > 0, got {self.draft_cost}")
+        if self.draft_calibration and not self.adaptive:
+            raise ValueError(f"draft_calibration times the depths draft_tokens auto chooses from: it needs "
+                             f"draft_tokens auto, got {self.draft_tokens!r}")
         a = self.synthetic_acceptance
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {a}")

@@ -33,6 +33,7 @@ On the H200 this should take ~1-2 s for the bundled model (7 sizes x 5 depths x 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -86,7 +87,7 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     windows: dict[tuple[int, int], list[float]] = {}        # join windows' seconds over steady steps
     policy = engine.scheduler.draft_policy
     started = time.perf_counter()
-    serial = iter(range(10**9))
+    serial = itertools.count()
 
     def start_request() -> str:
         rid = f"<draft-calibration-{next(serial)}>"

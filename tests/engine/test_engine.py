@@ -476,6 +476,8 @@ def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time
     engine = Engine(config)
     assert engine.draft_policy.cost_table.sizes == (1, 2), "the default sizes: powers of two up to the request limit"
     assert engine.is_idle_and_empty()
+    with pytest.raises(ValueError, match="needs draft_tokens auto"):       # a setting it would not honour
+        EngineConfig(str(model_dir), spec=SpecConfig(draft_tokens=2, draft_calibration=True)).validate()
     fixed = make_engine(model_dir, k=2)
     with pytest.raises(ValueError, match="steps must exceed"):
         fixed.calibrate_draft_costs(sizes=(1,), steps=3)
