@@ -1,14 +1,18 @@
 """Timing every decode step ``--draft-tokens auto`` can choose, at start-up: the draft policy's
 step-cost table (``draft_policy.StepCostTable``).
 
-For each batch size in ``calibration_sizes`` (1, 2, 4, ... and the step's request limit) the
-engine runs that many made-up requests, and once they all decode, holds each draft depth
-0..max for ``steps`` steps in a row, under a fixed policy::
+For each batch size in ``calibration_sizes`` (1, 2, 4, ... and the step's request limit) and
+each draft depth 0..max, the engine starts that many made-up requests and, once they all
+decode, holds the depth for ``steps`` steps in a row under a fixed policy, then times joins::
 
-    size n:  prompts | d=0: steps, join, join | d=1: steps, join, join | ... | abort all
-                            ^^ the first `skip` steps of each depth are left out: the
-                               first runs alone (overlapped decoding launches a step of
-                               one kind behind another of its kind) and catches up the head
+    size n, depth d:  n prompts | steps | join | join | join | abort all
+                                  ^^ the first `skip` steps are left out: the first runs alone
+                                     (overlapped decoding launches a step of one kind behind
+                                     another of its kind) and catches up the head
+
+Fresh requests at each depth keep what one needs small (its prompt and one depth's tokens:
+15 blocks of 16 with the defaults and 4 drafts; 30 when every depth ran on the same ones), so a pool sized for the served load holds the
+largest size too.
 
 A depth's time is the median of its kept steps' wall time (``StepTiming.seconds``) that ran
 behind another (``pipelined``; all of them without overlap): the cost a depth has while
@@ -67,8 +71,11 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
         raise ValueError(f"steps must exceed skip + 1 ({skip + 1}), got {steps}")
     depths = range(engine.max_drafts + 1)
     m = engine.manifest
-    # every depth's steps may keep all their drafts: tokens = prompt + steps * sum(1 + d)
-    max_tokens = (steps + num_joins * join_steps) * sum(1 + d for d in depths) + engine.max_drafts + 1
+    budget = engine.config.scheduler.max_tokens_per_step
+    # each depth starts its own requests; one of them takes part in at most the depth's steps and
+    # every join's window (its prompt's steps, then join_steps), each keeping up to 1 + d tokens
+    window_steps = -(-prompt_len // budget) + join_steps + 1
+    max_tokens = (steps + num_joins * window_steps) * (1 + engine.max_drafts) + engine.max_drafts + 1
     prompt_len = min(prompt_len, m.context_length - max_tokens - 1)
     if prompt_len < 1:
         raise ValueError(f"the context ({m.context_length} tokens) is too short to time {steps} steps a depth")
@@ -80,7 +87,6 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                        fits, engine.kv_pool.num_usable_blocks, blocks)
     if not fits:
         raise ValueError("the KV pool cannot hold even one request's calibration")
-    budget = engine.config.scheduler.max_tokens_per_step
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     samples: dict[tuple[int, int], list[float]] = {}
@@ -93,19 +99,29 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
         rid = f"<draft-calibration-{next(serial)}>"
         engine.add_request(rid, rng.integers(0, m.vocab_size, prompt_len).tolist(), params)
         return rid
+
+    def start_batch(n: int) -> list[str]:
+        engine.scheduler.draft_policy = FixedDraftPolicy(0)
+        ids = [start_request() for _ in range(n)]
+        for _ in range(n * prompt_len + 8):              # until every prompt is in
+            engine.step()
+            t = engine.last_step
+            if t is not None and not t.has_prefill and t.num_requests == n:
+                break
+        return ids
+
+    def end_batch(ids: list[str]) -> None:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_work:                            # a launched step lands
+            engine.step()
     try:
         for n in fits:
-            engine.scheduler.draft_policy = FixedDraftPolicy(0)
-            ids = [start_request() for _ in range(n)]
-            for _ in range(n * prompt_len + 8):              # until every prompt is in
-                engine.step()
-                t = engine.last_step
-                if t is not None and not t.has_prefill and t.num_requests == n:
-                    break
             for d in depths:
                 if n * (1 + d) > budget:       # the scheduler cuts such steps' drafts: never run
                     samples[n, d] = [math.inf]
                     continue
+                ids = start_batch(n)
                 engine.scheduler.draft_policy = FixedDraftPolicy(d)
                 held, alone = [], []
                 for i in range(steps):
@@ -121,17 +137,14 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                     engine.abort(ids.pop(0))
                     ids.append(start_request())
                     window, num_steps, decoding = 0.0, 0, 0
-                    while decoding < join_steps and num_steps < prompt_len + join_steps + 8:
+                    while decoding < join_steps and num_steps < window_steps:
                         engine.step()                 # the prompt's steps, then join_steps more
                         t = engine.last_step
                         num_steps += 1
                         window += t.seconds if t is not None else 0.0
                         decoding = 0 if t is not None and t.has_prefill else decoding + 1
                     windows.setdefault((n, d), []).append(window - num_steps * steady)
-            for rid in ids:
-                engine.abort(rid)
-            while engine.has_work:                            # a launched step lands
-                engine.step()
+                end_batch(ids)
             logger.info("engine: %d requests a step: %s ms by draft depth", n,
                         " ".join(f"{np.median(samples[n, d]) * 1e3:.2f}" if samples[n, d] else "-" for d in depths))
             if not any(math.isfinite(x) for d in depths if d for x in samples[n, d]):

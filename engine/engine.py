@@ -134,7 +134,8 @@ class Engine:
         # structured output: the compiler is shared with the serving edge, which compiles a
         # request's grammar (off this thread) before it is added, so add_request finds it cached
         self.grammars = GrammarManager(GrammarCompiler(m.path / "tokenizer.json", m.vocab_size, m.eos_token_ids))
-        self.proposer = MTPProposer(self.runner, self.head_pool, self.xp, grammars=self.grammars) if use_mtp else None
+        self.proposer = MTPProposer(self.runner, self.head_pool, self.xp, grammars=self.grammars,
+                                     max_rows=config.scheduler.max_tokens_per_step) if use_mtp else None
         spec = _fixed_state_spec(m)
         fused = None
         if self._stream is not None and config.fused_replay:
@@ -343,11 +344,14 @@ class Engine:
         return req
 
     def abort(self, request_id: str) -> TokenEvent | None:
-        """Cancel a request at any point; its blocks and state row are freed at once."""
+        """Cancel a request at any point; its blocks and state row are freed at once (a freed
+        state row takes the bank's last one: that copy goes on the engine's stream, behind the
+        commits of the steps before it)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
-        self._finish(req, FinishReason.ABORT)
+        with self.device_context():
+            self._finish(req, FinishReason.ABORT)
         return TokenEvent(request_id, [], "", FinishReason.ABORT, req.num_prompt_tokens, req.num_output_tokens)
 
     @property

@@ -71,13 +71,17 @@ class Drafts:
 class MTPProposer:
     """Drafts with the MTP head; holds each request's pending main-model hidden rows."""
 
-    def __init__(self, runner: Runner, head_pool: KVPool, xp, graphs=None, grammars=None):
+    def __init__(self, runner: Runner, head_pool: KVPool, xp, graphs=None, grammars=None,
+                 max_rows: int | None = None):
         """graphs: cuda_graphs.HeadGraphs, to draft greedy steps with captured head forwards;
         grammars: the engine's ``grammar.GrammarManager``: a constrained request's drafts are
         drawn from its grammar's masked head logits (draft i after drafts 0..i-1), and its
-        matcher is back at the committed output on return."""
+        matcher is back at the committed output on return; max_rows: the most rows one head
+        forward takes (the step's token budget, which also bounds the main model's): a longer
+        catch-up (a new prompt past it) runs in pieces, so the head's logits buffer ([rows,
+        vocab]) and the matrix products' row counts stay within what a step has."""
         self.runner, self.head_pool, self.xp, self.graphs = runner, head_pool, xp, graphs
-        self.grammars = grammars
+        self.grammars, self.max_rows = grammars, max_rows
         # (array, start, count) segments: rows [start, start + count) of a step's [T, H] hidden
         # states, together covering positions [num_head, num_computed) of the request
         self._pending: dict[str, list[tuple[Array, int, int]]] = {}
@@ -131,6 +135,8 @@ class MTPProposer:
         graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)
         if graphed:
             self._catch_up_long([s.request for s in drafting], self.graphs.catch_up_rows)
+        elif self.max_rows is not None:                  # the drafting forward within max_rows
+            self._catch_up_long([s.request for s in drafting], max(1, self.max_rows // len(drafting)))
         rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
                            s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
         if graphed:
@@ -216,22 +222,42 @@ class MTPProposer:
 
     def _catch_up_long(self, requests: list, most: int) -> None:
         """Requests with more than ``most`` head rows to catch up (a new prompt, a prefix hit,
-        drafting resumed after a pause): all their rows but the last, in one eager head forward
-        (its outputs unused: the rows only fill the head's KV), so this step's drafting still
-        fits a captured shape. Without it one such request made the whole batch draft eagerly,
-        with a host round trip per draft level."""
+        drafting resumed after a pause): all their rows but the last, in eager head forwards of
+        at most ``max_rows`` rows (their outputs unused: the rows only fill the head's KV), so
+        this step's drafting still fits a captured shape, or the eager drafting forward the
+        budget. Without it one such request made the whole batch draft eagerly, with a host
+        round trip per draft level.
+
+        Pieces go into forwards in order, a forward closing when the next piece would not fit;
+        only a request's last piece is shorter than ``max_rows``, so a forward never holds two
+        pieces of one request (the second would not see the first's KV)::
+
+            max_rows 4:  a: 9 rows, b: 2    pieces a0..3 | a4..7 | a8, b0..1
+        """
         long = [r for r in requests if r.num_computed - r.num_head > most]
         if not long:
             return
-        rows, hidden = [], []
+        size = self.max_rows or max(r.num_computed - r.num_head for r in long)
+        pieces = []                                      # (request, offset, count)
         for r in long:
             m = r.num_computed - r.num_head - 1
-            rows.append(PackedRows(r.token_ids[r.num_head + 1:r.num_head + 1 + m], r.num_head,
-                                   self.head_pool.block_table(r.request_id)))
-            hidden.append(self.pending_rows(r.request_id, 0, m))
+            pieces += [(r, at, min(size, m - at)) for at in range(0, m, size)]
+        forwards, rows_in = [[]], 0
+        for piece in pieces:
+            if rows_in + piece[2] > size:
+                forwards.append([])
+                rows_in = 0
+            forwards[-1].append(piece)
+            rows_in += piece[2]
+        for forward in forwards:
+            rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
+                               self.head_pool.block_table(r.request_id)) for r, at, n in forward]
+            hidden = [self.pending_rows(r.request_id, at, n) for r, at, n in forward]
+            self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
+        for r in long:
+            m = r.num_computed - r.num_head - 1
             self._drop_pending(r.request_id, m)
             r.num_head += m
-        self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
 
     def _drop_pending(self, request_id: str, count: int) -> None:
         """Forget the first ``count`` pending hidden rows of a request (their head rows are in)."""

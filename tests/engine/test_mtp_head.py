@@ -94,3 +94,58 @@ def test_drafts_after_an_eager_catch_up_of_long_head_rows_equal_the_reference(mo
         assert drafts == reference_drafts(runner, zero, tokens, num_drafts), (
             f"drafts after {len(tokens)} tokens")
     engine.check_integrity()
+
+
+def test_long_catch_ups_run_in_pieces_within_the_step_budget(model_dir):
+    """A head catch-up longer than the step's token budget (a new prompt past it) runs in
+    forwards of at most that many rows (the head's logits buffer is [rows, vocab]: one forward
+    over a long prompt would hold far more than any step), and the drafts after it still equal
+    the non-incremental reference. Forced into pieces of 5 rows on every request with 2 or more,
+    so pieces of several requests share forwards."""
+    budget = 16
+    engine = make_engine(model_dir, k=K, budget=budget)
+    proposer = engine.proposer
+    assert proposer.max_rows == budget
+    run_head, heads = engine.runner.run_head, []
+
+    def counting(rows, hidden):
+        heads.append((sum(len(r.token_ids) for r in rows), [r.past_len for r in rows]))
+        return run_head(rows, hidden)
+
+    engine.runner.run_head = counting
+    seen = record_drafts(engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["".join(PROMPTS[:6]), PROMPTS[2], PROMPTS[13] * 3]
+    assert max(len(engine.tokenizer.encode(p)) for p in prompts) > 2 * budget
+    run_all(engine, prompts, [params] * 3)
+    assert max(n for n, _ in heads) <= budget, "a head forward past the step's budget"
+    assert sum(1 for n, _ in heads if n == budget) >= 2, "the long prompts' catch-ups were not cut at the budget"
+    runner = Runner(engine.manifest, num_blocks=64)
+    zero = engine.state_bank.spec.zero_states(1)
+    for tokens, num_drafts, drafts in seen:
+        assert drafts == reference_drafts(runner, zero, tokens, num_drafts), f"drafts after {len(tokens)} tokens"
+    engine.check_integrity()
+
+    small = make_engine(model_dir, k=K, budget=48)
+    small.proposer.max_rows = 5
+    propose, shared = small.proposer.propose, []
+
+    def in_pieces(drafting):
+        small.proposer._catch_up_long([s.request for s in drafting], 1)
+        return propose(drafting)
+
+    small.proposer.propose = in_pieces
+    run_head_small = small.runner.run_head
+
+    def counting_small(rows, hidden):
+        shared.append([len(r.token_ids) for r in rows])
+        return run_head_small(rows, hidden)
+
+    small.runner.run_head = counting_small
+    seen = record_drafts(small)
+    run_all(small, [PROMPTS[0], PROMPTS[2], PROMPTS[13]], [params] * 3)
+    assert max(sum(f) for f in shared) <= 5, "a forward of more than 5 rows"
+    assert any(len(f) > 1 and max(f) > 1 for f in shared), "no forward held the pieces of several requests"
+    for tokens, num_drafts, drafts in seen:
+        assert drafts == reference_drafts(runner, zero, tokens, num_drafts), f"drafts after {len(tokens)} tokens"
+    small.check_integrity()
