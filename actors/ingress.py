@@ -204,6 +204,10 @@ def validation_error(errors: list[dict]) -> APIError:
     server's code (str(exc) would carry its source path). A field of several types (``prompt``)
     fails once per type: then the message lists the types, not the first one's complaint."""
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":         # loc ("body", offset): a place in the text, no field
+        where = first.get("loc", ())[1:2]
+        return APIError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'a decode error')}"
+                             f"{f' at character {where[0]}' if where else ''})", "invalid_request_error", None)
     loc = [x for x in first.get("loc", ())[1:] if not _is_type_tag(x)]
     param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or None
     msg = first.get("msg", "invalid request")
@@ -424,6 +428,9 @@ class OpenAIRoutes:
             max_tokens = body.max_tokens
             if chat and body.max_completion_tokens is not None:
                 max_tokens = body.max_completion_tokens
+            if max_tokens is not None and len(ids) >= self.context_length:   # no max_tokens could fit
+                raise APIError(400, f"this model's context is {self.context_length} tokens and the prompt has "
+                                    f"{len(ids)}: shorten it", param="messages" if chat else "prompt")
             if max_tokens is None:
                 max_tokens = self.max_new_tokens(len(ids))
             elif len(ids) + max_tokens > self.context_length:     # vLLM's answer too: never silently cut
@@ -432,6 +439,8 @@ class OpenAIRoutes:
                                param="max_completion_tokens" if chat and body.max_completion_tokens is not None
                                else "max_tokens")
             params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
+        if any(t >= self.limits.vocab_size for t, _ in params[0][0].logit_bias):   # before any stream opens
+            raise APIError(400, f"logit_bias token ids must be in [0, {self.limits.vocab_size})", param="logit_bias")
         session_id = request.headers.get(SESSION_HEADER)
         if session_id is not None and len(session_id) > MAX_SESSION_ID_LENGTH:
             raise APIError(400, f"{SESSION_HEADER} is longer than {MAX_SESSION_ID_LENGTH} characters",
@@ -472,7 +481,7 @@ class OpenAIRoutes:
         ids = (out_ids, _per_choice(prompts, body.n)) if body.return_token_ids else (None, None)
         lps = None
         if chat and body.num_logprobs is not None:
-            lps = [chat_logprobs(e, self._token_text) for e in scored]
+            lps = [chat_logprobs(e, self._token_text, self.tokenizer.token_bytes) for e in scored]
         elif body.num_logprobs is not None:
             lps = []
             for i, entries in enumerate(scored):
@@ -541,7 +550,7 @@ class OpenAIRoutes:
                         choice["delta"]["tool_calls"] = tool_call_deltas(calls)
                     if with_logprobs and event.logprobs:
                         if chat:
-                            choice["logprobs"] = chat_logprobs(event.logprobs, self._token_text)
+                            choice["logprobs"] = chat_logprobs(event.logprobs, self._token_text, self.tokenizer.token_bytes)
                         else:
                             head = echo_logprobs(prompts[i // body.n][0], event.prompt_logprobs or [],
                                                  self._token_text) if first else None

@@ -123,6 +123,8 @@ class _SamplingFields(_Strict):
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in 1..{MAX_N}, got {self.n}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options goes with stream: true", "stream_options")
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """The engine parameters of choice ``choice``; ValueError -> a 400."""
@@ -141,8 +143,14 @@ class _SamplingFields(_Strict):
                 min_p=self.min_p, logit_bias=self._logit_bias(), prompt_logprobs=self.num_prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self.num_logprobs,
                 grammar=self.grammar_spec())
-        except ValueError as e:
-            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+        except ValueError as e:                    # the engine's messages start with its field's name
+            name, _, rest = str(e).partition(" ")
+            field = self._request_field(name)
+            raise bad_request(f"{field} {rest}", field) from None
+
+    def _request_field(self, name: str) -> str:
+        """The request's field for a ``SamplingParams`` field's name (what a 400 names)."""
+        return {"prompt_logprobs": "logprobs"}.get(name, name)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The request's structured-output constraint (at most one of response_format, the
@@ -197,7 +205,7 @@ class _SamplingFields(_Strict):
     def _logit_bias(self) -> tuple:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
             pairs.append((int(key), bias))
         return tuple(pairs)
@@ -272,15 +280,39 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls.")
     tool_call_id: str | None = Field(None, description="A tool turn's: the call it answers.")
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise bad_request(f"content parts of type {part.get('type')!r} are not supported", "messages")
-                parts.append(part.get("text", ""))
-            return "".join(parts)
-        return self.content or ""
+    def text(self, index: int = 0) -> str:
+        """The content as one text (text parts joined); a 400 naming ``messages[index]...`` for a
+        part that is not ``{"type": "text", "text": "..."}`` (images and the like are not
+        supported; a key beside those two is refused, not ignored)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        parts = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{index}].content[{j}]"
+            if part.get("type") != "text":
+                raise bad_request(f"content parts of type {part.get('type')!r} are not supported "
+                                  f"(only text)", f"{where}.type")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise bad_request(f"{where}.{extra[0]} is not a field this server supports (it refuses what it "
+                                  f"would otherwise ignore)", f"{where}.{extra[0]}")
+            if not isinstance(part.get("text"), str):
+                raise bad_request("a text part needs its text, a string", f"{where}.text")
+            parts.append(part["text"])
+        return "".join(parts)
+
+    def check_role_fields(self, index: int) -> None:
+        """A 400 for a field the message's role does not have: tool_calls are an assistant's,
+        tool_call_id a tool message's (which needs one)."""
+        if self.tool_calls and self.role != "assistant":
+            raise bad_request(f"tool_calls are an assistant message's, not a {self.role} message's",
+                              f"messages[{index}].tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise bad_request("a tool message needs tool_call_id (the call it answers)",
+                              f"messages[{index}].tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise bad_request(f"tool_call_id is a tool message's, not a {self.role} message's",
+                              f"messages[{index}].tool_call_id")
 
 
 class FunctionDefinition(_Strict):
@@ -333,6 +365,11 @@ class ChatCompletionRequest(_SamplingFields):
     def messages_as_dicts(self) -> list[dict]:
         return messages_as_dicts(self.messages)
 
+    def _request_field(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if name == "logprobs" else name
+
     @property
     def tool_mode(self) -> str:
         """none (no tools offered), auto, required or named (see tool_choice); a 400 for a
@@ -341,6 +378,8 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.tools:
             if choice not in (None, "none"):
                 raise bad_request("tool_choice needs tools", "tool_choice")
+            if self.parallel_tool_calls is not None:
+                raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
             return "none"
         names = [t.function.name for t in self.tools]
         for name in names:
@@ -405,7 +444,8 @@ def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
         raise bad_request("messages is empty", "messages")
     out = []
     for i, m in enumerate(messages):
-        d = {"role": m.role, "content": m.text()}
+        m.check_role_fields(i)
+        d = {"role": m.role, "content": m.text(i)}
         if m.tool_calls:
             calls = []
             for c in m.tool_calls:
@@ -528,11 +568,12 @@ def joined_logprobs(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
-def chat_logprobs(entries: list, token_text) -> dict:
-    """A chat choice's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(entries: list, token_text, token_bytes) -> dict:
+    """A chat choice's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}; ``bytes``
+    are the token's own (``token_bytes``), also for part of a character, whose ``token`` text is
+    U+FFFD: a client joins the bytes of consecutive tokens to rebuild it."""
     def one(t, lp):
-        text = token_text(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(t), "logprob": lp, "bytes": list(token_bytes(t))}
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries]}
 
 

@@ -43,6 +43,22 @@ def train_byte_level_bpe(texts, vocab_size: int) -> HFTokenizer:
     return tok
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character each byte is spelled with -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template."""
 
@@ -60,6 +76,8 @@ class Tokenizer:
         self._chat_template = env.from_string(template)
         self.renders_tools = "tools" in template
         self.vocab_size = self._tok.get_vocab_size()
+        self._byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        self._added = set(self._tok.get_added_tokens_decoder())
         # an upper bound on the UTF-8 bytes one token stands for (4 per character of its longest
         # entry): a text longer than context x this cannot fit, whatever its tokens (a cheap check
         # before tokenizing a huge prompt)
@@ -74,6 +92,19 @@ class Tokenizer:
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even when they are part of a character (logprobs'
+        ``bytes``: a client joins them to rebuild it). A byte-level BPE entry maps its characters
+        back to bytes (GPT-2's table, which the ``tokenizers`` library uses); an added token, or a
+        tokenizer of another kind, is its decoded text's UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if self._byte_level and piece is not None and token_id not in self._added:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:

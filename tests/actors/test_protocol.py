@@ -143,3 +143,78 @@ def test_parallel_tool_calls_false_allows_one_call(model_dir):
         body = _chat(tools=[WEATHER, ADD], parallel_tool_calls=parallel)
         _, calls, reason = OpenAIRoutes._tool_answer(routes, body, text, tok.encode(text), "stop")
         assert [c["function"]["name"] for c in calls] == names and reason == "tool_calls"
+
+
+def _refused(build, param: str) -> str:
+    """The 400 that ``build()`` raises, checked to name ``param``; its message."""
+    with pytest.raises(APIError) as e:
+        build()
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
+    return e.value.message
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "text", "text": 5}, "messages[1].content[0].text"),
+    ({"type": "text", "text": None}, "messages[1].content[0].text"),
+    ({"type": "text", "text": ["a"]}, "messages[1].content[0].text"),
+    ({"type": "text"}, "messages[1].content[0].text"),
+    ({"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}, "messages[1].content[0].cache_control"),
+    ({"type": "image_url", "image_url": {"url": "http://x"}}, "messages[1].content[0].type"),
+])
+def test_a_malformed_content_part_is_a_400_naming_it(part, param):
+    """Each part is {"type": "text", "text": str}: anything else is refused by name (a text that
+    was not a string crashed the join: a 500; a key beside them was ignored)."""
+    req = ChatCompletionRequest(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": [part]}])
+    _refused(req.messages_as_dicts, param)
+    ok = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}])
+    assert ok.messages_as_dicts()[0]["content"] == "ab"
+
+
+def test_fields_of_another_role_are_refused_by_name():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases = [([{"role": "user", "content": "x", "tool_calls": [call]}], "messages[0].tool_calls"),
+             ([{"role": "user", "content": "x"}, {"role": "tool", "content": "5"}], "messages[1].tool_call_id"),
+             ([{"role": "user", "content": "x", "tool_call_id": "c1"}], "messages[0].tool_call_id")]
+    for messages, param in cases:
+        _refused(ChatCompletionRequest(messages=messages).messages_as_dicts, param)
+    fine = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    assert [m["role"] for m in ChatCompletionRequest(messages=fine).messages_as_dicts()] == ["user", "assistant", "tool"]
+
+
+def test_options_without_what_they_modify_are_refused():
+    _refused(lambda: _chat(stream_options={"include_usage": True}).refuse_unsupported(), "stream_options")
+    _chat(stream=True, stream_options={"include_usage": True}).refuse_unsupported()
+    _refused(lambda: _chat(parallel_tool_calls=False).tool_mode, "parallel_tool_calls")
+    assert _chat(parallel_tool_calls=False, tools=[WEATHER]).tool_mode == "auto"
+
+
+def test_a_bad_sampling_value_names_the_field_the_request_sent():
+    """The engine's check names its own field (max_tokens, logprobs): the 400 names the request's."""
+    message = _refused(lambda: _chat(max_completion_tokens=0).sampling_params(0, 0), "max_completion_tokens")
+    assert message.startswith("max_completion_tokens ")
+    _refused(lambda: _chat(max_tokens=0).sampling_params(0, 0), "max_tokens")
+    assert _refused(lambda: _chat(logprobs=True, top_logprobs=21).sampling_params(4, 0),
+                    "top_logprobs").startswith("top_logprobs ")
+    _refused(lambda: CompletionRequest(prompt="x", logprobs=21).sampling_params(4, 0), "logprobs")
+    _refused(lambda: CompletionRequest(prompt="x", logprobs=21, echo=True).sampling_params(4, 0), "logprobs")
+    for key in ("\u00b2", "-1", "x", "1.5", "\u0661"):        # superscript two and Arabic-Indic one are digits to str
+        _refused(lambda key=key: _chat(logit_bias={key: 1.0}).sampling_params(4, 0), "logit_bias")
+    assert _chat(logit_bias={"42": 1.0}).sampling_params(4, 0).logit_bias == ((42, 1.0),)
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(model_dir):
+    """OpenAI's ``bytes``: a client joins those of consecutive tokens to rebuild a character that
+    several tokens share (each of them decodes alone to U+FFFD)."""
+    from mtpserve.actors.protocol import chat_logprobs
+    tok = Tokenizer(model_dir)
+    text = "é 漢字 🙂 x"
+    ids = tok.encode(text)
+    entries = [(t, -0.5, [(t, -0.5)]) for t in ids]
+    content = chat_logprobs(entries, lambda t: tok.decode([t], skip_special_tokens=False), tok.token_bytes)["content"]
+    assert any(e["token"] == "\ufffd" for e in content), "the text has characters split over tokens"
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == text
+    assert all(e["bytes"] == e["top_logprobs"][0]["bytes"] for e in content)
+    end = tok.token_id("<|im_end|>")
+    assert tok.token_bytes(end) == b"<|im_end|>"

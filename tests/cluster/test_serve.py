@@ -259,6 +259,38 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
     assert e.value.body["param"] == "max_tokens" and str(context) in e.value.body["message"]
 
 
+
+def test_requests_an_api_audit_found_mishandled_are_400s_naming_the_field_before_any_stream(server):
+    """A content part whose text is not a string (was a 500 without the envelope), a logit_bias
+    id past the vocabulary (was a 200 stream ending in an error event, naming `prompt`), a body
+    that is not JSON (named a character offset as its param), a prompt longer than the context
+    with max_tokens (named max_tokens); and chat logprobs' bytes of a character split over
+    tokens (were U+FFFD's bytes)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    model, base = server["model"], server["base"]
+
+    def post(route, body, **kw):
+        return requests.post(f"{base}/{route}", headers=headers, json=body, timeout=60, **kw)
+    chat = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    r = post("chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].text", r.text
+    vocab = server["tokenizer"].vocab_size
+    for stream in (False, True):
+        r = post("chat/completions", {**chat, "stream": stream, "logit_bias": {str(vocab): 5}}, stream=stream)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (stream, r.status_code, r.text)
+    r = requests.post(f"{base}/completions", data=b'{"prompt": "x", "max_tokens": 2,', timeout=30,
+                      headers={**headers, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None and "JSON" in r.json()["error"]["message"], r.text
+    context = requests.get(f"{base}/models", headers=headers, timeout=30).json()["data"][0]["max_model_len"]
+    r = post("completions", {"model": model, "prompt": [7] * (context + 5), "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = post("chat/completions", {**chat, "messages": [{"role": "user", "content": "Say e with an accent."}],
+                                  "max_tokens": 8, "logprobs": True, "guided_choice": ["\u00e9t\u00e9"]})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert r.json()["choices"][0]["message"]["content"] == "\u00e9t\u00e9"
+    joined = bytes(b for e in content for b in e["bytes"]).decode("utf-8", errors="strict")
+    assert joined.startswith("\u00e9t\u00e9"), content
+
 def test_cors_is_opt_in_and_answers_preflights_for_allowed_origins(server):
     root = server["base"].rsplit("/v1", 1)[0]
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
