@@ -150,8 +150,8 @@ def main() -> None:
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device)
 
-    def spec(k, calibrate=False):
-        return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None, draft_calibration=calibrate)
+    def spec(k):
+        return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None)
     engines = {"K=0": Engine(dataclasses.replace(base, spec=spec(0))),
                "auto": Engine(dataclasses.replace(base, spec=spec("auto"))),
                "never drafts": Engine(dataclasses.replace(base, spec=spec("auto")),
@@ -162,10 +162,10 @@ def main() -> None:
         engines["auto bursts"] = Engine(dataclasses.replace(base, spec=spec("auto")), draft_policy=policy)
     if args.table:
         t0 = time.perf_counter()
-        engines["auto table"] = Engine(dataclasses.replace(base, spec=spec("auto", calibrate=True)))
+        engines["auto table"] = Engine(dataclasses.replace(base, spec=spec("auto")))
         t1 = time.perf_counter()
-        table = engines["auto table"].calibrate_draft_costs()       # again, timed alone: what the calibration takes
-        print(f"auto table: engine built in {t1 - t0:.1f} s, calibration alone {time.perf_counter() - t1:.2f} s; "
+        table = engines["auto table"].calibrate_draft_costs()       # what --draft-calibration on runs at start
+        print(f"auto table: engine built in {t1 - t0:.1f} s, calibration {time.perf_counter() - t1:.2f} s; "
               "ms by batch size (rows) and depth:", table.report(), flush=True)
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
@@ -200,6 +200,7 @@ def main() -> None:
                                          f"gc {rec[n]['gc']['count']} {sum(rec[n]['gc']['ms']):.1f} ms)"
                                          + (f" ({rec[n]['vs_k0']:.3f}x)" if n != "K=0" else "") for n in names),
               flush=True)
+        save(args, rounds, {})                  # each round kept: a run cut by its timeout still says something
     summary = {n: {"median_vs_k0": statistics.median(r[n]["vs_k0"] for r in rounds),
                    "ratios": [r[n]["vs_k0"] for r in rounds]} for n in names[1:]}
     for n, s in summary.items():
@@ -213,8 +214,13 @@ def main() -> None:
             vs_best = [r[name]["tok_s"] / max(r[n]["tok_s"] for n in fixed) for r in rounds]
             summary[f"{name}_vs_best_fixed"] = {"median": statistics.median(vs_best), "ratios": [round(x, 4) for x in vs_best]}
             print(f"{name}: median {statistics.median(vs_best):.3f}x the round's best fixed K ({', '.join(fixed)})", flush=True)
-    json.dump({"model": args.model_dir, "concurrency": args.concurrency, "requests": args.requests, "freeze": args.freeze,
-               "rounds": rounds, "summary": summary}, open(args.out, "w"), indent=1)
+    save(args, rounds, summary)
+
+
+def save(args, rounds: list, summary: dict) -> None:
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model_dir, "concurrency": args.concurrency, "requests": args.requests,
+                   "freeze": args.freeze, "rounds": rounds, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@
 #    K=0 / 3 / auto / auto-timed at C=1 / 16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -627,34 +627,37 @@ ax)
     "$OUT/auto-ab-c1.json" --concurrency 1 --requests 16 --rounds 8 --fixed 2,3 2>&1 | grep "^round\|median" | cut -c1-600
   step done
   ;;
-bc)
+bc)          # test_cuda, then auto on the timed table at C=16 / 8 (~450 s)
   run_test_cuda
   bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   for c in 16 8; do
     step "auto_ab.py --table --bursts, bundled, C=$c, 128 requests, 8 rounds"
-    timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c$c.json" --concurrency $c \
+    timeout 140 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c$c.json" --concurrency $c \
       --requests 128 --rounds 8 --table --bursts 2>&1 | grep "^auto table:\|^round\|median" | cut -c1-900
   done
+  step done
+  ;;
+bd)          # C=1 with K=2 / 3 beside, then the bench's rounds with auto-timed (~300 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   step "auto_ab.py --table --bursts, bundled, C=1, 16 requests, 5 rounds, K=2 / 3 beside"
   timeout 170 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-table-c1.json" --concurrency 1 \
-    --requests 16 --rounds 5 --fixed 2,3 --table --bursts 2>&1 | grep "^round\|median" | cut -c1-900
+    --requests 16 --rounds 5 --fixed 2,3 --table --bursts 2>&1 | grep "^auto table:\|^round\|median" | cut -c1-900
   step "bench K=0 / 3 / auto / auto-timed, C=1 / 16, 32 prompts, 2 rounds"
-  timeout 120 "${bench[@]}" --draft-tokens 0,3,auto,auto-timed --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+  timeout 150 "${bench[@]}" --draft-tokens 0,3,auto,auto-timed --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
     --rounds 2 --name bundled-auto-timed-rounds 2>&1 | grep -v "prefill:" | tail -16
   step done
   ;;
-bb)
+bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
   make_mid > "$OUT/make-mid.txt" 2>&1
-  for a in 0.7 0.3; do
-    step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
-    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c16.json" --concurrency 16 \
-      --requests 64 --rounds 4 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
-      | grep "^auto table:\|^round\|median" | cut -c1-900
-    step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
-    timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c1.json" --concurrency 1 \
-      --requests 6 --rounds 3 --fixed 2 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
-      | grep "^round\|median" | cut -c1-900
-  done
+  a=$([[ $part == bb ]] && echo 0.7 || echo 0.3)
+  step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
+  timeout 280 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c16.json" --concurrency 16 \
+    --requests 64 --rounds 4 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
+    | grep "^auto table:\|^round\|median" | cut -c1-900
+  step "auto_ab.py --table, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
+  timeout 180 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c1.json" --concurrency 1 \
+    --requests 6 --rounds 3 --fixed 2 --table --synthetic $a --random-prompts 128 2>&1 \
+    | grep "^auto table:\|^round\|median" | cut -c1-900
   step done
   ;;
 az)
