@@ -213,15 +213,14 @@ def delete(app_name: str) -> None:
 
 
 def teardown(app_name: str | None, started_ray: bool) -> None:
-    """``delete(app_name)`` (when given), Serve's shutdown when we started Ray, then Ray's
-    (a joined cluster keeps running; this process only disconnects)."""
+    """``delete(app_name)`` (when given: Serve drains its replicas), then Ray's shutdown, which
+    takes a Ray we started down with its Serve (``serve.shutdown()`` first only added Ray's
+    warning that the controller's graceful-shutdown task "failed" when it was killed); a joined
+    cluster keeps running, this process only disconnects."""
     import ray
-    from ray import serve
     try:
         if app_name is not None:
             delete(app_name)
-        if started_ray:
-            serve.shutdown()
     finally:
         ray.shutdown()
 
