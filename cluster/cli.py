@@ -75,7 +75,7 @@ def cmd_info(args) -> int:
     print(f"type         {info['model_type']}, {info['num_parameters'] / 1e6:.2f} M parameters "
           f"({info['compute_dtype']})")
     print(f"layers       {info['num_hidden_layers']}: {kinds['linear_attention']} Gated DeltaNet, "
-          f"{kinds['full_attention']} full attention")
+          f"{kinds['full_attention']} full attention ({info['num_attention_heads']} query heads)")
     print(f"vocab        {info['vocab_size']}, hidden {info['hidden_size']}, "
           f"context {info['context_length']}, eos {info['eos_token_ids']}")
     for g in info["state_groups"]:
