@@ -580,7 +580,7 @@ class Engine:
         plan, k1 = flight.plan, flight.num_drafts + 1
         accepted = flight.host_tokens()
         kept = [int(n) for n in accepted[:, k1]]
-        live = [s.request.request_id in self.scheduler.requests for s in plan.scheduled]
+        live = [self.scheduler.is_live(s.request) for s in plan.scheduled]
         self.scheduler.commit_lengths(plan, kept, head_caught_up=flight.followed)
         if flight.followed and self._in_flight is not None:     # the rows its continuation's head caught up on
             self._in_flight.num_head_rows = sum(kept)
@@ -814,7 +814,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         # under a launched step that still writes its rows, its pool space goes when that lands
-        flying = self._in_flight is not None and req.request_id in self._in_flight.plan.request_ids
+        flying = self._in_flight is not None and any(s.request is req for s in self._in_flight.plan.scheduled)
         self.scheduler.finish(req, reason, release=not flying)
         self.grammars.forget(req.request_id)
         self.draft_policy.forget(req.request_id)

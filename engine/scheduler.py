@@ -26,7 +26,10 @@ drafts:
 2. Then waiting requests, oldest first, are admitted while a state row, KV blocks, budget and
    batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
-   captures do not cover every fed token, so a partial keep could not be rolled back.
+   captures do not cover every fed token, so a partial keep could not be rolled back. (The
+   CPU path's converted graph captures every token, so breaking this rule changes no CPU
+   output; ORT's CUDA kernels do not.) A waiting request that a preemption in a drafting step
+   made room for is admitted in the next step, not beside the drafts.
 4. The draft policy plans the step's drafts at once (``DraftPolicy.step_drafts``), before the
    caps, for every decoding request (a seeded sampled one's tokens do not depend on its K).
    With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
@@ -160,6 +163,11 @@ class Scheduler:
         if req.continues and self.prefix_cache is not None:
             self.prefix_cache.expect_continuation(req.request_id)
 
+    def is_live(self, req: Request) -> bool:
+        """``req`` itself still runs or waits: not ended, and not a later request given its id
+        (a step in flight still carries the rows of a request that ended under it)."""
+        return self.requests.get(req.request_id) is req
+
     def finish(self, req: Request, reason: FinishReason, release: bool = True) -> None:
         """End a request (done or cancelled): out of the queues, every pool space released.
         ``release=False``: a launched step still writes its rows (overlapped decoding, see
@@ -236,9 +244,14 @@ class Scheduler:
             budget -= num_tokens + num_drafts
             slots -= 1
 
+        # rule 3 again: a preemption above can free the state row a waiting request needed, but
+        # a step whose decodes already carry drafts admits no prompt chunk; it waits a step
+        drafting = any(s.num_drafts for s in plan.scheduled)
         for req in waiting:
-            if budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
+            if drafting or budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
                 break
+            if req.request_id in self.releasing:       # its id's pool space is an ended request's until
+                break                                 # the step in flight lands (``release_finished``)
             hit = self._start_from_cache(req)
             num_tokens = self._chunk(req, budget)
             if not self._reserve(req, num_tokens, 0) or not self._reserve_head_prefix(req, hit):
@@ -419,7 +432,7 @@ class Scheduler:
         head-KV lengths and ``num_computed`` of every request still running (a dead row's go
         with its release). ``head_caught_up``: the next step's drafting already caught the head
         up on the kept rows (``num_head`` = ``num_computed``)."""
-        live = [(s, k) for s, k in zip(plan.scheduled, num_kept) if s.request.request_id in self.requests]
+        live = [(s, k) for s, k in zip(plan.scheduled, num_kept) if self.is_live(s.request)]
         self.state_bank.advance_committed([s.request.request_id for s, _ in live], [k for _, k in live])
         self._advance_lengths(live, head_caught_up)
 
@@ -446,7 +459,7 @@ class Scheduler:
             r = s.request
             u = RequestUpdate(r, [], kept)
             updates.append(u)
-            if not s.samples or r.request_id not in self.requests:
+            if not s.samples or not self.is_live(r):
                 continue
             emitted, num_accepted = sampled[r.request_id]
             if s.num_drafts:
@@ -465,7 +478,7 @@ class Scheduler:
             return
         for s in plan.scheduled:
             r = s.request
-            if r.request_id not in self.requests:      # finished: its entries go with its release
+            if not self.is_live(r):                    # finished: its entries go with its release
                 continue
             # a stop id inside an accepted draft run leaves num_computed one past the kept tokens
             num_computed = min(r.num_computed, len(r.token_ids))

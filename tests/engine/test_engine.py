@@ -47,6 +47,13 @@ def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16
     return Engine(config, policy)
 
 
+def check_no_drafts_beside_a_prompt(engine) -> None:
+    """Scheduler rule 3: a step that carries a prompt chunk carries no drafts (ORT's CUDA kernels
+    capture no per-token states for such a step; the CPU graph does, so only this check sees it)."""
+    t = engine.last_step
+    assert t is None or not (t.has_prefill and t.num_head_forwards), f"drafts beside a prompt chunk: {t}"
+
+
 def run_requests(engine, prompts, params, check_every_step=True, after_step=None):
     """Submit everything at once (ids r0, r1, ...), step to the end, checking the pools after each
     step and calling ``after_step(engine)``; (tokens by id, finish reasons by id, Requests by id)."""
@@ -59,6 +66,7 @@ def run_requests(engine, prompts, params, check_every_step=True, after_step=None
                 reasons[ev.request_id] = ev.finish_reason
         if check_every_step:
             engine.check_integrity()
+            check_no_drafts_beside_a_prompt(engine)
         if after_step is not None:
             after_step(engine)
     assert engine.is_idle_and_empty(), "pools not back to empty after every request finished"

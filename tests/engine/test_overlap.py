@@ -121,6 +121,37 @@ def test_a_cancel_under_a_step_in_flight_releases_its_row_when_that_step_lands(m
     assert {r: tokens[r] for r in "ac"} == {r: plain[0][r] for r in "ac"}
 
 
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_id_reused_right_after_a_cancel_under_a_step_in_flight_gets_only_its_own_tokens(model_dir, k):
+    """Cancel "b" while a launched step still writes its row, then add a new request "b" at once:
+    the dead row's token is not the new request's (it got max_tokens + 1 tokens, the first
+    its predecessor's), and the new one starts only when its id's pool space is free."""
+    requests = [("a", PROMPTS[0], GREEDY), ("b", PROMPTS[1], GREEDY)]
+    alone = run(make(model_dir, False, k=k), [("b", PROMPTS[7], GREEDY)])[0]["b"]
+    engine = make(model_dir, True, k=k)
+    new = {}
+
+    def cancel_and_reuse(e, i):
+        if "b" not in new and e._in_flight is not None and "b" in e._in_flight.plan.request_ids and i > 4:
+            assert e.abort("b").finish_reason == FinishReason.ABORT
+            new["b"] = e.add_request("b", PROMPTS[7], GREEDY)
+            new["tokens_before"] = list(tokens_so_far.get("b", []))
+    tokens_so_far = {}
+    original_step = engine.step
+
+    def recording_step():
+        events = original_step()
+        for ev in events:
+            tokens_so_far.setdefault(ev.request_id, []).extend(ev.token_ids)
+        return events
+    engine.step = recording_step
+    tokens, reasons, _ = run(engine, requests, during=cancel_and_reuse)
+    assert "b" in new
+    reused = tokens_so_far["b"][len(new["tokens_before"]):]
+    assert reused == alone and new["b"].num_output_tokens == GREEDY.max_tokens, (len(reused), len(alone))
+    assert reasons["b"] == FinishReason.LENGTH
+
 def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
     first = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])]
     later = [(f"late{i}", p, GREEDY) for i, p in enumerate(PROMPTS[4:8])]

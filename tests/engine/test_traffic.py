@@ -24,7 +24,7 @@ from mtpserve.engine.grammar import GrammarSpec
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.tokenizer import Tokenizer
 
-from test_engine import PROMPTS, make_engine
+from test_engine import PROMPTS, check_no_drafts_beside_a_prompt, make_engine
 
 MAX_TOKENS = 32
 NUM_PROMPTS = 10
@@ -123,6 +123,7 @@ def test_random_traffic_emits_what_each_request_emits_alone(model_dir, prompt_po
             if ev.finish_reason is not None:
                 finished.add(ev.request_id)
         engine.check_integrity()
+        check_no_drafts_beside_a_prompt(engine)
 
     for op in operations:
         if op[0] == "add":
