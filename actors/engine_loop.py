@@ -343,7 +343,7 @@ class EngineLoop:
         thread admits them from the same step on (a request's n choices start together)."""
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
-        footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
+        footprints = [check_request(ids, params.max_tokens, self.limits, params) for _, ids, params in requests]
         if not all(self.ledger.fits_grant(f) for f in footprints):
             raise Overloaded("this replica is draining or its grant is too small for the request")
         with self._queued_lock:

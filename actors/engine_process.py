@@ -182,7 +182,7 @@ class EngineProcess:
         """As ``EngineLoop.submit_all``: all or none; ValueError, Overloaded or EngineFailed first."""
         if self.failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
-        footprints = [check_request(ids, params.max_tokens, self.limits) for _, ids, params in requests]
+        footprints = [check_request(ids, params.max_tokens, self.limits, params) for _, ids, params in requests]
         if not all(self._grant.fits_grant(f) for f in footprints):
             raise Overloaded("this replica is draining or its grant is too small for the request")
         streams = [RequestStream(rid, self) for rid, _, _ in requests]
@@ -364,7 +364,7 @@ class _ChildLoop(EngineLoop):
         for rid, ids, params in requests:
             stream = _RemoteStream(rid, conn)
             try:
-                footprint = check_request(ids, params.max_tokens, self.limits)
+                footprint = check_request(ids, params.max_tokens, self.limits, params)
                 if params.grammar is not None:     # compiled here, on the command thread, not between steps
                     self.engine.grammars.compiler.compile(params.grammar)
             except ValueError as e:                # the replica checked this already; never silent

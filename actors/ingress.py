@@ -49,6 +49,7 @@ from mtpserve.actors.protocol import (
     usage,
 )
 from mtpserve.actors.proxy_middleware import VIA_PROXY_HEADER
+from mtpserve.engine.admission import check_token_ids
 
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
@@ -439,8 +440,10 @@ class OpenAIRoutes:
                                param="max_completion_tokens" if chat and body.max_completion_tokens is not None
                                else "max_tokens")
             params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
-        if any(t >= self.limits.vocab_size for t, _ in params[0][0].logit_bias):   # before any stream opens
-            raise APIError(400, f"logit_bias token ids must be in [0, {self.limits.vocab_size})", param="logit_bias")
+        try:                                       # named, and before any stream opens
+            check_token_ids(params[0][0], self.limits.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
         session_id = request.headers.get(SESSION_HEADER)
         if session_id is not None and len(session_id) > MAX_SESSION_ID_LENGTH:
             raise APIError(400, f"{SESSION_HEADER} is longer than {MAX_SESSION_ID_LENGTH} characters",

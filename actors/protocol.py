@@ -123,7 +123,7 @@ class _SamplingFields(_Strict):
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in 1..{MAX_N}, got {self.n}", "n")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise bad_request("stream_options goes with stream: true", "stream_options")
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
@@ -279,6 +279,8 @@ class ChatMessage(_Strict):
     content: str | list[dict] | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls.")
     tool_call_id: str | None = Field(None, description="A tool turn's: the call it answers.")
+    name: str | None = Field(None, description="A participant's name, given to the chat template as the message's "
+                                               "`name` (templates that do not render it, as Qwen's, leave it out).")
 
     def text(self, index: int = 0) -> str:
         """The content as one text (text parts joined); a 400 naming ``messages[index]...`` for a
@@ -461,6 +463,8 @@ def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
             d["tool_calls"] = calls
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
         out.append(d)
     return out
 

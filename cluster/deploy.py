@@ -5,7 +5,7 @@
     deploy(options, "mtpserve")                 # serve.run(build_app(options)) under a name and route prefix
     wait_for_replicas("mtpserve", options.num_replicas, timeout_s=600)
     ...
-    teardown("mtpserve", started)               # serve.delete, the planner, Serve and Ray
+    teardown("mtpserve")                        # serve.delete, the planner, then Ray
 
 or, as context managers, ``with connected(address) as started:`` (Ray for a block) and ``with
 deployed(options, app_name) as view:`` (the app, every replica reporting to its planner, deleted
@@ -212,7 +212,7 @@ def delete(app_name: str) -> None:
     shutdown_planner(app_name)
 
 
-def teardown(app_name: str | None, started_ray: bool) -> None:
+def teardown(app_name: str | None) -> None:
     """``delete(app_name)`` (when given: Serve drains its replicas), then Ray's shutdown, which
     takes a Ray we started down with its Serve (``serve.shutdown()`` first only added Ray's
     warning that the controller's graceful-shutdown task "failed" when it was killed); a joined

@@ -133,7 +133,7 @@ def cmd_serve(args) -> int:
         pass
     finally:
         print("mtpserve: shutting down", flush=True)
-        deploy.teardown(args.app_name, started_ray)
+        deploy.teardown(args.app_name)
     print("mtpserve: stopped", flush=True)
     return 0
 

@@ -56,9 +56,23 @@ class Footprint:
     num_rows: int = 1
 
 
-def check_request(token_ids: Sequence[int] | int, max_tokens: int, limits: RequestLimits) -> Footprint:
-    """Validate a request (its prompt ids, or only their count) and return its worst-case
-    footprint; ValueError, with a message for the client, when it can never run here."""
+def check_token_ids(params, vocab_size: int) -> None:
+    """The token ids a request's parameters name (``stop_token_ids``, ``logit_bias``'s keys) are
+    in the vocabulary: ValueError naming the field otherwise (out of range, a step's mask or bias
+    would index past the logits and fail every request of the replica)."""
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size})")
+    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+
+
+def check_request(token_ids: Sequence[int] | int, max_tokens: int, limits: RequestLimits,
+                  params=None) -> Footprint:
+    """Validate a request (its prompt ids, or only their count, and its ``SamplingParams`` when
+    given: ``check_token_ids``) and return its worst-case footprint; ValueError, with a message
+    for the client, when it can never run here."""
+    if params is not None:
+        check_token_ids(params, limits.vocab_size)
     num_prompt_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
     if num_prompt_tokens < 1:
         raise ValueError("the prompt is empty")

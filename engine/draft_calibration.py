@@ -10,9 +10,9 @@ decode, holds the depth for ``steps`` steps in a row under a fixed policy, then 
                                      (overlapped decoding launches a step of one kind behind
                                      another of its kind) and catches up the head
 
-Fresh requests at each depth keep what one needs small (its prompt and one depth's tokens:
-15 blocks of 16 with the defaults and 4 drafts; 30 when every depth ran on the same ones), so a pool sized for the served load holds the
-largest size too.
+Fresh requests at each depth keep what one needs small (its prompt and one depth's tokens: 17
+blocks of 16 with the defaults and 4 drafts; 30 when every depth ran on the same ones), so a
+pool sized for the served load holds the largest size too.
 
 A depth's time is the median of its kept steps' wall time (``StepTiming.seconds``) that ran
 behind another (``pipelined``; all of them without overlap): the cost a depth has while
@@ -30,8 +30,8 @@ did reaches the adaptive policy (the fixed one hears their verifies). A depth wh
 would not fit the step's token budget (n * (1 + d) rows) is priced infinite: the scheduler
 would cut its drafts, so no policy can choose it.
 
-On a 2-core CPU, 3 sizes of the bundled model took 1.8-2.7 s; on the H200 it has not been timed
-yet (the log says how long). ``Engine`` runs it when auto drafts and
+On a 2-core CPU, 3 sizes of the bundled model took 3.5-3.7 s (1.8-2.7 s when every depth ran on
+one set of requests); on the H200 it has not been timed yet (the log says how long). ``Engine`` runs it when auto drafts and
 ``SpecConfig.draft_calibration`` is on, and logs the table.
 """
 
@@ -73,9 +73,11 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
     m = engine.manifest
     budget = engine.config.scheduler.max_tokens_per_step
     # each depth starts its own requests; one of them takes part in at most the depth's steps and
-    # every join's window (its prompt's steps, then join_steps), each keeping up to 1 + d tokens
-    window_steps = -(-prompt_len // budget) + join_steps + 1
-    max_tokens = (steps + num_joins * window_steps) * (1 + engine.max_drafts) + engine.max_drafts + 1
+    # every join's window (its prompt's chunks beside n - 1 decodes, join_steps, and slack for a
+    # step that lands late or a chunk cut at a snapshot boundary), each keeping up to 1 + d tokens
+    def window_steps(n: int) -> int:
+        return -(-prompt_len // max(1, budget - n + 1)) + join_steps + 3
+    max_tokens = (steps + num_joins * window_steps(max(sizes))) * (1 + engine.max_drafts) + engine.max_drafts + 1
     prompt_len = min(prompt_len, m.context_length - max_tokens - 1)
     if prompt_len < 1:
         raise ValueError(f"the context ({m.context_length} tokens) is too short to time {steps} steps a depth")
@@ -137,7 +139,7 @@ def time_draft_depths(engine, sizes, steps: int = 12, skip: int = 2, prompt_len:
                     engine.abort(ids.pop(0))
                     ids.append(start_request())
                     window, num_steps, decoding = 0.0, 0, 0
-                    while decoding < join_steps and num_steps < window_steps:
+                    while decoding < join_steps and num_steps < window_steps(n):
                         engine.step()                 # the prompt's steps, then join_steps more
                         t = engine.last_step
                         num_steps += 1

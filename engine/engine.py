@@ -330,9 +330,7 @@ class Engine:
         continues: a later request will extend this one (a session's turn): the prefix cache
         snapshots its prompt's boundaries even under the ``reused`` policy, so the next turn hits."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        check_request(ids, params.max_tokens, self.limits)
-        if any(t >= self.limits.vocab_size for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.limits.vocab_size})")
+        check_request(ids, params.max_tokens, self.limits, params)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.manifest.eos_token_ids))
         req = Request(request_id, ids, params, arrival_index=next(self._arrivals), stop_token_ids=stop_ids,

@@ -68,6 +68,19 @@ class Drafts:
         return self._tokens
 
 
+def _longest_past(requests: list, max_rows: int) -> list:
+    """The requests whose catch-ups, done apart (each down to its last row), bring the rest of a
+    drafting forward within ``max_rows`` rows: the longest first, no more than that needs."""
+    rows = {id(r): r.num_computed - r.num_head for r in requests}
+    total, chosen = sum(rows.values()), []
+    for r in sorted(requests, key=lambda r: -rows[id(r)]):
+        if total <= max_rows or rows[id(r)] <= 1:
+            break
+        chosen.append(r)
+        total -= rows[id(r)] - 1
+    return chosen
+
+
 class MTPProposer:
     """Drafts with the MTP head; holds each request's pending main-model hidden rows."""
 
@@ -133,10 +146,11 @@ class MTPProposer:
             return self._propose_after(drafting, after)
         constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
         graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)
+        requests = [s.request for s in drafting]
         if graphed:
-            self._catch_up_long([s.request for s in drafting], self.graphs.catch_up_rows)
+            self._catch_up_long([r for r in requests if r.num_computed - r.num_head > self.graphs.catch_up_rows])
         elif self.max_rows is not None:                  # the drafting forward within max_rows
-            self._catch_up_long([s.request for s in drafting], max(1, self.max_rows // len(drafting)))
+            self._catch_up_long(_longest_past(requests, self.max_rows))
         rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
                            s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
         if graphed:
@@ -220,10 +234,10 @@ class MTPProposer:
             self.grammars.rollback(rid)
         return result
 
-    def _catch_up_long(self, requests: list, most: int) -> None:
-        """Requests with more than ``most`` head rows to catch up (a new prompt, a prefix hit,
-        drafting resumed after a pause): all their rows but the last, in eager head forwards of
-        at most ``max_rows`` rows (their outputs unused: the rows only fill the head's KV), so
+    def _catch_up_long(self, long: list) -> None:
+        """Requests with many head rows to catch up (a new prompt, a prefix hit, drafting resumed
+        after a pause): all their rows but the last, in eager head forwards of at most
+        ``max_rows`` rows (their outputs unused: the rows only fill the head's KV), so
         this step's drafting still fits a captured shape, or the eager drafting forward the
         budget. Without it one such request made the whole batch draft eagerly, with a host
         round trip per draft level.
@@ -234,7 +248,7 @@ class MTPProposer:
 
             max_rows 4:  a: 9 rows, b: 2    pieces a0..3 | a4..7 | a8, b0..1
         """
-        long = [r for r in requests if r.num_computed - r.num_head > most]
+        long = [r for r in long if r.num_computed - r.num_head > 1]
         if not long:
             return
         size = self.max_rows or max(r.num_computed - r.num_head for r in long)

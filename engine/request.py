@@ -54,7 +54,7 @@ class TokenEvent:
     prefill_s: float | None = None  # seconds from arrival to admission, and from admission to this event
 
 
-@dataclass
+@dataclass(eq=False)                   # one request is one object: queues find and drop it by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -29,7 +29,7 @@ drafts:
    captures do not cover every fed token, so a partial keep could not be rolled back. (The
    CPU path's converted graph captures every token, so breaking this rule changes no CPU
    output; ORT's CUDA kernels do not.) A waiting request that a preemption in a drafting step
-   made room for is admitted in the next step, not beside the drafts.
+   made room for waits for a step without drafts.
 4. The draft policy plans the step's drafts at once (``DraftPolicy.step_drafts``), before the
    caps, for every decoding request (a seeded sampled one's tokens do not depend on its K).
    With ``uniform_drafts`` (CUDA graphs: a captured verify step has one shape, 1 + K rows for
@@ -160,8 +160,6 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        if req.continues and self.prefix_cache is not None:
-            self.prefix_cache.expect_continuation(req.request_id)
 
     def is_live(self, req: Request) -> bool:
         """``req`` itself still runs or waits: not ended, and not a later request given its id
@@ -176,7 +174,10 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        if release:
+        if req.status is RequestStatus.WAITING:   # never admitted, or preempted: it holds no pool space
+            if self.prefix_cache is not None and req.request_id not in self.releasing:   # (nor its id's: an
+                self.prefix_cache.forget_request(req.request_id)         # ended request's, under a step in flight)
+        elif release:
             self._release_finished(req)
         else:
             self.releasing[req.request_id] = req
@@ -252,6 +253,8 @@ class Scheduler:
                 break
             if req.request_id in self.releasing:       # its id's pool space is an ended request's until
                 break                                 # the step in flight lands (``release_finished``)
+            if req.continues and self.prefix_cache is not None:   # before its lookup plans its snapshots
+                self.prefix_cache.expect_continuation(req.request_id)
             hit = self._start_from_cache(req)
             num_tokens = self._chunk(req, budget)
             if not self._reserve(req, num_tokens, 0) or not self._reserve_head_prefix(req, hit):

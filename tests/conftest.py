@@ -59,4 +59,4 @@ def ray_cluster():
         deploy.start_http("127.0.0.1", port)
     yield {"address": ray.get_runtime_context().gcs_address, "url": f"http://127.0.0.1:{port}"}
     if started:
-        deploy.teardown(None, started_ray=True)
+        deploy.teardown(None)

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from mtpserve.cluster import deploy
     from mtpserve.cluster.app import ServeOptions
-    started = deploy.connect(quiet=True, proxy_middleware=False)   # the proxy as Serve ships it
+    deploy.connect(quiet=True, proxy_middleware=False)   # the proxy as Serve ships it
     try:
         deploy.start_http(deploy.LOCAL_HOST, args.port)
         options = ServeOptions.from_flat(model_dir=args.model, draft_tokens=args.draft_tokens,
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         http = measure_http(url, options.served_model_name, prompts, args.max_tokens)
         after = _server_ttft(url)
     finally:
-        deploy.teardown(APP_NAME, started)
+        deploy.teardown(APP_NAME)
 
     print(f"{args.requests} requests one at a time, {args.max_tokens} tokens each, greedy, "
           f"draft tokens {args.draft_tokens}, {args.threads} ORT thread(s)")

@@ -186,6 +186,7 @@ def test_fields_of_another_role_are_refused_by_name():
 def test_options_without_what_they_modify_are_refused():
     _refused(lambda: _chat(stream_options={"include_usage": True}).refuse_unsupported(), "stream_options")
     _chat(stream=True, stream_options={"include_usage": True}).refuse_unsupported()
+    _chat(stream_options={}).refuse_unsupported()          # nothing asked (vLLM's rule: refused when it asks)
     _refused(lambda: _chat(parallel_tool_calls=False).tool_mode, "parallel_tool_calls")
     assert _chat(parallel_tool_calls=False, tools=[WEATHER]).tool_mode == "auto"
 
@@ -218,3 +219,9 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes(model_dir):
     assert all(e["bytes"] == e["top_logprobs"][0]["bytes"] for e in content)
     end = tok.token_id("<|im_end|>")
     assert tok.token_bytes(end) == b"<|im_end|>"
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    """OpenAI's ``name`` on a message (LangChain sends it) is the template's to render, not refused."""
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "ada"}])
+    assert req.messages_as_dicts() == [{"role": "user", "content": "hi", "name": "ada"}]

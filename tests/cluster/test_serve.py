@@ -262,7 +262,8 @@ def test_fields_the_server_does_not_honour_are_refused_and_max_tokens_is_not_cut
 
 def test_requests_an_api_audit_found_mishandled_are_400s_naming_the_field_before_any_stream(server):
     """A content part whose text is not a string (was a 500 without the envelope), a logit_bias
-    id past the vocabulary (was a 200 stream ending in an error event, naming `prompt`), a body
+    id past the vocabulary (was a 200 stream ending in an error event, naming `prompt`), a
+    stop_token_ids id past it (failed the replica's step, and so every request on it), a body
     that is not JSON (named a character offset as its param), a prompt longer than the context
     with max_tokens (named max_tokens); and chat logprobs' bytes of a character split over
     tokens (were U+FFFD's bytes)."""
@@ -278,6 +279,12 @@ def test_requests_an_api_audit_found_mishandled_are_400s_naming_the_field_before
     for stream in (False, True):
         r = post("chat/completions", {**chat, "stream": stream, "logit_bias": {str(vocab): 5}}, stream=stream)
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (stream, r.status_code, r.text)
+        # an id past the vocabulary in the min_tokens mask failed the step: every request of the replica
+        for ids in ([vocab + 5], [2**70]):
+            r = post("chat/completions", {**chat, "stream": stream, "stop_token_ids": ids, "min_tokens": 1},
+                     stream=stream)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", (ids, r.text)
+    assert post("chat/completions", chat).status_code == 200, "the replica still serves"
     r = requests.post(f"{base}/completions", data=b'{"prompt": "x", "max_tokens": 2,', timeout=30,
                       headers={**headers, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None and "JSON" in r.json()["error"]["message"], r.text

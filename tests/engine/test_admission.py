@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpserve.engine.admission import Footprint, RequestLimits, ReservationLedger, check_request
+from mtpserve.engine.sampler import SamplingParams
 
 LIMITS = RequestLimits(context_length=4096, block_size=16, num_usable_blocks=100, vocab_size=50)
 
@@ -57,3 +58,17 @@ def test_a_shrunken_grant_revokes_nothing_but_admits_nothing_new():
     ledger.set_grant(0, 0)
     assert "a" in ledger and not ledger.can_reserve(Footprint(1)) and not ledger.fits_grant(Footprint(1))
     assert ledger.release("a") and ledger.num_reserved_blocks == 0
+
+
+@pytest.mark.parametrize("field,params", [
+    ("stop_token_ids", dict(stop_token_ids=(3, 50))), ("stop_token_ids", dict(stop_token_ids=(2**70,))),
+    ("logit_bias", dict(logit_bias=((50, 1.0),))),
+])
+def test_token_ids_the_parameters_name_must_be_in_the_vocabulary(field, params):
+    """One id past the vocabulary in stop_token_ids (the min_tokens mask) or logit_bias indexes
+    past the step's logits: refused at the door, naming the field, on every entry point."""
+    bad = SamplingParams(temperature=0, max_tokens=4, **params)
+    with pytest.raises(ValueError, match=f"^{field} "):
+        check_request([1, 2], 4, LIMITS, bad)
+    ok = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=(49,), logit_bias=((0, 1.0),))
+    assert check_request([1, 2], 4, LIMITS, ok) == Footprint(1)

@@ -358,7 +358,7 @@ def test_cuda_draft_calibration_times_every_depth_on_graphs_and_leaves_output_ex
     engine = engine_on(model_dir, "cuda", k="auto", budget=48)
     table = engine.calibrate_draft_costs()
     print("timed table (ms):", table.report())
-    # (32 requests at 16 blocks each need 512 of its 511)
+    # (32 requests at 20 blocks each need 640 of its 511)
     assert table.sizes == (1, 2, 4, 8, 16) and table.depth == engine.max_drafts
     assert engine.draft_policy.cost_table is table and engine.scheduler.draft_policy is engine.draft_policy
     assert engine.is_idle_and_empty() and engine.num_steps == 0

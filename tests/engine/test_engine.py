@@ -491,7 +491,7 @@ def test_draft_calibration_setting_runs_at_start_and_refuses_what_it_cannot_time
         fixed.calibrate_draft_costs(sizes=(1,), steps=3)
     with pytest.raises(ValueError, match="MTP head"):
         make_engine(model_dir, k=0).calibrate_draft_costs(sizes=(1,))
-    small = make_engine(model_dir, k="auto", num_blocks=60)     # 13 blocks a request's calibration
+    small = make_engine(model_dir, k="auto", num_blocks=60)     # 15 blocks a request's calibration
     assert small.calibrate_draft_costs(sizes=(1, 2, 8), steps=4).sizes == (1, 2), "sizes the pool cannot hold are left out"
     small.check_integrity()
     with pytest.raises(ValueError, match="cannot hold"):

@@ -79,7 +79,7 @@ def test_drafts_after_an_eager_catch_up_of_long_head_rows_equal_the_reference(mo
 
     def catching_up(drafting):
         before = {s.request.request_id: s.request.num_head for s in drafting}
-        proposer._catch_up_long([s.request for s in drafting], 1)
+        proposer._catch_up_long([s.request for s in drafting])
         caught_up.extend(s.request.num_head - before[s.request.request_id] for s in drafting)
         return propose(drafting)
 
@@ -131,7 +131,7 @@ def test_long_catch_ups_run_in_pieces_within_the_step_budget(model_dir):
     propose, shared = small.proposer.propose, []
 
     def in_pieces(drafting):
-        small.proposer._catch_up_long([s.request for s in drafting], 1)
+        small.proposer._catch_up_long([s.request for s in drafting])
         return propose(drafting)
 
     small.proposer.propose = in_pieces
@@ -149,3 +149,19 @@ def test_long_catch_ups_run_in_pieces_within_the_step_budget(model_dir):
     for tokens, num_drafts, drafts in seen:
         assert drafts == reference_drafts(runner, zero, tokens, num_drafts), f"drafts after {len(tokens)} tokens"
     small.check_integrity()
+
+
+def test_the_eager_drafting_forward_catches_up_apart_only_what_its_budget_needs():
+    """Only the longest catch-ups run apart, and only until the drafting forward fits the budget:
+    16 requests with 3 rows each and one with 100 under a budget of 60: the long one alone."""
+    from mtpserve.engine.proposer import _longest_past
+
+    class R:
+        def __init__(self, rows):
+            self.num_computed, self.num_head = 100 + rows, 100
+    short, long = [R(3) for _ in range(16)], R(100)
+    assert _longest_past([*short, long], 60) == [long]
+    assert _longest_past(short, 60) == [], "48 rows fit"
+    assert _longest_past([*short, long], 200) == [], "148 rows fit"
+    assert len(_longest_past([*short, long], 20)) == 1 + 15, "148 rows - 99 - 15 x 2 = 19"
+    assert _longest_past([R(1)] * 30, 10) == [], "rows of 1 cannot shrink"

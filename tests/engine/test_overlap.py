@@ -152,6 +152,55 @@ def test_an_id_reused_right_after_a_cancel_under_a_step_in_flight_gets_only_its_
     assert reused == alone and new["b"].num_output_tokens == GREEDY.max_tokens, (len(reused), len(alone))
     assert reasons["b"] == FinishReason.LENGTH
 
+
+def test_cancelling_a_reused_id_before_it_starts_leaves_its_predecessors_row_to_the_step_in_flight(model_dir):
+    """Cancel "b" under a step in flight, add a new "b", cancel that one too before any step: the
+    new one held nothing, so nothing is released (its id's pool space was the old request's,
+    still written by the step: releasing it moved a state row under that step)."""
+    engine = make(model_dir, True)
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[1], GREEDY)
+    for _ in range(6):
+        engine.step()
+    assert engine._in_flight is not None and "b" in engine._in_flight.plan.request_ids
+    rows = engine.state_bank.num_free_rows
+    engine.abort("b")
+    engine.add_request("b", PROMPTS[2], GREEDY)
+    assert engine.abort("b").finish_reason == FinishReason.ABORT
+    assert engine.state_bank.num_free_rows == rows, "a row was released under the step that writes it"
+    engine.check_integrity()
+    while engine.has_work:
+        engine.step()
+        engine.check_integrity()
+    assert engine.is_idle_and_empty()
+
+
+def test_a_session_turn_under_a_reused_id_still_caches_its_prompt_for_the_next_turn(model_dir):
+    """A turn sent with ``continues`` snapshots its prompt's boundaries so the next turn starts
+    from the cache, also when its id was a cancelled request's whose step was still in flight
+    (the mark went to the old request's bookkeeping, dropped when that step landed)."""
+    prompt = "".join(PROMPTS[:4])
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+
+    def next_turn_cached(reuse: bool) -> int:
+        engine = make(model_dir, True)
+        engine.add_request("a", PROMPTS[5], GREEDY)
+        if reuse:
+            engine.add_request("b", PROMPTS[1], GREEDY)
+            while engine._in_flight is None or "b" not in engine._in_flight.plan.request_ids:
+                engine.step()
+            engine.abort("b")
+        first = engine.add_request("b", prompt, params, continues=True)
+        while not first.finish_reason:
+            engine.step()
+        turn = engine.add_request("c", first.token_ids + engine.tokenizer.encode(" and more"), params)
+        while not turn.finish_reason:
+            engine.step()
+        engine.check_integrity()
+        return turn.num_cached_tokens
+    plain = next_turn_cached(False)
+    assert plain >= 32 and next_turn_cached(True) == plain
+
 def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
     first = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])]
     later = [(f"late{i}", p, GREEDY) for i, p in enumerate(PROMPTS[4:8])]

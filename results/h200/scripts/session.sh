@@ -136,21 +136,21 @@
 # az: after the draft policy's drafting term (ay: auto held K=4 at C=16, 0.55-0.80x K=0, its fit
 #    extrapolating K=0 from the depths it saw): auto_ab.py at C=16 and 8 (K=0 / auto / never
 #    drafts), and at C=1 with K=2 / 3 beside (auto against the best fixed K).
-# ba: (next) the adaptive policy exploring in bursts and fitting only pipelined steps (StepTiming
-#    .pipelined; explore_burst=4 every 64, fit_pipelined_only) beside the default, K=0 and an MTP
-#    engine that never drafts: auto_ab.py --bursts at C=16 / 8, and at C=1 with K=2 / 3 beside.
-#    test_cuda first (StepTiming gained a field on the engine's step path).
-# bb: (next, after bc) the 1.4 B model at synthetic acceptance 0.7 and 0.3 (the auto goal
-#    names both): auto_ab.py --table --bursts --synthetic A --random-prompts 128 at C=16 and C=1
-#    (K=2 beside at C=1), fewer rounds (each 1.4 B engine takes ~25 s to build).
-# ba: (written for session 16, never run: the device went back mid-kit and no machine was lent
-#    again that session; removed, bc runs its engines and more)
-# bc: (next) test_cuda first (the draft calibration's new test; the engine's start-up and
-#    forget_start_up changed), then auto_ab.py --table --bursts: K=0, the fit (auto), the fit in
-#    bursts, auto on a table timed at start-up (--draft-calibration on) and an MTP engine that
-#    never drafts, bundled, at C=16 and 8, and at C=1 with K=2 / 3 beside (auto against the best
-#    fixed K). The table and its live drift are in each run's "fits". Then the bench's own rounds:
-#    K=0 / 3 / auto / auto-timed at C=1 / 16.
+# ba: the adaptive policy exploring in bursts and fitting only pipelined steps beside the
+#    default (written for session 16, never run: the device went back mid-kit and no machine was
+#    lent again that session; removed, bc runs its engines and more)
+# Next, in this order, one device call each (~450-580 s; session 17 split them so none passes
+# a call's 600 s):
+# bc: test_cuda first (the draft calibration's new test; the engine's start-up, forget_start_up,
+#    abort on the engine's stream, long head catch-ups in pieces and scheduler rule 3 changed),
+#    then auto_ab.py --table --bursts: K=0, the fit (auto), the fit in bursts, auto on a table
+#    timed at start-up (--draft-calibration on) and an MTP engine that never drafts, bundled, at
+#    C=16 and 8. The table and its live drift are in each run's "fits".
+# bd: the same at C=1 with K=2 / 3 beside (auto against the best fixed K), then the bench's own
+#    rounds: K=0 / 3 / auto / auto-timed at C=1 / 16.
+# bb / be: the 1.4 B model at synthetic acceptance 0.7 (bb) and 0.3 (be) (the auto goal
+#    names both): auto_ab.py --table --bursts --synthetic A --random-prompts 128 at C=16, and
+#    --table at C=1 with K=2 beside; fewer rounds (each 1.4 B engine takes ~25 s to build).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be}
