@@ -49,11 +49,11 @@ from mtpserve.actors.protocol import (
     usage,
 )
 from mtpserve.actors.proxy_middleware import VIA_PROXY_HEADER
+from mtpserve.actors.sessions import MAX_SESSION_ID_LENGTH
 from mtpserve.engine.admission import check_token_ids
 
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
-MAX_SESSION_ID_LENGTH = 256          # longer ids are refused: session tables hold every id seen
 
 api = FastAPI(title="mtpserve", description="OpenAI-compatible serving of hybrid GDN/attention models "
                                              "with MTP speculative decoding")
@@ -429,16 +429,15 @@ class OpenAIRoutes:
             max_tokens = body.max_tokens
             if chat and body.max_completion_tokens is not None:
                 max_tokens = body.max_completion_tokens
-            if max_tokens is not None and len(ids) >= self.context_length:   # no max_tokens could fit
-                raise APIError(400, f"this model's context is {self.context_length} tokens and the prompt has "
-                                    f"{len(ids)}: shorten it", param="messages" if chat else "prompt")
             if max_tokens is None:
                 max_tokens = self.max_new_tokens(len(ids))
-            elif len(ids) + max_tokens > self.context_length:     # vLLM's answer too: never silently cut
-                raise APIError(400, f"this model's context is {self.context_length} tokens; the prompt's "
-                                    f"{len(ids)} plus max_tokens {max_tokens} exceed it: lower max_tokens",
-                               param="max_completion_tokens" if chat and body.max_completion_tokens is not None
-                               else "max_tokens")
+            else:
+                try:
+                    self.check_context(len(ids), max_tokens)
+                except ValueError as e:
+                    limit = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+                    raise APIError(400, str(e), param=("messages" if chat else "prompt") if len(ids) >= self.context_length
+                                   else limit) from None
             params.append([body.sampling_params(max_tokens, c) for c in range(body.n)])
         try:                                       # named, and before any stream opens
             check_token_ids(params[0][0], self.limits.vocab_size)

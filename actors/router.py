@@ -50,6 +50,7 @@ from mtpserve.actors.prefix_routing import (
     index_set,
     matched_blocks,
 )
+from mtpserve.actors.sessions import MAX_SESSION_ID_LENGTH
 
 logger = logging.getLogger("ray.serve")
 
@@ -195,6 +196,8 @@ class StateAffinityRouter(RequestRouter):
         loads = {uid: replica_load(view.replicas.get(uid) if view else None, r.routing_stats or {},
                                    self._in_flight.count(uid, now)) for uid, r in by_id.items()}
         session_id = pending_request.metadata.session_id if pending_request is not None else ""
+        if len(session_id or "") > MAX_SESSION_ID_LENGTH:   # the replica refuses it: bind nothing
+            session_id = ""
         owner = self._session_owner(session_id) if session_id else None
         digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request)
         matched = {}

@@ -17,8 +17,15 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
+MAX_SESSION_ID_LENGTH = 256         # longer ids are refused: session tables (and the planner's) hold every id seen
 MAX_REPORTED_SESSIONS = 10_000      # sessions a replica remembers (and reports) at most, besides active ones
 MAX_REMEMBERED_TOKENS = 1 << 23     # tokens of the sessions' last sequences a replica keeps (32 MiB)
+
+
+def check_session_id(session_id: str | None) -> None:
+    """ValueError for a session id no table should hold (over ``MAX_SESSION_ID_LENGTH`` characters)."""
+    if session_id is not None and len(session_id) > MAX_SESSION_ID_LENGTH:
+        raise ValueError(f"a session id is at most {MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
 
 
 class SessionTable:

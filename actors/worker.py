@@ -41,6 +41,7 @@ from mtpserve.actors.handover import Records, records_size
 from mtpserve.actors.ingress import OpenAIRoutes, api, guard
 from mtpserve.actors.metrics import MetricsRecorder, MetricsSnapshot, merge_metrics, render_metrics
 from mtpserve.actors.planner import WorkerReport, get_or_create_planner, get_planner
+from mtpserve.actors.sessions import check_session_id
 from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.bundled import resolve_model_dir
 from mtpserve.engine.engine import Engine
@@ -149,6 +150,7 @@ class Worker:
                    session_id: str | None = None) -> list[RequestStream]:
         """Submit every (prompt, choice) as one engine request, all or none (errors propagate). A
         session whose cached prefix a stopped replica handed over gets it first (``take_handover``)."""
+        check_session_id(session_id)
         if session_id and session_id in self._handed_over:
             await self.take_handover(session_id)
         return self.loop.submit_all([(f"{request_id}-{p}-{c}", ids, sp)
@@ -185,6 +187,16 @@ class Worker:
         finally:
             self._num_open_streams -= len(streams)
 
+    def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError when the prompt and ``max_tokens`` do not fit the context: refused, as vLLM
+        does, never answered shorter."""
+        if num_prompt_tokens >= self.context_length:             # no max_tokens could fit
+            raise ValueError(f"this model's context is {self.context_length} tokens and the prompt has "
+                             f"{num_prompt_tokens}: shorten it")
+        if num_prompt_tokens + max_tokens > self.context_length:
+            raise ValueError(f"this model's context is {self.context_length} tokens; the prompt's "
+                             f"{num_prompt_tokens} plus max_tokens {max_tokens} exceed it: lower max_tokens")
+
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most a request may generate: to the context end, within one replica's KV cache."""
         return max(1, self.limits.max_sequence_tokens - num_prompt_tokens)
@@ -206,6 +218,7 @@ class Worker:
         """Yield the request's TokenEvents; closing the generator aborts the request."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = SamplingParams(**(sampling or {}))
+        self.check_context(len(ids), params.max_tokens)
         streams = await self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
         async for _, event in self.run(streams, time.perf_counter(), paced=True):   # a Ray message an event
             yield event

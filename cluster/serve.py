@@ -126,6 +126,9 @@ def cmd_serve(args) -> int:
             for replica_id, direct in urls:
                 how = f", {num_api} API server{'s' if num_api > 1 else ''}" if own_servers else ""
                 print(f"  direct (replica {replica_id}{how}, no proxy hop): {direct}/v1", flush=True)
+        print(f"  Python, from a process {'on this machine' if started_ray else 'of this cluster'}: "
+              f"ray.init(address=\"{'auto' if started_ray else args.address}\"); "
+              f"mtpserve.cluster.client.MTPClient(\"{args.app_name}\")", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:
             time.sleep(0.2)

@@ -475,9 +475,17 @@ class PrefixCache:
         pools (another model)."""
         if self.host is None or not records:
             return 0
-        unpacked = [(d, unpack_record(blob)) for d, blob in records]
-        for _, record in unpacked:
+        unpacked = []
+        for item in records:
+            try:
+                digest, blob = item
+                if not isinstance(digest, bytes) or not isinstance(blob, bytes):
+                    raise TypeError("a record is a (digest, blob) pair of bytes")
+                record = unpack_record(blob)
+            except Exception as e:               # whatever a malformed record breaks in the unpacking
+                raise ValueError(f"not a prefix record (what export_prefix gives): {e}") from None
             self._check_record(record)
+            unpacked.append((digest, record))
         for digest, record in unpacked:
             entry = self.entries.get(digest)
             if entry is not None:                 # its blocks are here: at most its snapshot is news
@@ -500,6 +508,13 @@ class PrefixCache:
         return parts
 
     def _check_record(self, record: dict) -> None:
+        """ValueError unless ``record`` (unpacked) holds parts of this engine's shapes."""
+        parts = {"kv": list, "head": list, "snapshot": tuple, "hidden": np.ndarray}
+        if not record or any(not isinstance(v, parts.get(k, type(None))) for k, v in record.items()):
+            raise ValueError(f"not a prefix record (what export_prefix gives): parts {sorted(record)}")
+        hidden = record.get("hidden")
+        if hidden is not None and (hidden.ndim != 2 or hidden.shape[0] != self.block_size):
+            raise ValueError("a prefix record's hidden rows are not one block's")
         wanted = {"kv": [a.shape[1:] for a in self.kv_arrays], "head": [a.shape[1:] for a in self.head_arrays]}
         for part in ("kv", "head"):
             if part in record and [tuple(a.shape) for a in record[part]] != [tuple(s) for s in wanted[part]]:

@@ -103,6 +103,23 @@ def test_sessions_stick_to_a_replica_and_other_load_spreads(app):
     assert sum(len(e.token_ids) for e in events) == 6 and events[-1].finish_reason.value == "length"
 
 
+def test_a_python_handle_refuses_what_http_refuses(app):
+    """The Python surface keeps HTTP's rules: a session id over 256 characters (HTTP's 400; it
+    was served, and the planner's table kept the id) and a prompt + max_tokens past the context
+    (HTTP's 400; it was answered shorter, finish_reason length) raise ValueError."""
+    client = MTPClient(APP)
+    long_id = "L" * 300
+    with pytest.raises(ValueError, match="session id"):
+        client.generate("x = ", max_tokens=2, session_id=long_id)
+    assert long_id not in placement(APP).sessions
+    context = requests.get(f"{app['base']}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    with pytest.raises(ValueError, match="context"):
+        client.generate([7] * (context - 4), max_tokens=20)
+    with pytest.raises(ValueError, match="context"):
+        client.generate("x = ", max_tokens=context)
+    assert client.generate([7] * (context - 24), max_tokens=20, ignore_eos=True).num_output_tokens == 20
+
+
 def engine_texts(model_dir, prompts: list[str], max_tokens: int) -> dict[str, str]:
     """{r<i>: text} of greedy answers from an engine in this process (MTP off)."""
     engine = Engine(EngineConfig(str(model_dir), num_threads=1, cache=CacheConfig(64, 4)))

@@ -333,6 +333,8 @@ def test_a_prefix_moved_to_another_engine_gives_it_the_hit_and_the_same_tokens(m
     msgpack records a replica sends a peer): the second engine starts the next turn from the
     moved prefix, as the first would have, with the cache-off tokens; a record of another shape
     is refused."""
+    import msgpack
+
     from mtpserve.engine.prefix_cache import pack_record, unpack_record
     first = SYSTEM * 2 + PROMPTS[4]
     source = engine_with(model_dir, True, k, budget=512, interval=512, snapshots="reused")
@@ -361,5 +363,15 @@ def test_a_prefix_moved_to_another_engine_gives_it_the_hit_and_the_same_tokens(m
     digest, blob = records[0]
     record = unpack_record(blob)
     record["kv"] = [a[:, :1] for a in record["kv"]]
+    other = engine_with(model_dir, True, k)
     with pytest.raises(ValueError, match="do not fit"):
-        engine_with(model_dir, True, k).import_prefix([(digest, pack_record(record))])
+        other.import_prefix([(digest, pack_record(record))])
+    with_snapshot = next(unpack_record(b) for _, b in records if "snapshot" in unpack_record(b))
+    malformed = [[(b"x", b"y")], [("not bytes", 5)], [(digest,)], [(digest, msgpack.packb({"kv": 5}))],
+                 [(digest, pack_record({**with_snapshot, "hidden": with_snapshot["snapshot"][0]}))]]
+    if k:                                           # the hidden rows of a block: MTP on only
+        malformed.append([(digest, pack_record({**with_snapshot, "hidden": with_snapshot["hidden"][:3]}))])
+    for bad in malformed:                           # a clear ValueError, never the unpacking's own error
+        with pytest.raises(ValueError, match="prefix record"):
+            other.import_prefix(bad)
+    other.check_integrity()
