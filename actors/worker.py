@@ -218,6 +218,8 @@ class Worker:
         """Yield the request's TokenEvents; closing the generator aborts the request."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = SamplingParams(**(sampling or {}))
+        if "max_tokens" not in (sampling or {}):           # the default (16), within what the context leaves
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.max_new_tokens(len(ids))))
         self.check_context(len(ids), params.max_tokens)
         streams = await self.open(f"py-{uuid.uuid4().hex}", [ids], [[params]], session_id)
         async for _, event in self.run(streams, time.perf_counter(), paced=True):   # a Ray message an event

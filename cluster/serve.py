@@ -126,8 +126,9 @@ def cmd_serve(args) -> int:
             for replica_id, direct in urls:
                 how = f", {num_api} API server{'s' if num_api > 1 else ''}" if own_servers else ""
                 print(f"  direct (replica {replica_id}{how}, no proxy hop): {direct}/v1", flush=True)
-        print(f"  Python, from a process {'on this machine' if started_ray else 'of this cluster'}: "
-              f"ray.init(address=\"{'auto' if started_ray else args.address}\"); "
+        auth = os.environ.get("RAY_AUTH_MODE", "token")       # Ray 2.60 starts a local Ray with token auth
+        print(f"  Python (a driver with RAY_AUTH_MODE={auth} and this machine's ~/.ray/auth_token): "
+              f"ray.init(address=\"{ray.get_runtime_context().gcs_address}\"); "
               f"mtpserve.cluster.client.MTPClient(\"{args.app_name}\")", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while not stop["requested"]:

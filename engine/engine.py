@@ -163,7 +163,8 @@ class Engine:
                                             interval, self.xp, self.runner.kv.arrays.values(),
                                             head_arrays, int(config.cache.prefix_host_gib * 2**30),
                                             offload_all=config.cache.prefix_host_policy == "all",
-                                            snapshot_all=config.cache.prefix_snapshots == "all")
+                                            snapshot_all=config.cache.prefix_snapshots == "all",
+                                            hidden_row=(m.hidden_size, self.runner.hidden_dtype) if use_mtp else None)
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
         if draft_policy is None and config.spec.adaptive:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts)

@@ -237,11 +237,14 @@ class PrefixCache:
 
     def __init__(self, block_size: int, kv_pool: KVPool, head_pool: KVPool | None, bank: StateBank,
                  snapshot_interval: int, xp=np, kv_arrays: Sequence = (), head_arrays: Sequence = (),
-                 host_tier_bytes: int = 0, offload_all: bool = False, snapshot_all: bool = False):
+                 host_tier_bytes: int = 0, offload_all: bool = False, snapshot_all: bool = False,
+                 hidden_row: tuple[int, object] | None = None):
         """kv_arrays / head_arrays: the pools' ``[num_blocks, block_size, ...]`` arrays, whose
         blocks the host tier copies out and back; host_tier_bytes: its budget (0 = no tier);
         offload_all: the tier takes every evicted entry, not only those a lookup met again;
-        snapshot_all: snapshot every boundary of every prompt, not only where a match ends."""
+        snapshot_all: snapshot every boundary of every prompt, not only where a match ends;
+        hidden_row: (width, dtype) of the main model's hidden rows a snapshot keeps for the
+        head (MTP on; None: no head), what an imported record's must be."""
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"snapshot_interval must be a positive multiple of the block size {block_size}, "
                              f"got {snapshot_interval}")
@@ -259,6 +262,7 @@ class PrefixCache:
         self.host = HostTier(host_tier_bytes) if host_tier_bytes and self.kv_arrays else None
         self.offload_all = offload_all
         self.snapshot_all = snapshot_all
+        self.hidden_row = None if hidden_row is None else (int(hidden_row[0]), np.dtype(hidden_row[1]))
         kv_pool.on_evict = self._block_evicted
         if head_pool is not None:
             head_pool.on_evict = self._head_block_evicted
@@ -422,6 +426,8 @@ class PrefixCache:
         if record is None or "snapshot" not in record:
             return False
         conv, recurrent, length = record["snapshot"]
+        if length != entry.num_tokens:                # (an imported record's digest and snapshot disagree)
+            return False
         conv, recurrent = self.xp.asarray(conv), self.xp.asarray(recurrent)
         slot = self.bank.put_snapshot(conv, recurrent, length)
         if slot is None and self._free_a_snapshot_slot(keep=entry):
@@ -511,10 +517,19 @@ class PrefixCache:
         """ValueError unless ``record`` (unpacked) holds parts of this engine's shapes."""
         parts = {"kv": list, "head": list, "snapshot": tuple, "hidden": np.ndarray}
         if not record or any(not isinstance(v, parts.get(k, type(None))) for k, v in record.items()):
-            raise ValueError(f"not a prefix record (what export_prefix gives): parts {sorted(record)}")
+            raise ValueError(f"not a prefix record (what export_prefix gives): parts {list(record)!r}")
+        if "snapshot" in record:
+            length = record["snapshot"][2] if len(record["snapshot"]) == 3 else None
+            if type(length) is not int or length <= 0 or length % self.block_size:
+                raise ValueError("a prefix record's state snapshot has no whole-block length")
+            if self.hidden_row is not None and "hidden" not in record:
+                raise ValueError("a prefix record's snapshot has no hidden rows for the MTP head (exported "
+                                 "with MTP off?)")
         hidden = record.get("hidden")
-        if hidden is not None and (hidden.ndim != 2 or hidden.shape[0] != self.block_size):
-            raise ValueError("a prefix record's hidden rows are not one block's")
+        wanted_hidden = (self.block_size, self.hidden_row[0]) if self.hidden_row is not None else None
+        if hidden is not None and (hidden.ndim != 2 or hidden.shape[0] != self.block_size or wanted_hidden and (
+                hidden.shape != wanted_hidden or hidden.dtype != self.hidden_row[1])):
+            raise ValueError("a prefix record's hidden rows are not one block's of this model's hidden states")
         wanted = {"kv": [a.shape[1:] for a in self.kv_arrays], "head": [a.shape[1:] for a in self.head_arrays]}
         for part in ("kv", "head"):
             if part in record and [tuple(a.shape) for a in record[part]] != [tuple(s) for s in wanted[part]]:

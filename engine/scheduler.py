@@ -246,7 +246,7 @@ class Scheduler:
             slots -= 1
 
         # rule 3 again: a preemption above can free the state row a waiting request needed, but
-        # a step whose decodes already carry drafts admits no prompt chunk; it waits a step
+        # a step whose decodes already carry drafts admits no prompt chunk: it waits for one without
         drafting = any(s.num_drafts for s in plan.scheduled)
         for req in waiting:
             if drafting or budget <= 0 or slots <= 0 or not self.state_bank.can_admit():

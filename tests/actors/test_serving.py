@@ -118,6 +118,8 @@ def test_a_python_handle_refuses_what_http_refuses(app):
     with pytest.raises(ValueError, match="context"):
         client.generate("x = ", max_tokens=context)
     assert client.generate([7] * (context - 24), max_tokens=20, ignore_eos=True).num_output_tokens == 20
+    assert client.generate([7] * (context - 10), ignore_eos=True).num_output_tokens == 10, (
+        "without max_tokens its default (16) is cut to what the context leaves")
 
 
 def engine_texts(model_dir, prompts: list[str], max_tokens: int) -> dict[str, str]:

@@ -164,4 +164,4 @@ def test_the_eager_drafting_forward_catches_up_apart_only_what_its_budget_needs(
     assert _longest_past(short, 60) == [], "48 rows fit"
     assert _longest_past([*short, long], 200) == [], "148 rows fit"
     assert len(_longest_past([*short, long], 20)) == 1 + 15, "148 rows - 99 - 15 x 2 = 19"
-    assert _longest_past([R(1)] * 30, 10) == [], "rows of 1 cannot shrink"
+    assert _longest_past([R(1) for _ in range(30)], 10) == [], "rows of 1 cannot shrink"

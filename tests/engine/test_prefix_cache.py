@@ -334,6 +334,7 @@ def test_a_prefix_moved_to_another_engine_gives_it_the_hit_and_the_same_tokens(m
     moved prefix, as the first would have, with the cache-off tokens; a record of another shape
     is refused."""
     import msgpack
+    import numpy as np
 
     from mtpserve.engine.prefix_cache import pack_record, unpack_record
     first = SYSTEM * 2 + PROMPTS[4]
@@ -369,8 +370,15 @@ def test_a_prefix_moved_to_another_engine_gives_it_the_hit_and_the_same_tokens(m
     with_snapshot = next(unpack_record(b) for _, b in records if "snapshot" in unpack_record(b))
     malformed = [[(b"x", b"y")], [("not bytes", 5)], [(digest,)], [(digest, msgpack.packb({"kv": 5}))],
                  [(digest, pack_record({**with_snapshot, "hidden": with_snapshot["snapshot"][0]}))]]
-    if k:                                           # the hidden rows of a block: MTP on only
-        malformed.append([(digest, pack_record({**with_snapshot, "hidden": with_snapshot["hidden"][:3]}))])
+    conv, recurrent, length = with_snapshot["snapshot"]
+    malformed += [[(digest, pack_record({**with_snapshot, "snapshot": (conv, recurrent, float(length))}))],
+                  [(digest, pack_record({**with_snapshot, "snapshot": (conv, recurrent, length + 5)}))]]
+    if k:                                           # the hidden rows of a block of this model: MTP on only
+        hidden = with_snapshot["hidden"]
+        malformed += [[(digest, pack_record({**with_snapshot, "hidden": hidden[:3]}))],
+                      [(digest, pack_record({**with_snapshot, "hidden": np.zeros((16, hidden.shape[1] + 8), hidden.dtype)}))],
+                      [(digest, pack_record({**with_snapshot, "hidden": hidden.astype(np.float64)}))],
+                      [(digest, pack_record({p: v for p, v in with_snapshot.items() if p != "hidden"}))]]
     for bad in malformed:                           # a clear ValueError, never the unpacking's own error
         with pytest.raises(ValueError, match="prefix record"):
             other.import_prefix(bad)
