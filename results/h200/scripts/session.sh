@@ -653,11 +653,11 @@ bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=1
   step "auto_ab.py --table --bursts, 1.4 B, synthetic $a, C=16, 64 requests, 4 rounds"
   timeout 280 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c16.json" --concurrency 16 \
     --requests 64 --rounds 4 --table --bursts --synthetic $a --random-prompts 128 2>&1 \
-    | grep "^auto table:\|^round\|median" | cut -c1-900
+    | tee "$OUT/auto-ab-table-mid-$a-c16.txt" | grep "^auto table:\|^round\|median" | cut -c1-900
   step "auto_ab.py --table, 1.4 B, synthetic $a, C=1, 6 requests, 3 rounds, K=2 beside"
   timeout 180 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-table-mid-$a-c1.json" --concurrency 1 \
     --requests 6 --rounds 3 --fixed 2 --table --synthetic $a --random-prompts 128 2>&1 \
-    | grep "^auto table:\|^round\|median" | cut -c1-900
+    | tee "$OUT/auto-ab-table-mid-$a-c1.txt" | grep "^auto table:\|^round\|median" | cut -c1-900
   step done
   ;;
 az)
