@@ -291,7 +291,7 @@ class OpenAIRoutes:
             if (body.prompt is None) == (body.messages is None):
                 raise APIError(400, "give exactly one of prompt and messages", param="prompt")
             if body.messages is not None:
-                msgs = messages_as_dicts(body.messages)
+                msgs = messages_as_dicts(body.messages, self.tokenizer.renders_names)
                 try:
                     text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
                 except ValueError as e:
@@ -344,7 +344,7 @@ class OpenAIRoutes:
             self._check(body)
             tools = body.tools_to_render()
             try:
-                text = self.tokenizer.apply_chat_template(body.messages_as_dicts(), tools=tools)
+                text = self.tokenizer.apply_chat_template(body.messages_as_dicts(self.tokenizer.renders_names), tools=tools)
             except ValueError as e:
                 raise APIError(400, str(e), param="tools" if tools and not self.tokenizer.renders_tools
                                else "messages") from None

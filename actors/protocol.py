@@ -280,7 +280,7 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls.")
     tool_call_id: str | None = Field(None, description="A tool turn's: the call it answers.")
     name: str | None = Field(None, description="A participant's name, given to the chat template as the message's "
-                                               "`name` (templates that do not render it, as Qwen's, leave it out).")
+                                               "`name`; a 400 with a template that does not render it (Qwen's).")
 
     def text(self, index: int = 0) -> str:
         """The content as one text (text parts joined); a 400 naming ``messages[index]...`` for a
@@ -364,8 +364,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def messages_as_dicts(self) -> list[dict]:
-        return messages_as_dicts(self.messages)
+    def messages_as_dicts(self, renders_names: bool = True) -> list[dict]:
+        return messages_as_dicts(self.messages, renders_names)
 
     def _request_field(self, name: str) -> str:
         if name == "max_tokens" and self.max_completion_tokens is not None:
@@ -439,7 +439,7 @@ def _schema_text(schema: dict | str, param: str) -> str:
     return json.dumps(schema)
 
 
-def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
+def messages_as_dicts(messages: list[ChatMessage] | None, renders_names: bool = True) -> list[dict]:
     """What the chat template renders (a tool call's arguments as an object, as Qwen's template
     writes them); a 400 for an empty conversation or arguments that are not a JSON object."""
     if not messages:
@@ -464,6 +464,9 @@ def messages_as_dicts(messages: list[ChatMessage] | None) -> list[dict]:
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.name is not None:
+            if not renders_names:                  # refused, not dropped unseen
+                raise bad_request("this model's chat template does not render a message's name",
+                                  f"messages[{i}].name")
             d["name"] = m.name
         out.append(d)
     return out

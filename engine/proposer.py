@@ -71,13 +71,15 @@ class Drafts:
 def _longest_past(requests: list, max_rows: int) -> list:
     """The requests whose catch-ups, done apart (each down to its last row), bring the rest of a
     drafting forward within ``max_rows`` rows: the longest first, no more than that needs."""
-    rows = {id(r): r.num_computed - r.num_head for r in requests}
-    total, chosen = sum(rows.values()), []
-    for r in sorted(requests, key=lambda r: -rows[id(r)]):
-        if total <= max_rows or rows[id(r)] <= 1:
+    rows = [(r.num_computed - r.num_head, r) for r in requests]
+    total, chosen = sum(n for n, _ in rows), []
+    if total <= max_rows:                          # every step but a long catch-up's: no sort
+        return chosen
+    for n, r in sorted(rows, key=lambda x: -x[0]):
+        if total <= max_rows or n <= 1:
             break
         chosen.append(r)
-        total -= rows[id(r)] - 1
+        total -= n - 1
     return chosen
 
 

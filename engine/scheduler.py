@@ -251,8 +251,6 @@ class Scheduler:
         for req in waiting:
             if drafting or budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
                 break
-            if req.request_id in self.releasing:       # its id's pool space is an ended request's until
-                break                                 # the step in flight lands (``release_finished``)
             if req.continues and self.prefix_cache is not None:   # before its lookup plans its snapshots
                 self.prefix_cache.expect_continuation(req.request_id)
             hit = self._start_from_cache(req)

@@ -75,6 +75,7 @@ class Tokenizer:
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         self._chat_template = env.from_string(template)
         self.renders_tools = "tools" in template
+        self.renders_names = any(f in template for f in ("message.name", "message['name']", 'message["name"]'))
         self.vocab_size = self._tok.get_vocab_size()
         self._byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
         self._added = set(self._tok.get_added_tokens_decoder())

@@ -221,7 +221,10 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes(model_dir):
     assert tok.token_bytes(end) == b"<|im_end|>"
 
 
-def test_a_messages_name_reaches_the_chat_template():
-    """OpenAI's ``name`` on a message (LangChain sends it) is the template's to render, not refused."""
+def test_a_messages_name_reaches_the_chat_template_or_is_refused(model_dir):
+    """OpenAI's ``name`` on a message (LangChain sends it) goes to a template that renders it, and
+    is refused by name where the template would drop it unseen (the bundled one, as Qwen's)."""
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "ada"}])
     assert req.messages_as_dicts() == [{"role": "user", "content": "hi", "name": "ada"}]
+    _refused(lambda: req.messages_as_dicts(renders_names=False), "messages[0].name")
+    assert not Tokenizer(model_dir).renders_names
