@@ -473,8 +473,17 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self.state["bodies"].append(body)
             self.state["in_flight"] += 1
             self.state["max_in_flight"] = max(self.state["max_in_flight"], self.state["in_flight"])
+        done = False
+
+        def leave():                                # before the last bytes: a client answered may send again
+            nonlocal done
+            with self.lock:
+                if not done:
+                    done = True
+                    self.state["in_flight"] -= 1
         try:
             if body["prompt"] == "refuse me":
+                leave()
                 return self._send(400, json.dumps({"error": {"message": "bad prompt"}}))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -486,13 +495,13 @@ class FakeOpenAI(BaseHTTPRequestHandler):
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
             with self.lock:
                 self.state["drafts"] += n
                 self.state["accepted"] += n // 2
+            leave()
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         finally:
-            with self.lock:
-                self.state["in_flight"] -= 1
+            leave()
 
 
 @pytest.fixture
