@@ -92,6 +92,19 @@ def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) ->
             "fits": fits(engine.draft_policy)}
 
 
+def device_memory(name: str, engine: Engine) -> None:
+    """After an engine's build: the device's memory in use, and what its captures took."""
+    try:
+        import cupy
+        free, total = cupy.cuda.runtime.memGetInfo()
+    except Exception:                 # noqa: BLE001 - a CPU run: nothing to say
+        return
+    took = [f"{g.what} {g.memory_bytes / 2**30:.2f} GiB" for g in (engine.graphs,
+            getattr(getattr(engine, "proposer", None), "graphs", None)) if g is not None]
+    print(f"device memory after {name}: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use; "
+          f"captures took {', '.join(took) or 'nothing'}", flush=True)
+
+
 def fits(policy) -> dict:
     """An adaptive policy's step-cost fits by batch-size class (coefficients in ms), what it
     left out, and the depths it planned so far; {} for a fixed policy."""
@@ -145,6 +158,8 @@ def main() -> None:
     p.add_argument("--random-prompts", type=int, default=0, help="random prompts of this many tokens")
     p.add_argument("--bursts", action="store_true", help="also the adaptive policy exploring in bursts")
     p.add_argument("--table", action="store_true", help="also the adaptive policy on a timed step-cost table")
+    p.add_argument("--no-never", action="store_true", help="leave out the engine that never drafts (on the 1.4 B "
+                   "model four engines' captures do not fit one H200: session 18's bb ran out of memory building a fourth)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
                    "the engine that never drafts: own time per step, auto minus it, largest first")
     args = p.parse_args()
@@ -152,10 +167,12 @@ def main() -> None:
 
     def spec(k):
         return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None)
-    engines = {"K=0": Engine(dataclasses.replace(base, spec=spec(0))),
-               "auto": Engine(dataclasses.replace(base, spec=spec("auto"))),
-               "never drafts": Engine(dataclasses.replace(base, spec=spec("auto")),
-                                      draft_policy=FixedDraftPolicy(0))}
+    engines = {"K=0": Engine(dataclasses.replace(base, spec=spec(0)))}
+    device_memory("K=0", engines["K=0"])
+    engines["auto"] = Engine(dataclasses.replace(base, spec=spec("auto")))
+    device_memory("auto", engines["auto"])
+    if not args.no_never:
+        engines["never drafts"] = Engine(dataclasses.replace(base, spec=spec("auto")), draft_policy=FixedDraftPolicy(0))
     if args.bursts:
         policy = AdaptiveDraftPolicy(engines["auto"].max_drafts, explore_interval=64, explore_burst=4,
                                      fit_pipelined_only=True)
@@ -165,10 +182,12 @@ def main() -> None:
         engines["auto table"] = Engine(dataclasses.replace(base, spec=spec("auto")))
         t1 = time.perf_counter()
         table = engines["auto table"].calibrate_draft_costs()       # what --draft-calibration on runs at start
+        device_memory("auto table", engines["auto table"])
         print(f"auto table: engine built in {t1 - t0:.1f} s, calibration {time.perf_counter() - t1:.2f} s; "
               "ms by batch size (rows) and depth:", table.report(), flush=True)
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
+        device_memory(f"K={k}", engines[f"K={k}"])
     e0 = engines["K=0"]
     if args.random_prompts:
         rng = np.random.default_rng(0)
