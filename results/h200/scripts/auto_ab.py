@@ -5,8 +5,14 @@ large as the difference being measured. Here all engines live in one process and
 many short runs each, the order rotated every round; each round's ratio is against the K=0 run
 of that round.
 
-    python3 auto_ab.py MODEL_DIR OUT.json [--concurrency 16] [--requests 64] [--rounds 12] [--freeze] [--fixed 2,3]
+    python3 auto_ab.py MODEL_DIR OUT.json [--interleave 64] [--concurrency 16] [--requests 64] [--rounds 12] [--freeze] [--fixed 2,3]
         [--synthetic 0.7 --random-prompts 128] [--bursts] [--table]
+
+--interleave N runs the engines at once instead, each taking turns of N steps (the order rotated
+each cycle), so that every engine sees the same host: at C=16 the same engine's runs took 0.54
+or 1.0 ms a step (p50) from one round to the next (session 17, both modes in every engine), and
+8 rounds could not tell 3% apart. Its rounds' ratios are of whole runs as before (each engine's
+time the sum of its turns); "turn_ratios" keeps each cycle's ratio to K=0 besides.
 
 Each run also records its steps' p50 / p90 wall time and the garbage collector's passes during it
 (their count and milliseconds, by generation); --freeze calls gc.freeze() once the engines are
@@ -63,33 +69,90 @@ class GcClock:
         return {"count": self.count, "ms": [round(x, 2) for x in self.ms]}
 
 
+class ClosedLoop:
+    """C requests of ``prompts`` in flight on one engine (greedy, 128 tokens each), a finished one
+    replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns in
+    an interleaved one."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str):
+        self.engine, self.concurrency, self.tag = engine, concurrency, tag
+        self.queue, self.in_flight = list(enumerate(prompts)), set()
+        self.tokens, self.times, self.seconds = 0, [], 0.0
+        self.pipelined = {"True": 0, "False": 0, "None": 0}
+        self.before = dataclasses.asdict(engine.scheduler.stats)
+
+    @property
+    def done(self) -> bool:
+        return not (self.queue or self.in_flight)
+
+    def advance(self, max_steps: float = float("inf")) -> tuple[int, float]:
+        """Up to ``max_steps`` steps: (tokens, wall seconds) of them."""
+        engine, params = self.engine, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        tokens, steps, t0 = self.tokens, 0, time.perf_counter()
+        while not self.done and steps < max_steps:
+            while self.queue and len(self.in_flight) < self.concurrency:
+                i, p = self.queue.pop(0)
+                engine.add_request(f"{self.tag}-{i}", p, params)
+                self.in_flight.add(f"{self.tag}-{i}")
+            s0 = time.perf_counter()
+            for ev in engine.step():
+                self.tokens += len(ev.token_ids)
+                if ev.finish_reason is not None:
+                    self.in_flight.discard(ev.request_id)
+            self.times.append(time.perf_counter() - s0)
+            steps += 1
+            if engine.last_step is not None:
+                self.pipelined[str(engine.last_step.pipelined)] += 1
+        wall = time.perf_counter() - t0
+        self.seconds += wall
+        return self.tokens - tokens, wall
+
+    def result(self) -> dict:
+        q = statistics.quantiles(self.times, n=10)
+        after = dataclasses.asdict(self.engine.scheduler.stats)
+        return {"tokens": self.tokens, "steps": len(self.times), "seconds": round(self.seconds, 4),
+                "tok_s": round(self.tokens / self.seconds, 1),
+                "ms_per_step": round(self.seconds / len(self.times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
+                "step_p90_ms": round(q[8] * 1e3, 4), "pipelined": self.pipelined, "fits": fits(self.engine.draft_policy),
+                "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
+
+
 def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    queue = list(enumerate(prompts))
-    tokens = 0
-    in_flight = set()
-    times, pipelined = [], {"True": 0, "False": 0, "None": 0}
+    """One engine's whole run, with the garbage collector's passes during it."""
+    loop, clock = ClosedLoop(engine, prompts, concurrency, tag), GcClock()
+    loop.advance()
+    return {**loop.result(), "gc": clock.close()}
+
+
+def gc_note(rec: dict) -> str:
+    return f", gc {rec['gc']['count']} {sum(rec['gc']['ms']):.1f} ms" if "gc" in rec else ""
+
+
+def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, tag: str, turn_steps: int) -> dict:
+    """Every engine's run at once, taking turns of ``turn_steps`` steps (the order rotated each
+    cycle): the host's speed, which on the H200 host moved 2x between runs a second apart, is
+    then shared by all of them. Each engine's time is the sum of its turns; ``turns`` keeps the
+    ratio to K=0 of each cycle in which both ran a whole turn (tokens / seconds of the turn)."""
+    loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}") for n, e in engines.items()}
+    names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != "K=0"}
     clock = GcClock()
-    t0 = time.perf_counter()
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
-            i, p = queue.pop(0)
-            engine.add_request(f"{tag}-{i}", p, params)
-            in_flight.add(f"{tag}-{i}")
-        s0 = time.perf_counter()
-        for ev in engine.step():
-            tokens += len(ev.token_ids)
-            if ev.finish_reason is not None:
-                in_flight.discard(ev.request_id)
-        times.append(time.perf_counter() - s0)
-        if engine.last_step is not None:
-            pipelined[str(engine.last_step.pipelined)] += 1
-    wall = time.perf_counter() - t0
-    q = statistics.quantiles(times, n=10)
-    return {"tokens": tokens, "steps": len(times), "seconds": round(wall, 4), "tok_s": round(tokens / wall, 1),
-            "ms_per_step": round(wall / len(times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
-            "step_p90_ms": round(q[8] * 1e3, 4), "gc": clock.close(), "pipelined": pipelined,
-            "fits": fits(engine.draft_policy)}
+    while not all(loop.done for loop in loops.values()):
+        order = names[cycle % len(names):] + names[:cycle % len(names)]
+        rate = {}
+        for n in order:
+            if not loops[n].done:
+                tokens, wall = loops[n].advance(turn_steps)
+                if not loops[n].done and wall > 0:
+                    rate[n] = tokens / wall
+        for n in turns:
+            if n in rate and "K=0" in rate:
+                turns[n].append(round(rate[n] / rate["K=0"], 4))
+        cycle += 1
+    out = {n: loop.result() for n, loop in loops.items()}
+    for n in turns:
+        out[n]["turn_ratios"] = turns[n]
+    out["K=0"]["gc"] = clock.close()
+    return out
 
 
 def device_memory(name: str, engine: Engine) -> None:
@@ -158,6 +221,8 @@ def main() -> None:
     p.add_argument("--random-prompts", type=int, default=0, help="random prompts of this many tokens")
     p.add_argument("--bursts", action="store_true", help="also the adaptive policy exploring in bursts")
     p.add_argument("--table", action="store_true", help="also the adaptive policy on a timed step-cost table")
+    p.add_argument("--interleave", type=int, default=0, metavar="STEPS",
+                   help="run the engines at once, taking turns of this many steps (0: one whole run after another)")
     p.add_argument("--no-never", action="store_true", help="leave out the engine that never drafts (on the 1.4 B "
                    "model four engines' captures do not fit one H200: session 18's bb ran out of memory building a fourth)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
@@ -204,27 +269,31 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
-        rec = {}
-        for name in order:
-            e = engines[name]
-            before = dataclasses.asdict(e.scheduler.stats)
-            rec[name] = run(e, prompts, args.concurrency, f"r{r}-{name}")
-            after = dataclasses.asdict(e.scheduler.stats)
-            rec[name]["spec"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+        if args.interleave:
+            rec = run_interleaved({n: engines[n] for n in order}, prompts, args.concurrency, f"r{r}", args.interleave)
+        else:
+            rec = {name: run(engines[name], prompts, args.concurrency, f"r{r}-{name}") for name in order}
         for name in names[1:]:
             rec[name]["vs_k0"] = round(rec[name]["tok_s"] / rec["K=0"]["tok_s"], 4)
         rounds.append({"order": order, **rec})
         print(f"round {r}: " + "  ".join(f"{n} {rec[n]['tok_s']:.0f} tok/s {rec[n]['ms_per_step']:.3f} ms/step "
-                                         f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}, "
-                                         f"gc {rec[n]['gc']['count']} {sum(rec[n]['gc']['ms']):.1f} ms)"
+                                         f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}"
+                                         + gc_note(rec[n]) + ")"
                                          + (f" ({rec[n]['vs_k0']:.3f}x)" if n != "K=0" else "") for n in names),
               flush=True)
         save(args, rounds, {})                  # each round kept: a run cut by its timeout still says something
     summary = {n: {"median_vs_k0": statistics.median(r[n]["vs_k0"] for r in rounds),
                    "ratios": [r[n]["vs_k0"] for r in rounds]} for n in names[1:]}
+    if args.interleave:
+        for n in names[1:]:
+            turns = [x for r in rounds for x in r[n].get("turn_ratios", [])]
+            if turns:
+                summary[n]["turns_median_vs_k0"] = statistics.median(turns)
+                summary[n]["turns"] = len(turns)
     for n, s in summary.items():
         print(f"{n}: median {s['median_vs_k0']:.3f}x K=0 over {args.rounds} rounds "
-              f"(min {min(s['ratios']):.3f}, max {max(s['ratios']):.3f})", flush=True)
+              f"(min {min(s['ratios']):.3f}, max {max(s['ratios']):.3f})"
+              + (f"; median of {s['turns']} turns {s['turns_median_vs_k0']:.3f}x" if "turns" in s else ""), flush=True)
     if args.profile:
         summary["profile_auto_minus_never_us"] = profile_pair(engines, prompts, args.concurrency)
     fixed = [n for n in names if n.startswith("K=")]
