@@ -44,7 +44,7 @@ import numpy as np
 
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
 from mtpserve.engine.config import EngineConfig, SpecConfig
-from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, FixedDraftPolicy
+from mtpserve.engine.draft_policy import MAX_NUM_DRAFTS, AdaptiveDraftPolicy, FixedDraftPolicy
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
 
@@ -223,6 +223,7 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="also the adaptive policy on a timed step-cost table")
     p.add_argument("--interleave", type=int, default=0, metavar="STEPS",
                    help="run the engines at once, taking turns of this many steps (0: one whole run after another)")
+    p.add_argument("--no-fit", action="store_true", help="leave out auto on the fit (serve's default)")
     p.add_argument("--no-never", action="store_true", help="leave out the engine that never drafts (on the 1.4 B "
                    "model four engines' captures do not fit one H200: session 18's bb ran out of memory building a fourth)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
@@ -234,13 +235,14 @@ def main() -> None:
         return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None)
     engines = {"K=0": Engine(dataclasses.replace(base, spec=spec(0)))}
     device_memory("K=0", engines["K=0"])
-    engines["auto"] = Engine(dataclasses.replace(base, spec=spec("auto")))
-    device_memory("auto", engines["auto"])
+    if not args.no_fit:
+        engines["auto"] = Engine(dataclasses.replace(base, spec=spec("auto")))
+        device_memory("auto", engines["auto"])
     if not args.no_never:
         engines["never drafts"] = Engine(dataclasses.replace(base, spec=spec("auto")), draft_policy=FixedDraftPolicy(0))
     if args.bursts:
-        policy = AdaptiveDraftPolicy(engines["auto"].max_drafts, explore_interval=64, explore_burst=4,
-                                     fit_pipelined_only=True)
+        policy = AdaptiveDraftPolicy(min(MAX_NUM_DRAFTS, engines["K=0"].manifest.capture_capacity), explore_interval=64,
+                                     explore_burst=4, fit_pipelined_only=True)
         engines["auto bursts"] = Engine(dataclasses.replace(base, spec=spec("auto")), draft_policy=policy)
     if args.table:
         t0 = time.perf_counter()

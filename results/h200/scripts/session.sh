@@ -151,9 +151,15 @@
 # bb / be: the 1.4 B model at synthetic acceptance 0.7 (bb) and 0.3 (be) (the auto goal
 #    names both): auto_ab.py --table --bursts --synthetic A --random-prompts 128 at C=16, and
 #    --table at C=1 with K=2 beside; fewer rounds (each 1.4 B engine takes ~25 s to build).
+# Session 18 (bb's C=16 run had run out of device memory building a fourth 1.4 B engine):
+# bf: the table corrected by live steps (and trial holds) against the fit, K=0 and an MTP engine
+#     that never drafts, bundled, all engines interleaved in turns of 64 steps (--interleave: the
+#     host's 2x swings between runs shared), C=16 and 8, then C=1 with K=2 / 3 beside.
+# bg: the 1.4 B model at synthetic 0.7, three engines a process: K=0 / table / fit at C=16, then
+#     K=0 / table / K=2 at C=1, interleaved.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -645,6 +651,32 @@ bd)          # C=1 with K=2 / 3 beside, then the bench's rounds with auto-timed 
   step "bench K=0 / 3 / auto / auto-timed, C=1 / 16, 32 prompts, 2 rounds"
   timeout 150 "${bench[@]}" --draft-tokens 0,3,auto,auto-timed --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
     --rounds 2 --name bundled-auto-timed-rounds 2>&1 | grep -v "prefill:" | tail -16
+  step done
+  ;;
+bf)          # bundled, interleaved: C=16 / 8 (K=0, fit, never, table), C=1 with K=2 / 3 (~420 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py --table --interleave 64, bundled, C=$c, 128 requests, 5 rounds"
+    timeout 130 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-corrected-c$c.json" --concurrency $c \
+      --requests 128 --rounds 5 --table --interleave 64 2>&1 | tee "$OUT/auto-ab-corrected-c$c.txt" \
+      | grep "^auto table:\|^round\|median\|device memory" | cut -c1-900
+  done
+  step "auto_ab.py --table --interleave 16, bundled, C=1, 16 requests, 4 rounds, K=2 / 3 beside"
+  timeout 150 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-corrected-c1.json" --concurrency 1 \
+    --requests 16 --rounds 4 --fixed 2,3 --no-never --table --interleave 16 2>&1 | tee "$OUT/auto-ab-corrected-c1.txt" \
+    | grep "^auto table:\|^round\|median" | cut -c1-900
+  step done
+  ;;
+bg)          # the 1.4 B model at synthetic 0.7, three engines a process, interleaved (~550 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "auto_ab.py --table --interleave 64, 1.4 B, synthetic 0.7, C=16, 64 requests, 3 rounds (K=0 / fit / table)"
+  timeout 230 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-mid-0.7-c16.json" --concurrency 16 \
+    --requests 64 --rounds 3 --table --no-never --interleave 64 --synthetic 0.7 --random-prompts 128 2>&1 \
+    | tee "$OUT/auto-ab-mid-0.7-c16.txt" | grep "^auto table:\|^round\|median\|device memory" | cut -c1-900
+  step "auto_ab.py --table --interleave 16, 1.4 B, synthetic 0.7, C=1, 6 requests, 3 rounds (K=0 / table / K=2)"
+  timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-mid-0.7-c1.json" --concurrency 1 \
+    --requests 6 --rounds 3 --fixed 2 --table --no-never --no-fit --interleave 16 --synthetic 0.7 --random-prompts 128 \
+    2>&1 | tee "$OUT/auto-ab-mid-0.7-c1.txt" | grep "^auto table:\|^round\|median\|device memory" | cut -c1-900
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
