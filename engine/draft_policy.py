@@ -347,30 +347,12 @@ class StepCostTable:
     price at depth d is then ``seconds[d] + arrivals_per_token * tokens(d) * joins[d]``, with
     the replica's measured rate of joining requests per emitted token (``ArrivalRate``).
 
-    Live steps correct the table's depths against each other, per batch-size class
-    (``batch_class``): once ``min_live`` decode steps at depth 0 and at a drafting depth have
-    each run behind another of their kind, that depth's price is scaled by its live / table
-    ratio over depth 0's (a drafting depth with too few steps of its own takes the nearest
-    corrected depth's factor; factors are kept within [1/3, 3], and one within 5% of 1 is 1;
-    a step whose head caught up on
-    more rows than a held depth keeps, n * (1 + d), is left out)::
-
-        price(n, d) = table(n, d) * (live(c, d) / table(n, d)) / (live(c, 0) / table(n, 0)),  c = class of n
-
-    A drift of the host's speed that moves every depth alike changes no factor (nor the best
-    depth); what the start-up timing got wrong between depths does. On the H200 the bundled
-    model's table priced a K=3 step at one request at 1.26 ms where held K=3 steps cost 0.77
-    (its random prompts' drafts were all rejected: session 17), so auto drafted on 11% of its
-    steps at 0.754x the best fixed K. Depths that do not run keep the table's price: a probe or
-    a step that changes kind runs alone and corrects nothing. ``observe`` also keeps, per
-    depth, the running ratio of the live decode steps' seconds to the table's (``drift`` for
-    pipelined steps, ``alone`` for the others) and their total, for reports.
+    The table is not refitted as the replica runs (a multiplicative drift of the host's speed
+    leaves the best depth unchanged); ``observe`` keeps, per depth, the running ratio of the
+    live decode steps' seconds to the table's (``drift`` for pipelined steps, ``alone`` for the
+    others) and their total, for reports: what a measurement on the device needs to say whether
+    live steps cost what the table says.
     """
-
-    min_live = 32               # pipelined live steps a (class, depth) needs before it corrects the table
-    refold_steps = 32           # live steps between recomputations of the correction
-    max_factor = 3.0
-    deadband = 0.05             # a factor within 5% of 1 is taken as 1
 
     def __init__(self, seconds: dict[tuple[int, int], float], joins: dict[tuple[int, int], float] | None = None,
                  max_rows: int | None = None):
@@ -399,11 +381,6 @@ class StepCostTable:
         self.alone: dict[int, float] = {}                        # ... of decode steps that ran alone
         self.seconds_by_depth: dict[int, tuple[int, float]] = {}  # depth -> (live decode steps, seconds)
         self._by_size: dict[int, tuple[list[float], list[float]]] = {}   # size -> (step, join seconds by depth)
-        self._live: dict[tuple[int, int], tuple[int, float]] = {}   # (class, depth) -> (pipelined steps, live / table)
-        self._first: dict[tuple[int, int], list[float]] = {}         # ... their ratios until min_live
-        self.correction: dict[int, list[float]] = {}                 # class -> each depth's price factor
-        self._since_fold = 0
-        self.version = 0          # bumped whenever the correction changes a price (the policy judges again)
 
     @classmethod
     def from_samples(cls, samples: dict[tuple[int, int], list[float]],
@@ -412,6 +389,8 @@ class StepCostTable:
         """The table of each (size, depth)'s median of timed steps (and of timed joins)."""
         return cls({key: float(np.median(times)) for key, times in samples.items() if times},
                    {key: float(np.median(v)) for key, v in (joins or {}).items() if v}, max_rows)
+
+    version = 0                 # its predictions never change (StepCostEstimator's change with each solve)
 
     @property
     def trusted_depth(self) -> int:
@@ -439,8 +418,7 @@ class StepCostTable:
         out = self._by_size.get(num_requests)
         if out is None:
             n = max(1, num_requests)
-            row = self._at(self.grid, n) * np.asarray(self.correction.get(batch_class(n), 1.0))
-            steps = [float(x) for x in np.maximum.accumulate(row)]
+            steps = [float(x) for x in np.maximum.accumulate(self._at(self.grid, n))]
             if self.max_rows is not None:
                 steps = [x if d == 0 or n * (1 + d) <= self.max_rows else math.inf for d, x in enumerate(steps)]
             out = self._by_size[num_requests] = (steps, [max(0.0, float(x)) for x in self._at(self.join_grid, n)])
@@ -476,8 +454,8 @@ class StepCostTable:
         adds its seconds to ``seconds_by_depth`` (how the live time of each depth splits)."""
         if timing is None or timing.has_prefill or not timing.num_requests:
             return
-        d, n = timing.num_head_forwards, timing.num_requests
-        table = float(self._at(self.grid, n)[d]) if d <= self.depth else math.inf   # the timed price, uncorrected
+        d = timing.num_head_forwards
+        table = self.step_seconds(timing.num_requests)[d] if d <= self.depth else math.inf
         if not math.isfinite(table):
             return
         ratio = timing.seconds / table
@@ -486,77 +464,23 @@ class StepCostTable:
         ratios[d] = ratio if old is None else old + 0.02 * (ratio - old)
         steps, seconds = self.seconds_by_depth.get(d, (0, 0.0))
         self.seconds_by_depth[d] = (steps + 1, seconds + timing.seconds)
-        if timing.pipelined is False or timing.num_head_rows > n * (1 + d):
-            return                 # ran alone, or its head caught up on more than a held depth's rows
-        key = (batch_class(n), d)
-        count, old = self._live.get(key, (0, 0.0))
-        if count < self.min_live:        # the median of the first min_live steps (a stall among them
-            first = self._first.setdefault(key, [])      # moves a mean: 10x in 32 steps, +28%)
-            first.append(ratio)
-            value = float(np.median(first)) if count + 1 == self.min_live else 0.0
-            if value:
-                del self._first[key]
-        else:                             # then a running ratio (halflife ~35 steps), each step
-            value = old + 0.02 * (min(max(ratio, 0.5 * old), 1.5 * old) - old)   # within 0.5-1.5x of it
-        self._live[key] = (count + 1, value)
-        self._since_fold += 1
-        if self._since_fold >= self.refold_steps:
-            self._fold()
-
-    def live_steps(self, batch_class: int, depth: int) -> int:
-        """Pipelined live decode steps seen at this batch-size class and depth."""
-        return self._live.get((batch_class, depth), (0, 0.0))[0]
-
-    def _fold(self) -> None:
-        """The correction of every class from its live ratios (see the class docstring); the
-        prices are judged again where a factor moved by more than 2%."""
-        self._since_fold = 0
-        correction = {}
-        for c in sorted({c for c, _ in self._live}):
-            count, base = self._live.get((c, 0), (0, 0.0))
-            if count < self.min_live or base <= 0:
-                continue
-            own = {d: self._live[c, d][1] / base for d in range(1, self.depth + 1)
-                   if self._live.get((c, d), (0, 0.0))[0] >= self.min_live}
-            if not own:
-                continue
-            factors = [1.0] + [own[min(own, key=lambda m, d=d: (abs(m - d), m))] for d in range(1, self.depth + 1)]
-            # within 5% the table stands (the correction is for a table wrong between depths, as
-            # the H200's by 1.46x; a factor of 0.99 or 1.01 flipped close depths in simulation)
-            correction[c] = [1.0 if abs(f - 1.0) < self.deadband else min(self.max_factor, max(1.0 / self.max_factor, f))
-                             for f in factors]
-        moved = set(correction) != set(self.correction) or any(
-            abs(a / b - 1.0) > 0.02 for c in correction for a, b in zip(correction[c], self.correction[c]))
-        if moved:
-            self.correction = correction
-            self._by_size.clear()
-            self.version += 1
 
     def forget_live(self) -> None:
-        """Forget what live steps said (start-up's steps), the correction included."""
+        """Forget what live steps said (start-up's steps)."""
         self.drift.clear()
         self.alone.clear()
         self.seconds_by_depth.clear()
-        self._live.clear()
-        self._first.clear()
-        self._since_fold = 0
-        if self.correction:
-            self.correction = {}
-            self._by_size.clear()
-            self.version += 1
 
     def report(self) -> dict:
         """The timed steps in ms by size and depth, and what live decode steps said of them, for
         logs and JSON: by depth, the running live / table ratio of pipelined steps (drift) and
-        of steps run alone (alone), the steps seen and their ms in all (live), and each batch-size
-        class's price factors by depth (correction)."""
+        of steps run alone (alone), and the steps seen and their ms in all (live)."""
         return {"sizes": list(self.sizes),
                 "ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.grid],
                 "join_ms": [[round(float(x) * 1e3, 4) for x in row] for row in self.join_grid],
                 "drift": {d: round(r, 3) for d, r in sorted(self.drift.items())},
                 "alone": {d: round(r, 3) for d, r in sorted(self.alone.items())},
-                "live": {d: [n, round(t * 1e3, 2)] for d, (n, t) in sorted(self.seconds_by_depth.items())},
-                "correction": {c: [round(f, 3) for f in fs] for c, fs in sorted(self.correction.items())}}
+                "live": {d: [n, round(t * 1e3, 2)] for d, (n, t) in sorted(self.seconds_by_depth.items())}}
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -705,9 +629,8 @@ def linear_seconds(coefficients):
     return lambda depth, rows, head_rows, tokens: a + b * rows + c * depth + h * head_rows
 
 
-def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=None, with_values: bool = False):
-    """The step's draft depth D in 0..max_depth with the most expected tokens per second (with
-    ``with_values``: the list of every depth's expected tokens per second instead).
+def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=None) -> int:
+    """The step's draft depth D in 0..max_depth with the most expected tokens per second.
 
     ``alphas``, ``caps``: each request's prefix acceptance and the most drafts it may carry;
     each carries min(D, cap), or D under ``uniform``. ``seconds(depth, main_rows, head_rows,
@@ -755,7 +678,7 @@ def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=Non
                 power[d] += p
                 count[d] += 1
     step = max(seconds(0, n, 0.0, float(n)), 1e-9)
-    values = [n / step]
+    best, best_value = 0, n / step
     rows, tokens = n, float(n)
     for d in range(1, max_depth + 1):
         rows += count[d]
@@ -763,13 +686,8 @@ def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=Non
         head_rows = tokens - (n - count[1])          # the requests that draft at all catch up
         # a deeper step never costs less: a fit extrapolated past the depths it saw can say so
         step = max(seconds(d, rows, head_rows, tokens), step)
-        values.append(tokens / step)
-    if with_values:
-        return values
-    best = 0
-    for d in range(1, max_depth + 1):
-        if values[d] > values[best] * (1.0 + 1e-9):
-            best = d
+        if tokens / step > best_value * (1.0 + 1e-9):
+            best, best_value = d, tokens / step
     return best
 
 
@@ -786,7 +704,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
                  idle_explore_interval: int = 1024, min_prior_trials: int = 16, min_request_trials: int = 4,
                  probe_interval: int = 32,
                  explore_burst: int = 1, fit_pipelined_only: bool = False,
-                 cost_table: StepCostTable | None = None, trial_interval: int = 256, trial_ratio: float = 0.6):
+                 cost_table: StepCostTable | None = None):
         """explore_burst: an exploring (or calibrating) depth is held for this many steps in a
         row; with fit_pipelined_only (the fits leave out steps an overlapping engine ran alone)
         only a burst's later steps are measured, at the cost its depth has when held. Both are
@@ -794,8 +712,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         requests (README, "A known gap"), not yet measured there. cost_table: the replica's
         timed step costs (``set_cost_table``); min_request_trials, probe_interval: how a policy
         on a table measures the acceptance of requests it does not draft for
-        (``_table_depth``); trial_interval, trial_ratio: how it holds a depth the table has no
-        live steps of (``_trial_depth``; 0: never)."""
+        (``_table_depth``)."""
         if not 0 <= max_drafts <= MAX_NUM_DRAFTS:
             raise ValueError(f"max_drafts must be in 0..{MAX_NUM_DRAFTS}, got {max_drafts}")
         self.max_drafts = max_drafts
@@ -822,10 +739,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.depths: dict[int, int] = {}         # depth -> steps planned with it (a report's figure)
         self._step_index = 1                     # the step about to run, counted from 1
         self._num_calibration: dict[int, int] = {}   # batch-size class -> calibration steps planned
-        self.trial_interval, self.trial_ratio = trial_interval, trial_ratio
-        self._trial: tuple[int, int, int] | None = None    # (class, depth, last step index) of a trial hold
-        self._last_trial: dict[int, int] = {}      # batch-size class -> step index it last looked for a trial
-        self.num_trials = 0                        # trial holds started (a report's figure)
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, AcceptanceEMA] = {}     # request id -> its acceptance estimate
         self._lock = threading.Lock()
@@ -906,9 +819,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._step_index = 1
         self._num_calibration.clear()
         self.depths.clear()
-        self._trial = None
-        self._last_trial.clear()
-        self.num_trials = 0
 
     def fit_for(self, num_requests: int) -> StepCostEstimator:
         """The step-cost fit of steps with about this many requests (``batch_class``)."""
@@ -1000,23 +910,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
           head catch-up and the overlap they break, cost 3-12% where K=0 was best;
         - every ``idle_explore_interval``-th step, judging all at acceptance 1 (acceptance
           drifts with the workload)."""
-        c = batch_class(len(requests))
-        if self._trial is not None:
-            tc, td, last = self._trial
-            if tc == c and self._step_index <= last:
-                return min(td, top), False
-            self._trial = None
         depth = self._judge(self.cost_table, requests, caps, top, uniform)
-        last = self._last_trial.get(c)
-        if self.trial_interval and len(requests) < 4 and (
-                self._step_index - last >= self.trial_interval if last is not None else
-                self._acceptance_known() or self._step_index >= self.trial_interval):
-            self._last_trial[c] = self._step_index      # (a class's first look: once acceptance is measured)
-            trial = self._trial_depth(requests, caps, top, uniform, depth)
-            if trial:
-                self._trial = (c, trial, self._step_index + self.cost_table.min_live + 3)
-                self.num_trials += 1
-                return trial, False
         if depth:
             return depth, False
         if not self._acceptance_known() or self.explores(0):
@@ -1029,31 +923,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
         else:
             probe = 0
         return (1, True) if probe else (0, False)
-
-    def _trial_depth(self, requests: list, caps: list[int], top: int, uniform: bool, best: int) -> int:
-        """A depth to hold for a trial (0: none): the table's most promising depth other than
-        ``best`` of those with fewer than ``min_live`` live steps in this batch-size class, if
-        the table says it yields at least ``trial_ratio`` of ``best``'s tokens per second.
-
-        A table corrects only depths that ran held (``StepCostTable``): one that prices a
-        depth too dear never runs it, so never learns. A trial holds it ``min_live`` + 3 steps
-        (the first run alone and catch the head up); at most one a class every
-        ``trial_interval`` steps, each (class, depth) until it has its live steps, so at most
-        (1 - trial_ratio) of a trial's steps lost, a few times a class in a replica's life (in
-        simulation, 0-2% of a fresh policy's 16-request run at one request; without trials,
-        a table priced 1.45x dear between depths left auto at 0.73-0.84x the best, with them
-        0.97-0.99x: ``test_live_steps_correct_a_table_timed_dear_for_drafting_depths``). Only in steps of 1-3
-        requests, as acceptance probes: in simulation at 16 requests where K=0 was best, trials
-        in a 512-step run (each wave of new requests a new class as the batch drained) cost
-        6-18%; there the H200's table chose K=0 as K=0 was best (session 17), where at one
-        request it priced drafting 1.46x its live cost against depth 0."""
-        table, n = self.cost_table, len(requests)
-        values = best_depth([self._alpha(r) for r in requests], caps, table.seconds_at(n, self._arrivals_per_token),
-                            min(top, table.depth), uniform, self.positions.relative(), with_values=True)
-        c = batch_class(n)
-        untried = [d for d in range(len(values)) if d != best and table.live_steps(c, d) < table.min_live
-                   and math.isfinite(values[d]) and values[d] >= self.trial_ratio * values[best]]
-        return max(untried, key=lambda d: values[d]) if untried else 0
 
     def _probe_depth(self, requests: list, caps: list[int], top: int, uniform: bool, optimistic) -> int:
         """The table's best depth with the requests ``optimistic(request)`` says at acceptance 1

@@ -714,7 +714,7 @@ def test_on_a_table_a_step_at_k0_drafts_one_only_to_measure_acceptance():
     has min_request_trials; a step of 16 is not (the replica's value stands for its requests),
     and nowhere is one probed where even acceptance 1 would not pay."""
     table = StepCostTable({(n, d): (1.0 + 0.8 * d) * 1e-3 * (1 + n / 16) for n in (1, 16) for d in range(5)})
-    policy = AdaptiveDraftPolicy(4, cost_table=table, probe_interval=4, idle_explore_interval=0, trial_interval=0)
+    policy = AdaptiveDraftPolicy(4, cost_table=table, probe_interval=4, idle_explore_interval=0)
     policy.set_plan({}, prior=0.3)                     # a measured acceptance, low: K=0 is best
     one = [_request("one")]
     ks = []
@@ -728,7 +728,7 @@ def test_on_a_table_a_step_at_k0_drafts_one_only_to_measure_acceptance():
     many = [_request(f"m{i}") for i in range(16)]
     assert all(policy.step_drafts(many, uniform=True) == [0] * 16 for _ in range(16))
     never = StepCostTable({(1, 0): 1e-3, (1, 1): 3e-3, (1, 2): 5e-3, (1, 3): 7e-3, (1, 4): 9e-3})
-    policy = AdaptiveDraftPolicy(4, cost_table=never, probe_interval=1, idle_explore_interval=1, trial_interval=0)
+    policy = AdaptiveDraftPolicy(4, cost_table=never, probe_interval=1, idle_explore_interval=1)
     assert all(policy.step_drafts([_request(f"r{i}")], uniform=True) == [0] for i in range(8)), \
         "a draft costs two plain steps: not even acceptance 1 pays for one"
 
@@ -763,13 +763,11 @@ def test_on_a_table_acceptance_by_position_keeps_auto_off_deep_drafts_the_head_m
     fixed = {k: sum(loop(lambda k=k: FixedDraftPolicy(k), s) for s in seeds) for k in range(5)}
     table = timed_table(costs, True, 0.0)
 
-    # without trial holds: their one-time cost (~2% of a fresh policy's 16-request run here, one
-    # per depth the table has no live steps of) is not what this compares
     def flat():
-        policy = AdaptiveDraftPolicy(4, cost_table=table, trial_interval=0)
+        policy = AdaptiveDraftPolicy(4, cost_table=table)
         policy.positions.relative = lambda: None       # one acceptance for every position
         return policy
-    by_position = sum(loop(lambda: AdaptiveDraftPolicy(4, cost_table=table, trial_interval=0), s) for s in seeds)
+    by_position = sum(loop(lambda: AdaptiveDraftPolicy(4, cost_table=table), s) for s in seeds)
     one = sum(loop(flat, s) for s in seeds)
     best = max(fixed.values())
     print(f"by position {by_position / best:.3f}x the best, one acceptance {one / best:.3f}x")
@@ -802,69 +800,3 @@ def test_on_a_table_the_price_of_joining_requests_keeps_auto_from_drafting_where
     for _ in range(200):
         rate.observe(1, 128)                  # one request joins per 128 tokens
     assert rate.per_token == pytest.approx(1 / 128)
-
-
-@pytest.mark.parametrize("overlap", [0.0, 0.3])
-def test_live_steps_correct_a_table_timed_dear_for_drafting_depths(overlap):
-    """On the H200 the start-up table priced the bundled model's drafting steps at one request
-    1.6x what held drafting steps cost live (timed on random prompts, whose drafts are all
-    rejected: session 17), and auto on it drafted on 11% of its steps, 0.754x the best fixed K.
-    Live steps held at a depth correct that depth's price against depth 0's, and a depth the
-    table never lets run is held for a trial: auto keeps near the best fixed K. Without either
-    it stays far below (the test exercises them). (The correction alone, without trials, came
-    to 0.84x / 0.82x the best here: whether any depth ran held depended on the seed.)"""
-    costs = tuple(x / (1.0 - overlap) for x in H200_DRAFTING_STEP)
-    seeds = range(3)
-
-    def loop(policy, s):
-        return closed_loop(policy, costs, 1, True, s, alphas=BUNDLED_ALPHAS, num_requests=16, overlap=overlap)
-    fixed = {k: sum(loop(FixedDraftPolicy(k), s) for s in seeds) for k in range(5)}
-    timed = timed_table(costs, True, overlap)
-    dear = {(n, d): t * (1.45 if d else 1.0) for (n, d), t in timed.measured.items()}
-
-    def on_dear_table(correct: bool):
-        total = 0.0
-        for s in seeds:
-            table = StepCostTable(dear)
-            table.min_live = table.min_live if correct else 10**9
-            total += loop(AdaptiveDraftPolicy(4, cost_table=table, **({} if correct else {"trial_interval": 0})), s)
-        return total, table
-    corrected, table = on_dear_table(True)
-    uncorrected, _ = on_dear_table(False)
-    best = max(fixed, key=fixed.get)
-    print(f"overlap {overlap}: corrected {corrected / fixed[best]:.3f}x the best (K={best}), uncorrected "
-          f"{uncorrected / fixed[best]:.3f}x; correction {table.correction}; "
-          + " ".join(f"K={k} {v / fixed[0]:.2f}" for k, v in fixed.items()))
-    assert corrected >= 0.95 * fixed[best] and corrected >= 0.96 * fixed[0]
-    assert uncorrected < 0.9 * fixed[best], "the dear table did not hold auto back: the test exercises nothing"
-    assert table.correction[1][best] < 0.9, "the best depth's price came down toward its live cost"
-
-
-def test_a_table_corrects_a_depth_by_its_live_steps_relative_to_depth_0_and_forgets_them():
-    """Per batch-size class: a drafting depth whose held steps cost half the table's, beside
-    depth-0 steps at the table's price, is priced at half; a host twice as slow at every depth
-    changes no price; depths without live steps take the nearest corrected depth's factor; a
-    step that ran alone corrects nothing; forget_live drops the correction."""
-    table = StepCostTable({(n, d): (1 + d) * 1e-3 * n for n in (1, 16) for d in range(4)})
-    table.min_live = table.refold_steps = 4
-
-    def live(n, d, seconds, pipelined=True, times=4):
-        for _ in range(times):
-            table.observe(StepTiming(n, n * (1 + d), d, False, seconds, pipelined=pipelined))
-    live(1, 0, 1e-3)
-    live(1, 2, 1.5e-3)
-    assert table.step_seconds(1) == pytest.approx([1e-3, 1e-3, 1.5e-3, 2e-3]), \
-        "depth 2 live at half the table; depths 1 and 3 take its factor (never cheaper than a shallower depth)"
-    assert table.step_seconds(16) == pytest.approx([16e-3, 32e-3, 48e-3, 64e-3]), "another class: uncorrected"
-    v = table.version
-    for _ in range(64):
-        live(1, 0, 2e-3, times=1)
-        live(1, 2, 3e-3, times=1)
-    assert table.step_seconds(1) == pytest.approx([1e-3, 1e-3, 1.5e-3, 2e-3]) and table.version == v, \
-        "a host twice as slow at every depth moves no factor"
-    live(16, 0, 16e-3)
-    live(16, 1, 64e-3, pipelined=False)          # ran alone: not a held depth's cost
-    assert table.step_seconds(16) == pytest.approx([16e-3, 32e-3, 48e-3, 64e-3])
-    assert table.report()["correction"] == {1: [1.0, 0.5, 0.5, 0.5]}
-    table.forget_live()
-    assert table.step_seconds(1) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3]) and table.correction == {}
