@@ -176,13 +176,20 @@ class StepCostEstimator:
 
     def __init__(self, halflife_steps: float = 200.0, min_steps: int = 12,
                  outlier_factor: float = 4.0, max_outliers_in_a_row: int = 8, solve_every: int = 8,
-                 pipelined_only: bool = False):
+                 pipelined_only: bool = False, settled_solve_every: int = 32, settling_steps: int = 256):
         """solve_every: the fit is solved again after this many fitted steps (a solve is ~60 us
-        on a 2-core host; the fit's half-life is ``halflife_steps``). pipelined_only: leave out
+        on a 2-core host; the fit's half-life is ``halflife_steps``) while it settles: its first
+        ``settling_steps`` fitted steps, and as many after the costs changed (a run of
+        ``max_outliers_in_a_row`` outliers); then every ``settled_solve_every``. (Solving every
+        8 steps, and judging the depths again after each solve, was ~25 us of the policy's ~70 us
+        a step at 16 requests on a 2-core host: ``bench_policy.py``.) pipelined_only: leave out
         the steps an overlapping engine ran alone (``StepTiming.pipelined`` False: a step that
         changed kind, drafting or not, paid its launch and GPU time in full, which steps of a
         steady depth do not), counting them in ``num_alone``."""
         self.solve_every = solve_every
+        self.settled_solve_every = max(solve_every, settled_solve_every)
+        self.settling_steps = settling_steps
+        self._settled_after = settling_steps       # fitted steps after which it solves less often
         self.pipelined_only = pipelined_only
         self.num_alone = 0
         self._decay = 0.5 ** (1.0 / halflife_steps)
@@ -198,6 +205,7 @@ class StepCostEstimator:
         self._unfolded: list[tuple[float, float, float, float, float]] = []  # fitted steps not yet in _xx, _xy
         self._batch = 0.0
         self._head_levels: set[int] = set()
+        self._deepest = 0                  # max(_head_levels)
         self._held: list[tuple[tuple, float, int]] = []    # the latest steps, until a fit
         self._coefficients: tuple[float, float, float, float] | None = None
         self._solved = False               # False: solve again at the next coefficients()
@@ -219,6 +227,7 @@ class StepCostEstimator:
             if self._outliers_in_a_row < self.max_outliers_in_a_row:
                 self.num_outliers += 1
                 return
+            self._settled_after = self.num_steps + self.settling_steps     # the costs changed: settle again
         else:
             self._outliers_in_a_row = 0
         self._add(x, timing.seconds, timing.num_requests)
@@ -246,18 +255,22 @@ class StepCostEstimator:
         owner thread, every step: with a numpy update per step, ``observe_step`` took 13.4 us at
         16 requests on a 2-core host, 6.0 us folded, beside ~0.5 ms GPU steps)."""
         self._unfolded.append((*x, seconds))
-        if len(self._unfolded) >= self.solve_every or self._coefficients is None:
+        every = self.solve_every if self.num_steps < self._settled_after else self.settled_solve_every
+        if len(self._unfolded) >= every or self._coefficients is None:
             self._solved = False
         w = 0.0 if self.num_steps else 1.0
         w = max(w, 1.0 - self._decay)
         self._batch += w * (num_requests - self._batch)
-        self._head_levels.add(int(x[2]))
+        level = int(x[2])
+        if level not in self._head_levels:
+            self._head_levels.add(level)
+            self._deepest = max(self._head_levels)
         self.num_steps += 1
 
     @property
     def deepest(self) -> int:
         """The most head forwards of a step fitted so far."""
-        return max(self._head_levels, default=0)
+        return self._deepest
 
     def coefficients(self) -> tuple[float, float, float, float] | None:
         """(a, b, c, h) in seconds, or None while the steps seen cannot separate them."""
@@ -730,6 +743,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.cost_table = None                    # timed at start-up: judges every depth when set
         self._batch = 1                           # the latest step's requests (the planner's draft cost)
         self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
+        self._fit_by_size: dict[int, StepCostEstimator] = {}   # requests in a step -> its class's fit
         self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
         self.positions = PositionAcceptance(max(1, max_drafts))
@@ -814,6 +828,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._joined = self._accepted = 0
         self._inputs_version += 1
         self.fits.clear()
+        self._fit_by_size.clear()
         self._judged = None
         self._last_fit = None
         self._step_index = 1
@@ -822,10 +837,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def fit_for(self, num_requests: int) -> StepCostEstimator:
         """The step-cost fit of steps with about this many requests (``batch_class``)."""
-        c = batch_class(num_requests)
-        fit = self.fits.get(c)
+        fit = self._fit_by_size.get(num_requests)
         if fit is None:
-            fit = self.fits[c] = StepCostEstimator(pipelined_only=self.fit_pipelined_only)
+            c = batch_class(num_requests)
+            fit = self.fits.get(c)
+            if fit is None:
+                fit = self.fits[c] = StepCostEstimator(pipelined_only=self.fit_pipelined_only)
+            self._fit_by_size[num_requests] = fit
         return fit
 
     @property
@@ -875,14 +893,21 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def _judge(self, judge, requests: list, caps: list[int], top: int, uniform: bool) -> int:
         """``best_depth`` by ``judge`` (a fit or the table), or its answer for the same inputs."""
-        # what best_depth reads: the requests (their acceptances and, with the plan, caps), the costs
-        key = (self._inputs_version, judge, judge.version, judge.trusted_depth, uniform,
-               tuple([r.request_id for r in requests]))
+        # what best_depth reads: the requests' acceptances and caps, and the costs. Keyed on the
+        # acceptances, not the request ids: a request that replaces another at the replica's
+        # value (every join while no step drafts) changes nothing, and judging again on each
+        # join was ~10 us a step of the policy's ~40 at 16 requests on a 2-core host. The table's
+        # judgment also reads the replica's acceptance by position and join rate (_inputs_version).
+        tracks = self._tracks
+        alphas = [t.value if (t := tracks.get(r.request_id)) is not None else self._track(r.request_id).value
+                  for r in requests]
+        table = judge is self.cost_table
+        key = (self._inputs_version if table else 0, judge, judge.version, judge.trusted_depth, uniform, top,
+               tuple(caps), tuple(alphas))
         if key != self._judged:
-            alphas = [self._alpha(r) for r in requests]
             # on the table, acceptance by position; the fits keep one for all (with the profile
             # they came to 0.935x the best at one request on the moderate costs, against 0.95x)
-            profile = self.positions.relative() if judge is self.cost_table else None
+            profile = self.positions.relative() if table else None
             seconds = judge.seconds_at(len(requests), self._arrivals_per_token)
             depth = best_depth(alphas, caps, seconds, min(top, judge.trusted_depth), uniform, profile)
             self._judged, self._judged_depth = key, depth
