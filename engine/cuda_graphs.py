@@ -87,6 +87,17 @@ class GraphCatalog:
         return [GraphShape(b, n, w, bank) for n in self.token_counts for w in self.table_widths
                 for b in self.batch_sizes for bank in self.banks]
 
+    def capture_order(self) -> list[GraphShape]:
+        """``shapes()`` largest first: by batch x table width (what sizes a multi-token step's
+        attention buffers: ORT's PagedAttention without flash kernels for 16-token blocks
+        gathers each request's whole KV bucket into a dense K and V, batch x width x block x
+        heads x head size each), then rows per request. ORT's arena grows in regions of powers
+        of two and never merges them: captured smallest first, each larger shape added a region
+        beside the free ones, and a 1.4 B model's MTP engine took ~30 GiB of captures (session
+        18, captured in growing order). Captured largest first, the later shapes can be cut from
+        the first ones' free chunks (not yet measured on the device)."""
+        return sorted(self.shapes(), key=lambda s: (s.batch * s.table_width, s.tokens, s.bank), reverse=True)
+
     def batch_for(self, num_requests: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_requests), None)
 
@@ -345,7 +356,7 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
     """Capture every shape of ``catalog`` not in ``graphs`` with ``capture``, saying how it goes;
     (seconds, device bytes the captures took: graphs and ORT's arena growth)."""
     import cupy
-    shapes = [s for s in catalog.shapes() if s not in graphs]
+    shapes = [s for s in catalog.capture_order() if s not in graphs]
     say = progress or logger.info
     say(f"cuda graphs: capturing {len(shapes)} {what} shapes (batch {list(catalog.batch_sizes)}, rows per "
         f"request {list(catalog.token_counts)}, KV buckets {[w * catalog.block_size for w in catalog.table_widths]} "

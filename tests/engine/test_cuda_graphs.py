@@ -40,3 +40,14 @@ def test_every_shape_is_captured_for_both_banks():
     shapes = CATALOG.shapes()
     assert len(shapes) == len(set(shapes)) == 4 * 2 * 3 * 2
     assert GraphShape(8, 3, 63, 1) in shapes and GraphShape(8, 3, 63, 0) in shapes
+
+
+def test_shapes_are_captured_largest_first_every_one_once():
+    """ORT's arena grows in regions it never merges: the shape whose attention buffers are the
+    largest (batch x KV bucket, then rows per request) is captured first, so the others can be
+    cut from its free chunks; every shape is still captured, once."""
+    order = CATALOG.capture_order()
+    assert sorted(order, key=str) == sorted(CATALOG.shapes(), key=str) and len(set(order)) == len(order)
+    assert order[0] == GraphShape(8, 3, 63, 1) and order[-1] == GraphShape(1, 1, 16, 0)
+    footprints = [s.batch * s.table_width for s in order]
+    assert footprints == sorted(footprints, reverse=True)
