@@ -656,8 +656,8 @@ def best_depth(alphas, caps, seconds, max_depth: int, uniform: bool, profile=Non
     profile[d-1]) given the ones before it. None: every position at alpha.
 
     Sums by depth (this runs on the host, beside ~0.5 ms GPU steps: ~15 us at 16 requests on a
-    2-core host; ``step_drafts`` asks again only when the step's requests, an acceptance, the
-    plan or the fit changed): with cnt[d] requests allowed d drafts and P[d] their sum of alpha^d, a step
+    2-core host; ``step_drafts`` asks again only when the step's acceptances, caps or costs
+    changed): with cnt[d] requests allowed d drafts and P[d] their sum of alpha^d, a step
     at depth D has n + sum_{d<=D} cnt[d] main rows and n + sum_{d<=D} P[d] expected tokens. A
     step's predicted seconds never fall as D grows (a fit's extrapolation past the depths it saw
     can make them, and then the deepest step looked free)."""
@@ -744,6 +744,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._batch = 1                           # the latest step's requests (the planner's draft cost)
         self.fits: dict[int, StepCostEstimator] = {}   # batch-size class -> its step-cost fit
         self._fit_by_size: dict[int, StepCostEstimator] = {}   # requests in a step -> its class's fit
+        # (fits change only through fit_for and forget_start_up, which keep the two in step)
         self._last_fit: StepCostEstimator | None = None
         self.replica_acceptance = AcceptanceEMA(prior, halflife_trials=64.0)
         self.positions = PositionAcceptance(max(1, max_drafts))
@@ -756,9 +757,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._plan: dict[str, int] = {}
         self._tracks: dict[str, AcceptanceEMA] = {}     # request id -> its acceptance estimate
         self._lock = threading.Lock()
-        # best_depth's last answer and what it was judged on (``_judged``): a step of the same
-        # requests, under the same plan, acceptances and fits, has the same best depth
+        # best_depth's last answer and what it was judged on (``_judged``): a step with the same
+        # acceptances and caps, under the same costs, has the same best depth (``_judge``)
         self._inputs_version = 0                 # bumped whenever an acceptance, the plan or the prior changes
+                                                 # (in the table's key: its position profile and join rate)
         self._judged: tuple | None = None
         self._judged_depth: int | None = None
         self.set_cost_table(cost_table)

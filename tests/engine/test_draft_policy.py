@@ -264,6 +264,21 @@ def test_a_one_off_stall_stays_out_of_the_fit_but_a_lasting_change_gets_in():
     assert predict() > 2 * old, "a lasting change of the step costs must reach the fit"
 
 
+def test_a_settled_fit_solves_less_often_until_its_costs_change():
+    """A fit solves every 8 fitted steps for its first 256 (settling), then every 32; a lasting
+    change of the costs (a run of outliers) makes it settle again, solving every 8."""
+    est = StepCostEstimator(min_steps=10)
+    feed(est, a=1e-3, b=3e-4, c=6e-4, steps=256, seed=0)
+    settling = est.num_solves
+    feed(est, a=1e-3, b=3e-4, c=6e-4, steps=320, seed=1)
+    settled = est.num_solves - settling
+    assert 28 <= settling <= 34 and 9 <= settled <= 11, (settling, settled)
+    fitted = est.num_steps
+    feed(est, a=1e-2, b=3e-3, c=6e-3, steps=160, seed=2)     # every step now costs 10x
+    fitted, solves = est.num_steps - fitted, est.num_solves - settling - settled
+    assert fitted >= 64 and solves >= fitted // 8 - 1, f"{solves} solves in {fitted} fitted steps after the change"
+
+
 def test_the_fit_folded_in_batches_equals_the_fit_updated_every_step():
     """The estimator folds its fitted steps into the sums once per solve; its coefficients are
     those of exponentially weighted least squares updated at every step (the reference here)."""
@@ -292,13 +307,18 @@ def test_the_fit_folded_in_batches_equals_the_fit_updated_every_step():
 
 
 def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh():
-    """step_drafts reuses best_depth's answer while the step's requests, the acceptances, the
-    plan and the fit are the ones it was judged on: over a random history of steps, joins,
-    ends, verifications, plans and refits it answers exactly as a policy that judges every step."""
+    """step_drafts reuses best_depth's answer while the step's acceptances and caps and the
+    costs are the ones it was judged on: over a random history of steps, joins, ends,
+    verifications, plans and refits it answers exactly as a policy that judges every step, on
+    the fits (seeds 0-3) and on a timed table (seeds 4-5: its key also holds the acceptance by
+    position and the join rate)."""
     import random
-    for seed in range(4):
+    table = StepCostTable({(n, d): (1.0 + 0.6 * d) * 1e-3 * (1 + n / 8) for n in (1, 4, 16) for d in range(4)},
+                          {(n, d): 2e-3 for n in (1, 4, 16) for d in range(1, 4)})
+    for seed in range(6):
         rnd = random.Random(seed)
-        kept, fresh = (AdaptiveDraftPolicy(3, explore_interval=5, min_prior_trials=4) for _ in range(2))
+        kept, fresh = (AdaptiveDraftPolicy(3, explore_interval=5, min_prior_trials=4,
+                                           cost_table=table if seed >= 4 else None) for _ in range(2))
         running, ended, next_id, reused = [f"r{i}" for i in range(6)], [], 6, 0
         for step in range(2000):
             for event in [rnd.random() for _ in range(rnd.choice([1, 1, 2]))]:     # between two steps
