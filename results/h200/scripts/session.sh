@@ -158,10 +158,11 @@
 # bg: the 1.4 B model at synthetic 0.7, three engines a process: K=0 / table / fit at C=16, then
 #     K=0 / table / K=2 at C=1, interleaved.
 # Next (session 19), one call each:
-# bh: test_cuda (graphs are now captured largest first), then the 1.4 B model's K=0 and MTP
-#     engines' device memory after their builds (session 18: MTP captures 15.0 + 14.5 GiB, in
-#     growing order), then bundled auto (its policy's host time cut ~1/3 on the CPU) against K=0
-#     and never drafting at C=16 / 8, interleaved.
+# bh: test_cuda (graphs are now captured largest first), then the 1.4 B model's MTP engine's
+#     capture memory by order (growing, as before; largest first) and ORT arena growth (next
+#     power of two; kSameAsRequested), one engine a process (graph_memory_probe.py; session 18:
+#     15.0 + 14.5 GiB in growing order), then bundled auto (its policy's host time cut ~1/3 on
+#     the CPU) against K=0 and never drafting at C=16, interleaved.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh}
@@ -684,21 +685,20 @@ bg)          # the 1.4 B model at synthetic 0.7, three engines a process, interl
     2>&1 | tee "$OUT/auto-ab-mid-0.7-c1.txt" | grep "^auto table:\|^round\|median\|device memory" | cut -c1-900
   step done
   ;;
-bh)          # test_cuda, the 1.4 B model's graph memory, bundled auto at C=16 / 8 interleaved (~560 s)
+bh)          # test_cuda, the 1.4 B model's graph memory by capture order / arena, bundled auto at C=16 (~560 s)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
   run_test_cuda
   wait
-  step "1.4 B engines' device memory: K=0 then auto (captures largest first)"
-  timeout 150 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-mid-memory.json" --concurrency 16 \
-    --requests 16 --rounds 1 --no-never --interleave 64 --synthetic 0.7 --random-prompts 128 2>&1 \
-    | tee "$OUT/auto-ab-mid-memory.txt" | grep "device memory\|^round\|median\|Error" | cut -c1-600
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  for c in 16 8; do
-    step "auto_ab.py --interleave 64, bundled, C=$c, 128 requests, 5 rounds (K=0 / auto / never drafts)"
-    timeout 80 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-policy-c$c.json" --concurrency $c \
-      --requests 128 --rounds 5 --interleave 64 2>&1 | tee "$OUT/auto-ab-policy-c$c.txt" \
-      | grep "^round\|median" | cut -c1-700
+  for v in "growing next-power" "largest next-power" "largest same"; do
+    set -- $v
+    step "graph_memory_probe.py, 1.4 B, MTP auto, order $1, arena $2"
+    timeout 110 python3 results/h200/scripts/graph_memory_probe.py $mid "$OUT/graph-memory-mid-$1-$2.json" \
+      --order $1 --arena $2 2>&1 | grep -v "No registered plugin" | tail -3 | cut -c1-600
   done
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  step "auto_ab.py --interleave 64, bundled, C=16, 128 requests, 5 rounds (K=0 / auto / never drafts)"
+  timeout 80 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-policy-c16.json" --concurrency 16 \
+    --requests 128 --rounds 5 --interleave 64 2>&1 | tee "$OUT/auto-ab-policy-c16.txt" | grep "^round\|median" | cut -c1-700
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
