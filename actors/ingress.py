@@ -367,7 +367,9 @@ class OpenAIRoutes:
 
     def _tool_answer(self, body, text: str, ids: list[int], finish: str) -> tuple[str | None, list[dict], str]:
         """(content, tool_calls, finish_reason) of a chat choice when tools are offered: the calls
-        parsed from its output (special tokens kept, the ending stop id dropped)."""
+        parsed from its output (special tokens kept, the ending stop id dropped). A clean stop
+        with calls answers "tool_calls", but "stop" under a named tool_choice, as OpenAI's API
+        does streamed and not (vLLM aligned with it too: vllm-project/vllm #25054)."""
         eos = self.manifest.eos_token_ids
         while ids and ids[-1] in eos:
             ids = ids[:-1]
@@ -379,7 +381,7 @@ class OpenAIRoutes:
             calls = calls[:1]
         if not calls:
             return text, [], finish
-        return content, calls, "tool_calls" if finish == "stop" else finish
+        return content, calls, "tool_calls" if finish == "stop" and mode != "named" else finish
 
     async def _encode(self, text: str, param: str) -> list[int]:
         """Token ids of a text: refused at once when it cannot fit the context whatever its tokens;

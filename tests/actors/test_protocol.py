@@ -143,6 +143,13 @@ def test_parallel_tool_calls_false_allows_one_call(model_dir):
         body = _chat(tools=[WEATHER, ADD], parallel_tool_calls=parallel)
         _, calls, reason = OpenAIRoutes._tool_answer(routes, body, text, tok.encode(text), "stop")
         assert [c["function"]["name"] for c in calls] == names and reason == "tool_calls"
+    # OpenAI's finish_reason: "stop" under a named tool_choice, a length cut stays "length"
+    named = _chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    one = '{"city": "Paris"}'                             # what a named choice's grammar forces: the arguments
+    _, calls, reason = OpenAIRoutes._tool_answer(routes, named, one, tok.encode(one), "stop")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and reason == "stop"
+    _, _, reason = OpenAIRoutes._tool_answer(routes, _chat(tools=[WEATHER, ADD]), text, tok.encode(text), "length")
+    assert reason == "length"
 
 
 def _refused(build, param: str) -> str:
