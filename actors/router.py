@@ -59,6 +59,32 @@ MAX_LOCAL_SESSIONS = 100_000
 PROMPT_METHODS = ("generate", "stream")   # handle methods whose first argument is the prompt
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _http_scope(pending_request: PendingRequest | None) -> dict:
+    """An HTTP call's ASGI scope ({} for a handle call, or one that cannot be read)."""
+    if pending_request is None or not pending_request.metadata.is_http_request or not pending_request.args:
+        return {}
+    try:
+        arg = pending_request.args[0]
+        return pickle.loads(arg).asgi_scope if isinstance(arg, bytes) else getattr(arg, "asgi_scope", {})
+    except Exception as e:  # noqa: BLE001 - routing falls back to load; never fail a request here
+        logger.debug(f"reading a request's scope failed: {e!r}")
+        return {}
+
+
+def _generates(pending_request: PendingRequest | None, scope: dict) -> bool:
+    """Whether a routed call asks for tokens: a POST to a generation route, or a handle's
+    generate / stream. Other routes (/metrics, /health, /v1/models, /tokenize, ...) and handle
+    methods are routed too but are not counted as routed requests."""
+    if pending_request is None:
+        return False
+    if not pending_request.metadata.is_http_request:
+        return pending_request.metadata.call_method in PROMPT_METHODS
+    return scope.get("method") == "POST" and scope.get("path", "").rstrip("/").endswith(GENERATION_PATHS)
+
+
 def replica_load(view: ReplicaLoad | None, routing_stats: dict, num_in_flight: int) -> float:
     """Load score of one replica: active requests (+ KV usage as a tie-breaker)."""
     if view is not None:
@@ -199,13 +225,15 @@ class StateAffinityRouter(RequestRouter):
         if len(session_id or "") > MAX_SESSION_ID_LENGTH:   # the replica refuses it: bind nothing
             session_id = ""
         owner = self._session_owner(session_id) if session_id else None
-        digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request)
+        scope = _http_scope(pending_request)
+        digests = [] if owner in by_id or not self._prefix_routing else self._prompt_digests(pending_request, scope)
         matched = {}
         if digests:
             indexes = {uid: self._indexes[uid][1] for uid in by_id if uid in self._indexes}
             matched = matched_blocks(digests, indexes, self._recent, now)
         order, decision = route(list(by_id), loads, owner, matched, self._max_imbalance)
-        self.counts[decision if decision == "session" or digests else "no_prefix"] += 1
+        if _generates(pending_request, scope):     # not /metrics, /health, /v1/models, ... (a scrape is no request)
+            self.counts[decision if decision == "session" or digests else "no_prefix"] += 1
         if digests:
             self._recent.remember(digests, order[0], now)
         if session_id and owner != order[0]:
@@ -214,8 +242,9 @@ class StateAffinityRouter(RequestRouter):
         return [[by_id[uid]] for uid in order]
 
     # ------------------------------------------------------------------ prefixes
-    def _prompt_digests(self, pending_request: PendingRequest | None) -> list[bytes]:
-        """The routing digests of the request's prompt; [] if unknown (not loaded yet, no prompt)."""
+    def _prompt_digests(self, pending_request: PendingRequest | None, scope: dict) -> list[bytes]:
+        """The routing digests of the request's prompt (``scope``: an HTTP call's, read once);
+        [] if unknown (not loaded yet, no prompt)."""
         if pending_request is None or not pending_request.args:
             return []
         if self._digests is None:
@@ -223,8 +252,6 @@ class StateAffinityRouter(RequestRouter):
             return []
         try:
             if pending_request.metadata.is_http_request:
-                arg = pending_request.args[0]
-                scope = pickle.loads(arg).asgi_scope if isinstance(arg, bytes) else getattr(arg, "asgi_scope", {})
                 head = scope.get(SCOPE_KEY)
                 return self._digests.of_head(head) if head else []
             if pending_request.metadata.call_method in PROMPT_METHODS:

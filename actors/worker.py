@@ -46,7 +46,7 @@ from mtpserve.actors.worker_config import WorkerConfig
 from mtpserve.engine.bundled import resolve_model_dir
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.grammar import GrammarCompiler
-from mtpserve.engine.request import TokenEvent
+from mtpserve.engine.request import FinishReason, TokenEvent
 from mtpserve.engine.sampler import SamplingParams
 from mtpserve.engine.tokenizer import Tokenizer
 
@@ -162,8 +162,15 @@ class Worker:
         """Merge the streams, recording TTFT, inter-token latency and finished requests.
         ``paced``: each read leaves as a Ray message of its own (through Serve's proxy, or a
         Python handle's stream): each stream is read at most every (streams open here) /
-        ``proxy_chunks_per_s`` seconds."""
+        ``proxy_chunks_per_s`` seconds.
+
+        Each stream (one choice of one prompt) is recorded once as a finished request: with its
+        finish reason, or as "abort" when the reading ends first (a client that went away: its
+        request is cancelled), with the tokens it had sent. A prompt's tokens are counted once,
+        with its first choice, as the response's usage counts them."""
         last_at: dict[int, float] = {}           # stream index -> time of its last token event
+        counts: dict[int, tuple[int, int]] = {}  # stream index -> (prompt, output tokens) of its latest event
+        finished: set[int] = set()
         self._num_open_streams += len(streams)
         rate = self.config.proxy_chunks_per_s
         if paced and rate > 0:
@@ -180,12 +187,23 @@ class Worker:
                     else:
                         self.recorder.observe_itl(now - last_at[i])
                     last_at[i] = now
+                counts[i] = (event.num_prompt_tokens or counts.get(i, (0, 0))[0], event.num_output_tokens)
                 if event.finish_reason is not None:
-                    self.recorder.request_finished(event.finish_reason.value, event.num_prompt_tokens,
-                                                   event.num_output_tokens, now - started)
+                    finished.add(i)
+                    self._record_finished(streams[i], event.finish_reason.value, *counts[i], now - started)
                 yield i, event
         finally:
             self._num_open_streams -= len(streams)
+            now = time.perf_counter()
+            for i in set(range(len(streams))) - finished:
+                self._record_finished(streams[i], FinishReason.ABORT.value, *counts.get(i, (0, 0)), now - started)
+
+    def _record_finished(self, stream: RequestStream, reason: str, num_prompt_tokens: int, num_output_tokens: int,
+                         seconds: float) -> None:
+        """One choice finished; its prompt's tokens count with the prompt's first choice only
+        (``open`` names a choice ``{request}-{prompt}-{choice}``)."""
+        first = stream.request_id.rsplit("-", 1)[-1] == "0"
+        self.recorder.request_finished(reason, num_prompt_tokens if first else 0, num_output_tokens, seconds)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError when the prompt and ``max_tokens`` do not fit the context: refused, as vLLM

@@ -94,3 +94,27 @@ def test_a_session_keeps_its_replica_over_a_longer_cached_prefix_elsewhere():
     # a session whose owner is gone (or new) is placed by the prefix rule
     assert route(["b", "c"], {"b": 1.0, "c": 0.0}, "a", {"b": 20}, max_imbalance=4) == (["b", "c"], "prefix_hit")
     assert route(["b", "c"], {"b": 1.0, "c": 0.0}, None, {}, max_imbalance=4) == (["c", "b"], "prefix_miss")
+
+
+def test_only_calls_that_generate_count_as_routed_requests():
+    """/metrics' router_requests_total counts requests for tokens: a scrape of /metrics, /health,
+    /v1/models or /tokenize is routed too, but counting it made an idle replica look busy with
+    "no_prefix" requests (a Prometheus scraping every 15 s: 4 a minute)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from mtpserve.actors.router import _generates, _http_scope
+
+    def http(method, path, pickled=False):
+        arg = SimpleNamespace(asgi_scope={"method": method, "path": path})
+        meta = SimpleNamespace(is_http_request=True, call_method="__call__")
+        return SimpleNamespace(metadata=meta, args=[pickle.dumps(arg) if pickled else arg])
+
+    def handle(method):
+        return SimpleNamespace(metadata=SimpleNamespace(is_http_request=False, call_method=method), args=["hi"])
+    for request, counted in ((http("POST", "/v1/completions"), True), (http("POST", "/v1/chat/completions/"), True),
+                             (http("POST", "/v1/completions", pickled=True), True), (http("GET", "/metrics"), False),
+                             (http("GET", "/health"), False), (http("GET", "/v1/models"), False),
+                             (http("POST", "/tokenize"), False), (handle("generate"), True), (handle("stream"), True),
+                             (handle("engine_status"), False), (None, False)):
+        assert _generates(request, _http_scope(request)) is counted, request

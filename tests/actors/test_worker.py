@@ -45,3 +45,36 @@ def test_the_replicas_engine_is_built_on_the_thread_that_steps_it(worker):
     replica's thread and stepped on the loop's would capture each graph again on a live step."""
     status = asyncio.run(worker.engine_status())
     assert status["built_on_owner_thread"] and status["integrity"] == "ok"
+
+
+def test_finished_requests_count_a_prompt_once_and_a_stream_closed_early_as_an_abort(worker):
+    """/metrics as a user adds it up: a prompt with two choices counts its prompt tokens once
+    (as usage does) and each choice as a finished request; a stream whose reader goes away
+    (a client that disconnected: its request is cancelled) is an "abort" with the tokens it
+    had sent, not missing from the finished requests while its TTFT was recorded."""
+    from mtpserve.engine.sampler import SamplingParams
+    prompt = worker.tokenizer.encode("def add(a, b):")
+
+    async def scenario():
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        streams = await worker.open("two", [prompt], [[params, params]])
+        async for _ in worker.run(streams, time.perf_counter()):
+            pass
+        after_two = worker.recorder.snapshot()
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        streams = await worker.open("gone", [prompt], [[long]])
+        reader, sent = worker.run(streams, time.perf_counter()), 0
+        async for _, event in reader:
+            sent += len(event.token_ids)
+            if sent >= 3:
+                break
+        for s in streams:                  # as the HTTP route does when its client goes away
+            s.cancel()
+        await reader.aclose()
+        return after_two, worker.recorder.snapshot(), sent
+    two, gone, sent = asyncio.run(scenario())
+    assert two.num_requests == {"length": 2} and two.num_prompt_tokens == len(prompt)
+    assert two.num_generation_tokens == 12 and sum(two.e2e.counts) == 2
+    assert gone.num_requests == {"length": 2, "abort": 1} and sum(gone.e2e.counts) == 3
+    assert gone.num_prompt_tokens == 2 * len(prompt) and gone.num_generation_tokens == 12 + sent
+    assert sum(gone.ttft.counts) == 3
