@@ -151,6 +151,7 @@ class RequestStream:
         self.finished = False
         self.pace: Callable[[], float] | None = None   # the least seconds between two reads
         self._read_at: float | None = None
+        self.counts_prompt = True          # its prompt's tokens count in /metrics (a prompt's first choice)
 
     def __aiter__(self):
         return self

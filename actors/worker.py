@@ -153,9 +153,15 @@ class Worker:
         check_session_id(session_id)
         if session_id and session_id in self._handed_over:
             await self.take_handover(session_id)
-        return self.loop.submit_all([(f"{request_id}-{p}-{c}", ids, sp)
-                                     for p, (ids, choice_params) in enumerate(zip(prompts, params))
-                                     for c, sp in enumerate(choice_params)], session_id)
+        streams = self.loop.submit_all([(f"{request_id}-{p}-{c}", ids, sp)
+                                        for p, (ids, choice_params) in enumerate(zip(prompts, params))
+                                        for c, sp in enumerate(choice_params)], session_id)
+        first = 0
+        for choice_params in params:          # a prompt's tokens count once, with its first choice (as usage)
+            for stream in streams[first + 1:first + len(choice_params)]:
+                stream.counts_prompt = False
+            first += len(choice_params)
+        return streams
 
     async def run(self, streams: list[RequestStream], started: float,
                   paced: bool = False) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -200,10 +206,9 @@ class Worker:
 
     def _record_finished(self, stream: RequestStream, reason: str, num_prompt_tokens: int, num_output_tokens: int,
                          seconds: float) -> None:
-        """One choice finished; its prompt's tokens count with the prompt's first choice only
-        (``open`` names a choice ``{request}-{prompt}-{choice}``)."""
-        first = stream.request_id.rsplit("-", 1)[-1] == "0"
-        self.recorder.request_finished(reason, num_prompt_tokens if first else 0, num_output_tokens, seconds)
+        """One choice finished; its prompt's tokens count with the prompt's first choice only."""
+        self.recorder.request_finished(reason, num_prompt_tokens if stream.counts_prompt else 0, num_output_tokens,
+                                       seconds)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError when the prompt and ``max_tokens`` do not fit the context: refused, as vLLM

@@ -180,9 +180,9 @@ class StepCostEstimator:
         """solve_every: the fit is solved again after this many fitted steps (a solve is ~60 us
         on a 2-core host; the fit's half-life is ``halflife_steps``) while it settles: its first
         ``settling_steps`` fitted steps, and as many after the costs changed (a run of
-        ``max_outliers_in_a_row`` outliers); then every ``settled_solve_every``. (Solving every
-        8 steps, and judging the depths again after each solve, was ~25 us of the policy's ~70 us
-        a step at 16 requests on a 2-core host: ``bench_policy.py``.) pipelined_only: leave out
+        ``max_outliers_in_a_row`` outliers); then every ``settled_solve_every``. (With this and
+        ``_judge`` keyed on acceptances, the policy's host time at 16 requests on a 2-core host
+        went 57-63 -> 37-40 us a step: ``results/policy-host-cost/policy_host_cost.py``.) pipelined_only: leave out
         the steps an overlapping engine ran alone (``StepTiming.pipelined`` False: a step that
         changed kind, drafting or not, paid its launch and GPU time in full, which steps of a
         steady depth do not), counting them in ``num_alone``."""
@@ -897,12 +897,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """``best_depth`` by ``judge`` (a fit or the table), or its answer for the same inputs."""
         # what best_depth reads: the requests' acceptances and caps, and the costs. Keyed on the
         # acceptances, not the request ids: a request that replaces another at the replica's
-        # value (every join while no step drafts) changes nothing, and judging again on each
-        # join was ~10 us a step of the policy's ~40 at 16 requests on a 2-core host. The table's
-        # judgment also reads the replica's acceptance by position and join rate (_inputs_version).
-        tracks = self._tracks
-        alphas = [t.value if (t := tracks.get(r.request_id)) is not None else self._track(r.request_id).value
-                  for r in requests]
+        # value (every join while no step drafts) changes nothing (with the settled solves,
+        # best_depth ran on 8% of the calls at 16 requests on a 2-core host, 17% before). The
+        # table's judgment also reads the acceptance by position and join rate (_inputs_version).
+        alphas = [self._alpha(r) for r in requests]
         table = judge is self.cost_table
         key = (self._inputs_version if table else 0, judge, judge.version, judge.trusted_depth, uniform, top,
                tuple(caps), tuple(alphas))

@@ -40,9 +40,9 @@ def main() -> None:
         session = ort.InferenceSession
 
         def with_strategy(path, so=None, providers=None, **kw):
-            providers = [(n, {**o, "arena_extend_strategy": "kSameAsRequested"}) if isinstance(n, str) and
-                         n == "CUDAExecutionProvider" else (n, o) for n, o in
-                         ((x if isinstance(x, tuple) else (x, {})) for x in (providers or []))]
+            pairs = [x if isinstance(x, tuple) else (x, {}) for x in providers or []]
+            providers = [(n, {**o, "arena_extend_strategy": "kSameAsRequested"} if n == "CUDAExecutionProvider" else o)
+                         for n, o in pairs]
             return session(path, so, providers=providers, **kw)
         ort.InferenceSession = with_strategy
     import cupy
