@@ -250,22 +250,6 @@ def _routed(app, decision: str) -> float:
                if line.startswith("mtpserve:router_requests_total") and f'decision="{decision}"' in line)
 
 
-def test_only_generation_requests_count_as_routed(app):
-    """router_requests_total counts the calls that ask for tokens: scrapes of /metrics (this
-    test's own polling too), /health and /v1/models are routed as well but not counted."""
-    def total():
-        text = requests.get(f"{app['base']}/metrics", timeout=30).text
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("mtpserve:router_requests_total"))
-    before = total()
-    for path in ("/health", "/v1/models", "/health"):
-        assert requests.get(f"{app['base']}{path}", timeout=30).status_code == 200
-    _complete(app, "def routed():", temperature=0)
-    _wait_for(lambda: total() >= before + 1, "/metrics counts the completion")
-    time.sleep(1.0)
-    assert total() == before + 1
-
-
 def test_requests_sharing_a_prefix_go_where_it_is_cached_over_http_and_a_python_handle(app):
     """No sessions: after the first, every request with the prefix lands on the replica that
     cached it and, from the third on, is served from its cache (with `--prefix-snapshots reused`
