@@ -69,6 +69,28 @@ class GcClock:
         return {"count": self.count, "ms": [round(x, 2) for x in self.ms]}
 
 
+class ForwardClock:
+    """Wall time inside ONNX Runtime's run calls (every session's), patched in at the class: on
+    the CPU a forward runs in the call, so a step's wall time less this is its host time (what
+    an engine's Python costs a step; on the GPU, where a replay returns before its kernels
+    finish, it is the host's launch time and waits instead)."""
+    seconds = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        import onnxruntime as ort
+        for name in ("run", "run_with_iobinding"):
+            method = getattr(ort.InferenceSession, name)
+
+            def timed(*a, _m=method, **k):
+                t = time.perf_counter()
+                try:
+                    return _m(*a, **k)
+                finally:
+                    cls.seconds += time.perf_counter() - t
+            setattr(ort.InferenceSession, name, timed)
+
+
 class ClosedLoop:
     """C requests of ``prompts`` in flight on one engine (greedy, 128 tokens each), a finished one
     replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns in
@@ -77,7 +99,7 @@ class ClosedLoop:
     def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str):
         self.engine, self.concurrency, self.tag = engine, concurrency, tag
         self.queue, self.in_flight = list(enumerate(prompts)), set()
-        self.tokens, self.times, self.seconds = 0, [], 0.0
+        self.tokens, self.times, self.seconds, self.forward_seconds = 0, [], 0.0, 0.0
         self.pipelined = {"True": 0, "False": 0, "None": 0}
         self.before = dataclasses.asdict(engine.scheduler.stats)
 
@@ -88,7 +110,7 @@ class ClosedLoop:
     def advance(self, max_steps: float = float("inf")) -> tuple[int, float]:
         """Up to ``max_steps`` steps: (tokens, wall seconds) of them."""
         engine, params = self.engine, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-        tokens, steps, t0 = self.tokens, 0, time.perf_counter()
+        tokens, steps, t0, f0 = self.tokens, 0, time.perf_counter(), ForwardClock.seconds
         while not self.done and steps < max_steps:
             while self.queue and len(self.in_flight) < self.concurrency:
                 i, p = self.queue.pop(0)
@@ -105,6 +127,7 @@ class ClosedLoop:
                 self.pipelined[str(engine.last_step.pipelined)] += 1
         wall = time.perf_counter() - t0
         self.seconds += wall
+        self.forward_seconds += ForwardClock.seconds - f0
         return self.tokens - tokens, wall
 
     def result(self) -> dict:
@@ -113,7 +136,9 @@ class ClosedLoop:
         return {"tokens": self.tokens, "steps": len(self.times), "seconds": round(self.seconds, 4),
                 "tok_s": round(self.tokens / self.seconds, 1),
                 "ms_per_step": round(self.seconds / len(self.times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
-                "step_p90_ms": round(q[8] * 1e3, 4), "pipelined": self.pipelined, "fits": fits(self.engine.draft_policy),
+                "step_p90_ms": round(q[8] * 1e3, 4),
+                "host_us_per_step": round((self.seconds - self.forward_seconds) / len(self.times) * 1e6, 2),
+                "pipelined": self.pipelined, "fits": fits(self.engine.draft_policy),
                 "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
 
 
@@ -185,11 +210,24 @@ def fits(policy) -> dict:
     return out
 
 
-def profile_pair(engines: dict, prompts: list, concurrency: int) -> list:
+# the model's forwards (cProfile's keys for ORT's run calls): their own time is the device's (or,
+# on the CPU, the model's), not the host's
+FORWARDS = ("pybind11_state.run_with_iobinding>", "<method 'run' of 'onnxruntime")
+
+
+def forward(key: str) -> bool:
+    return any(f in key for f in FORWARDS)
+
+
+def profile_engines(engines: dict, prompts: list, concurrency: int) -> dict:
+    """cProfile one run of K=0, the engine that never drafts and auto (those present): each one's
+    host time per step (own time outside the model's forwards), and what the MTP engine that
+    never drafts adds to K=0 and auto adds to it, largest first."""
     import cProfile
     import pstats
-    own, calls = {}, {}
-    for name in ("auto", "never drafts"):
+    own, calls, host = {}, {}, {}
+    names = [n for n in ("K=0", "never drafts", "auto") if n in engines]
+    for name in names:
         pr = cProfile.Profile()
         pr.enable()
         r = run(engines[name], prompts, concurrency, f"prof-{name}")
@@ -198,13 +236,18 @@ def profile_pair(engines: dict, prompts: list, concurrency: int) -> list:
         key = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", v) for k, v in st.items()]
         own[name] = {k: v[2] / r["steps"] * 1e6 for k, v in key}
         calls[name] = {k: v[1] / r["steps"] for k, v in key}
-        print(f"profiled {name}: {r['ms_per_step']:.3f} ms/step", flush=True)
-    a, b = own["never drafts"], own["auto"]
-    diff = sorted(((b.get(k, 0.0) - a.get(k, 0.0), k) for k in set(a) | set(b)), reverse=True)
-    print(f"own time per step, auto minus never drafts (us), total {sum(b.values()) - sum(a.values()):.1f}:")
-    for d, k in diff[:25]:
-        print(f"  {d:7.1f}  {k}  calls/step {calls['auto'].get(k, 0):.2f} vs {calls['never drafts'].get(k, 0):.2f}")
-    return [(k, round(d, 2), round(calls["auto"].get(k, 0), 3)) for d, k in diff[:40]]
+        host[name] = sum(t for k, t in own[name].items() if not forward(k))
+        print(f"profiled {name}: {r['ms_per_step']:.3f} ms/step, host {host[name]:.1f} us/step "
+              "(own time outside the forwards, under cProfile)", flush=True)
+    out = {"host_us_per_step": {n: round(h, 1) for n, h in host.items()}}
+    for a, b in zip(names, names[1:]):
+        diff = sorted(((own[b].get(k, 0.0) - own[a].get(k, 0.0), k) for k in set(own[a]) | set(own[b])
+                       if not forward(k)), reverse=True)
+        print(f"own time per step, {b} minus {a} (us), host total {host[b] - host[a]:.1f}:")
+        for d, k in diff[:25]:
+            print(f"  {d:7.1f}  {k}  calls/step {calls[b].get(k, 0):.2f} vs {calls[a].get(k, 0):.2f}")
+        out[f"{b}_minus_{a}_us"] = [(k, round(d, 2), round(calls[b].get(k, 0), 3)) for d, k in diff[:40]]
+    return out
 
 
 def main() -> None:
@@ -226,9 +269,10 @@ def main() -> None:
     p.add_argument("--no-fit", action="store_true", help="leave out auto on the fit (serve's default)")
     p.add_argument("--no-never", action="store_true", help="leave out the engine that never drafts (on the 1.4 B "
                    "model four engines' captures do not fit one H200: session 18's bb ran out of memory building a fourth)")
-    p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of auto and of "
-                   "the engine that never drafts: own time per step, auto minus it, largest first")
+    p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
+                   "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
+    ForwardClock.install()
     base = EngineConfig(args.model_dir, device=args.device)
 
     def spec(k):
@@ -279,7 +323,8 @@ def main() -> None:
             rec[name]["vs_k0"] = round(rec[name]["tok_s"] / rec["K=0"]["tok_s"], 4)
         rounds.append({"order": order, **rec})
         print(f"round {r}: " + "  ".join(f"{n} {rec[n]['tok_s']:.0f} tok/s {rec[n]['ms_per_step']:.3f} ms/step "
-                                         f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}"
+                                         f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}, "
+                                         f"host {rec[n]['host_us_per_step']:.1f} us"
                                          + gc_note(rec[n]) + ")"
                                          + (f" ({rec[n]['vs_k0']:.3f}x)" if n != "K=0" else "") for n in names),
               flush=True)
@@ -297,7 +342,7 @@ def main() -> None:
               f"(min {min(s['ratios']):.3f}, max {max(s['ratios']):.3f})"
               + (f"; median of {s['turns']} turns {s['turns_median_vs_k0']:.3f}x" if "turns" in s else ""), flush=True)
     if args.profile:
-        summary["profile_auto_minus_never_us"] = profile_pair(engines, prompts, args.concurrency)
+        summary["profile"] = profile_engines(engines, prompts, args.concurrency)
     fixed = [n for n in names if n.startswith("K=")]
     if len(fixed) > 1:
         for name in [n for n in names if n.startswith("auto")]:

@@ -162,7 +162,8 @@
 #     capture memory by order (growing, as before; largest first) and ORT arena growth (next
 #     power of two; kSameAsRequested), one engine a process (graph_memory_probe.py; session 18:
 #     15.0 + 14.5 GiB in growing order), then bundled auto (its policy's host time cut ~1/3 on
-#     the CPU) against K=0 and never drafting at C=16, interleaved.
+#     the CPU) against K=0 and never drafting at C=16, interleaved, each run's host time a step
+#     outside ORT's run calls, and after the rounds cProfile of each (K=0 / never / auto).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh}
@@ -698,7 +699,8 @@ bh)          # test_cuda, the 1.4 B model's graph memory by capture order / aren
   bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   step "auto_ab.py --interleave 64, bundled, C=16, 128 requests, 5 rounds (K=0 / auto / never drafts)"
   timeout 80 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-policy-c16.json" --concurrency 16 \
-    --requests 128 --rounds 5 --interleave 64 2>&1 | tee "$OUT/auto-ab-policy-c16.txt" | grep "^round\|median" | cut -c1-700
+    --requests 128 --rounds 5 --interleave 64 --profile 2>&1 | tee "$OUT/auto-ab-policy-c16.txt" \
+    | grep "^round\|median\|^profiled" | cut -c1-700
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
