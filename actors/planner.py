@@ -36,7 +36,8 @@ import ray
 from mtpserve.actors.engine_loop import LoopSnapshot
 from mtpserve.actors.handover import DEFAULT_HANDOVER_GIB, HandoverCounts, HandoverStore, Records
 from mtpserve.actors.metrics import MetricsSnapshot
-from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, PRIOR_ACCEPTANCE, DraftCostModel, choose_num_drafts
+from mtpserve.engine.acceptance import PRIOR_ACCEPTANCE
+from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST, DraftCostModel, choose_num_drafts
 
 NAMESPACE = "mtpserve"
 HEAD_NODE_RESOURCE = "node:__internal_head__"    # Ray gives the head node 1 of it

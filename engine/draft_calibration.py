@@ -1,5 +1,5 @@
 """Timing every decode step ``--draft-tokens auto`` can choose, at start-up: the draft policy's
-step-cost table (``draft_policy.StepCostTable``).
+step-cost table (``step_costs.StepCostTable``).
 
 For each batch size in ``calibration_sizes`` (1, 2, 4, ... and the step's request limit) and
 each draft depth 0..max, the engine starts that many made-up requests and, once they all
@@ -44,8 +44,9 @@ import time
 
 import numpy as np
 
-from mtpserve.engine.draft_policy import FixedDraftPolicy, StepCostTable
+from mtpserve.engine.draft_policy import FixedDraftPolicy
 from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.step_costs import StepCostTable
 
 logger = logging.getLogger(__name__)
 

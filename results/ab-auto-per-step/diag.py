@@ -25,7 +25,8 @@ print("depths", dict(sorted(p.depths.items())), "coef us", [round(x*1e6) for x i
 import statistics
 print({k: (len(v), round(statistics.median(s for s, _ in v)*1e3, 2), round(statistics.median(h for _, h in v), 1)) for k, v in sorted(times.items())})
 coef = p.estimator.coefficients()
-from mtpserve.engine.draft_policy import best_depth, expected_tokens
+from mtpserve.engine.acceptance import expected_tokens
+from mtpserve.engine.draft_policy import best_depth
 a,b,c,h = coef
 for al in (0.6, 0.7, 0.8, 0.9):
     vals = []

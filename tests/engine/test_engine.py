@@ -406,7 +406,8 @@ def test_uniform_draft_steps_give_every_decoding_request_one_count_and_the_same_
     steps have one shape) every decode step still gives its requests one count, so it can replay
     a graph, requests a token or two from max_tokens included (their drafts past it are verified
     and dropped); without it the capped requests carry fewer. Greedy output stays MTP-off's."""
-    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, StepCostEstimator
+    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
+    from mtpserve.engine.step_costs import StepCostEstimator
 
     class CheapDrafts(StepCostEstimator):
         """Step costs of a host where drafts are nearly free (this CPU's own make them dear)."""
@@ -449,7 +450,7 @@ def test_draft_calibration_times_every_size_and_depth_and_changes_no_output(mode
     """``--draft-calibration on`` (``engine/draft_calibration.py``): a timed step of each batch
     size and draft depth, the adaptive policy judging by them; the engine is then idle, empty
     and intact with its counters at zero, and MTP on that table is still token-exact."""
-    from mtpserve.engine.draft_policy import StepCostTable
+    from mtpserve.engine.step_costs import StepCostTable
     engine = make_engine(model_dir, k="auto", budget=48)
     table = engine.calibrate_draft_costs(sizes=(1, 2, 3), steps=5)
     assert isinstance(table, StepCostTable) and engine.draft_policy.cost_table is table
