@@ -63,6 +63,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "mid: hidden 2048, 24 layers 3:1, ~1.4 B parameters; reused if already made")
     g.add_argument("--model-out", help="where --make-model writes (default: $MTPSERVE_CACHE/bench-models/SHAPE)")
     g.add_argument("--make-only", action="store_true", help="stop after --make-model")
+    g.add_argument("--make-block-size", type=int, default=16, metavar="TOKENS",
+                   help="the paged KV block size of --make-model's export (default 16; ORT's PagedAttention "
+                        "reads prompts and verifies in place, without a dense gather, only at multiples of "
+                        "64 tokens for the mid model's head size of 256)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--num-threads", type=int, default=0, help="ORT intra-op threads (0 = ORT's default)")
     g.add_argument("--url", help="benchmark this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000)")
@@ -330,9 +334,10 @@ def _bench(args) -> int:
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root
-        out = Path(args.model_out or default_cache_root() / "bench-models" / args.make_model)
+        name = args.make_model + (f"-b{args.make_block_size}" if args.make_block_size != 16 else "")
+        out = Path(args.model_out or default_cache_root() / "bench-models" / name)
         started = time.perf_counter()
-        args.model = str(make_bench_model(out, args.make_model))
+        args.model = str(make_bench_model(out, args.make_model, block_size=args.make_block_size))
         _log(f"model {args.model} ready in {time.perf_counter() - started:.0f} s")
         if args.make_only:
             return 0

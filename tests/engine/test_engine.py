@@ -8,6 +8,7 @@ import pytest
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from mtpserve.engine.engine import Engine
+from mtpserve.engine.manifest import load_manifest
 from mtpserve.engine.request import FinishReason
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import SamplingParams
@@ -109,6 +110,29 @@ def test_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, greedy_reference
     assert len(s.acceptance_rate_per_position) == k
     for i, (got, measured) in enumerate(zip(s.acceptance_rate_per_position, MEASURED_ACCEPTANCE[k])):
         assert got >= 0.9 * measured, f"K={k}: acceptance at draft {i} fell to {got:.3f} from {measured:.3f}"
+
+
+def test_an_export_with_64_token_blocks_gives_the_16_token_exports_tokens(tiny_paged_export, tiny_paged_export_b64):
+    """The KV block size is the export's (``mtpserve export --block-size``; ORT's flash
+    PagedAttention reads prompts and verifies in place only at multiples of 64-256 tokens): the
+    same checkpoint exported with 64-token blocks emits the 16-token export's greedy tokens, MTP
+    off and on, under chunked prefill, and again in later rounds where prefixes are hit in the
+    cache (prompts share 20, 40, 64, 70, 128 or 130 tokens: a cache keyed at 16 tokens would hand
+    out a 64-token block that only its first 16 or 32 tokens match; the pools checked after
+    every step)."""
+    rng = np.random.default_rng(0)
+    vocab = load_manifest(tiny_paged_export_b64).vocab_size
+    shared = rng.integers(3, vocab - 3, 150).tolist()
+    prompts = [shared[:n] + rng.integers(3, vocab - 3, m).tolist()
+               for n, m in ((0, 20), (20, 60), (40, 40), (70, 5), (130, 30), (64, 1), (128, 3), (0, 200))]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    reference, _ = run_all(make_engine(tiny_paged_export, k=0, budget=48, prefix_cache=False), prompts, params)
+    for k in (0, 2, "auto"):
+        engine = make_engine(tiny_paged_export_b64, k=k, budget=48)
+        for round_ in range(3):
+            tokens, _ = run_all(engine, prompts, params)
+            assert tokens == reference, f"K={k}, round {round_}"
+        assert engine.prefix_cache.stats.hits > 0, "no prefix was served from the cache"
 
 
 SEEDED = [SamplingParams(temperature=t, top_p=tp, seed=100 + i, max_tokens=48, ignore_eos=True)
