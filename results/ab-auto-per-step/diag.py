@@ -1,8 +1,11 @@
-import sys, time
+import sys
+import time
+
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
 from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
+
 C = int(sys.argv[1])
 e = Engine(EngineConfig("/work/main/engine/bundled/model", num_threads=2, cache=CacheConfig(max_resident_requests=16), spec=SpecConfig(draft_tokens="auto")))
 prompts = [p for p in BUNDLED_PROMPTS if p.strip()]
@@ -23,10 +26,12 @@ print(run("w"))
 p = e.draft_policy
 print("depths", dict(sorted(p.depths.items())), "coef us", [round(x*1e6) for x in p.estimator.coefficients()], "outliers", p.estimator.num_outliers, "replica alpha", round(p.replica_acceptance.value, 3))
 import statistics
+
 print({k: (len(v), round(statistics.median(s for s, _ in v)*1e3, 2), round(statistics.median(h for _, h in v), 1)) for k, v in sorted(times.items())})
 coef = p.estimator.coefficients()
 from mtpserve.engine.acceptance import expected_tokens
 from mtpserve.engine.draft_policy import best_depth
+
 a,b,c,h = coef
 for al in (0.6, 0.7, 0.8, 0.9):
     vals = []

@@ -22,9 +22,9 @@ from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
 from mtpserve.engine.bundled import MODEL_DIR
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, FixedDraftPolicy
-from mtpserve.engine.step_costs import StepCostEstimator, batch_class
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.step_costs import StepCostEstimator, batch_class
 
 METHODS = ("step_drafts", "observe_step", "observe_verified", "forget")
 

@@ -164,9 +164,14 @@
 #     15.0 + 14.5 GiB in growing order), then bundled auto (its policy's host time cut ~1/3 on
 #     the CPU) against K=0 and never drafting at C=16, interleaved, each run's host time a step
 #     outside ORT's run calls, and after the rounds cProfile of each (K=0 / never / auto).
+# bi: the KV block size (session 19, no device; results/h200/README.md "Nineteenth session"): the
+#     1.4 B model exported with 64-token blocks, which ORT's flash PagedAttention reads in place
+#     for multi-token steps (head size 256), against the 16-token export: the kernel ORT picks,
+#     an MTP engine's capture memory, MTP on == off (greedy, graphs) request by request, ms a step,
+#     and an eager prompt step's time (prefill_cost.py) on both.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -175,6 +180,8 @@ export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 bench=(python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT")   # an array: `timeout` runs it
 mid=/tmp/mid
 make_mid() { [[ -f $mid/genai_config.json ]] || "${bench[@]}" --make-model mid --model-out $mid --make-only; }
+mid64=/tmp/mid-b64        # the same checkpoint (seed 0) exported with 64-token KV blocks
+make_mid64() { [[ -f $mid64/genai_config.json ]] || "${bench[@]}" --make-model mid --make-block-size 64 --model-out $mid64 --make-only; }
 fresh_cupy() { CUPY_CACHE_DIR=$(mktemp -d /tmp/cupy-XXXX); export CUPY_CACHE_DIR; }
 step() { echo "=== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 run_test_cuda() {        # the device tests of this checkout, their summary under $OUT
@@ -701,6 +708,28 @@ bh)          # test_cuda, the 1.4 B model's graph memory by capture order / aren
   timeout 80 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-policy-c16.json" --concurrency 16 \
     --requests 128 --rounds 5 --interleave 64 --profile 2>&1 | tee "$OUT/auto-ab-policy-c16.txt" \
     | grep "^round\|median\|^profiled" | cut -c1-700
+  step done
+  ;;
+bi)          # the 1.4 B model with 16- and 64-token KV blocks: kernel, capture memory, MTP on == off, prompt steps (~540 s)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  (make_mid64 > "$OUT/make-mid64.txt" 2>&1) &
+  wait
+  step "the kernel ORT's PagedAttention picks for a prompt step (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1), 64 / 16"
+  for m in $mid64 $mid; do
+    ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 timeout 60 python3 results/h200/scripts/prefill_cost.py $m \
+      "$OUT/kernel-info-$(basename $m).json" --shapes 4x96 --no-kernels > "$OUT/kernel-info-$(basename $m).txt" 2>&1
+    grep -i -m 12 "attention\|flash\|efficient\|kernel" "$OUT/kernel-info-$(basename $m).txt" | cut -c1-300
+  done
+  for m in $mid64 $mid; do
+    step "block_size_probe.py $(basename $m): K=0 vs K=2 (greedy, graphs), C=8, 16 x 96-token prompts, 48 tokens"
+    timeout 200 python3 results/h200/scripts/block_size_probe.py $m "$OUT/block-size-$(basename $m).json" 2>&1 \
+      | grep "^K=\|^block size" | cut -c1-700
+  done
+  step "prefill_cost.py, eager prompt steps 1x128 / 16x128, 64 then 16"
+  for m in $mid64 $mid; do
+    timeout 90 python3 results/h200/scripts/prefill_cost.py $m "$OUT/prefill-cost-$(basename $m).json" \
+      --shapes 1x128,16x128 --no-kernels 2>&1 | tail -4 | cut -c1-400
+  done
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)

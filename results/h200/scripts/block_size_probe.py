@@ -1,0 +1,106 @@
+"""What the paged KV block size changes on the device, for one export: MTP on against off (greedy,
+real acceptance, CUDA graphs on), their tokens compared request by request, each engine's capture
+memory and time a step, and the kernel ORT's PagedAttention picks (with
+ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 in the environment ORT prints it per node: grep the log).
+
+ORT's PagedAttention reads KV pages in place with its flash kernel only when the block size is a
+multiple of 256 / 128 / 64 tokens for head sizes up to 64 / 128 / 256 (a reading of its source,
+results/h200/README.md "Nineteenth session"); with 16-token blocks a multi-token step (a prompt,
+an MTP verify) gathers each request's KV into dense K and V, which is what made the 1.4 B model's
+MTP captures take ~30 GiB (session 18). Run on the 16-token and the 64-token export of the same
+checkpoint (`bench --make-model mid [--make-block-size 64]`) and compare.
+
+A random-weight model's head drafts badly, so nearly every draft is rejected: each verify's first
+row (computed by the multi-token kernel) then gives the emitted token that a decode row (the
+one-token kernel) gives with MTP off. Tokens that differ are the two kernels' rounding on near
+ties, on either block size; the counts side by side say whether flash changes that.
+
+    python3 block_size_probe.py MODEL_DIR OUT.json [--concurrency 8] [--requests 16] [--prompt-len 96] [--max-tokens 48]
+        [--draft-tokens 2] [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from mtpserve.engine.config import EngineConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.sampler import SamplingParams
+
+
+def run(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[dict, float, int]:
+    """A closed loop of ``concurrency`` greedy requests: (tokens by request, seconds, steps)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    queue, flying, tokens, steps = list(enumerate(prompts)), set(), {}, 0
+    t0 = time.perf_counter()
+    while queue or flying:
+        while queue and len(flying) < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(f"p{i}", p, params)
+            flying.add(f"p{i}")
+        for ev in engine.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                flying.discard(ev.request_id)
+        steps += 1
+    return tokens, time.perf_counter() - t0, steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("out")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--draft-tokens", type=int, default=2)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no memory figures)")
+    args = p.parse_args()
+
+    def free_bytes() -> tuple[int, int]:
+        if args.device != "cuda":
+            return 0, 0
+        import cupy
+        return cupy.cuda.runtime.memGetInfo()
+    out = {"model": args.model_dir, "engines": {}}
+    results = {}
+    for k in (0, args.draft_tokens):
+        free0, _ = free_bytes()
+        t0 = time.perf_counter()
+        engine = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
+        build = time.perf_counter() - t0
+        free1, _ = free_bytes()
+        if k == 0:
+            out["block_size"] = engine.manifest.block_size
+            rng = np.random.default_rng(0)
+            prompts = rng.integers(3, engine.manifest.vocab_size - 3, (args.requests, args.prompt_len)).tolist()
+        run(engine, prompts[:2], 2, 4)                                   # first calls out of the timed run
+        tokens, seconds, steps = run(engine, prompts, args.concurrency, args.max_tokens)
+        graphs = {"main": engine.graphs, "head": getattr(engine.proposer, "graphs", None)}
+        s = engine.stats
+        out["engines"][f"K={k}"] = {
+            "build_s": round(build, 1), "engine_gib": round((free0 - free1) / 2**30, 2),
+            "captures_gib": {n: round(g.memory_bytes / 2**30, 3) for n, g in graphs.items() if g is not None},
+            "seconds": round(seconds, 3), "steps": steps, "ms_per_step": round(seconds / steps * 1e3, 3),
+            "tok_s": round(sum(map(len, tokens.values())) / seconds, 1),
+            "drafted": s.num_draft_tokens, "accepted": s.num_accepted_tokens}
+        results[k] = tokens
+        print(f"K={k}: {json.dumps(out['engines'][f'K={k}'])}", flush=True)
+        del engine
+    off, on = results[0], results[args.draft_tokens]
+    differ = {rid: next(i for i, (a, b) in enumerate(zip(off[rid], on[rid])) if a != b)
+              for rid in off if off[rid] != on[rid]}
+    out["requests"], out["identical"] = len(off), len(off) - len(differ)
+    out["first_difference_at"] = differ
+    print(f"block size {out['block_size']}: MTP K={args.draft_tokens} on == off for {out['identical']} of "
+          f"{out['requests']} requests; first differing token of the others: {differ}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
