@@ -159,11 +159,11 @@
 #     K=0 / table / K=2 at C=1, interleaved.
 # Next (session 19), one call each:
 # bh: test_cuda (graphs are now captured largest first), then the 1.4 B model's MTP engine's
-#     capture memory by order (growing, as before; largest first) and ORT arena growth (next
-#     power of two; kSameAsRequested), one engine a process (graph_memory_probe.py; session 18:
-#     15.0 + 14.5 GiB in growing order), then bundled auto (its policy's host time cut ~1/3 on
-#     the CPU) against K=0 and never drafting at C=16, interleaved, each run's host time a step
-#     outside ORT's run calls, and after the rounds cProfile of each (K=0 / never / auto).
+#     capture memory, largest first, by ORT arena growth (next power of two; kSameAsRequested),
+#     one engine a process (graph_memory_probe.py; session 18: 15.0 + 14.5 GiB in growing
+#     order), then bundled auto (its policy's host time cut ~1/3 on the CPU) against K=0 and
+#     never drafting at C=16, interleaved, each run's host time a step outside ORT's run calls,
+#     and after the rounds cProfile of each (K=0 / never / auto).
 # bi: the KV block size (session 19, no device; results/h200/README.md "Nineteenth session"): the
 #     1.4 B model exported with 64-token blocks, which ORT's flash PagedAttention reads in place
 #     for multi-token steps (head size 256), against the 16-token export: the kernel ORT picks,
@@ -693,11 +693,11 @@ bg)          # the 1.4 B model at synthetic 0.7, three engines a process, interl
     2>&1 | tee "$OUT/auto-ab-mid-0.7-c1.txt" | grep "^auto table:\|^round\|median\|device memory" | cut -c1-900
   step done
   ;;
-bh)          # test_cuda, the 1.4 B model's graph memory by capture order / arena, bundled auto at C=16 (~560 s)
+bh)          # test_cuda, the 1.4 B model's graph memory by arena growth, bundled auto at C=16 (~460 s)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
   run_test_cuda
   wait
-  for v in "growing next-power" "largest next-power" "largest same"; do
+  for v in "largest next-power" "largest same"; do     # growing next-power: session 18's 15.0 + 14.5 GiB
     set -- $v
     step "graph_memory_probe.py, 1.4 B, MTP auto, order $1, arena $2"
     timeout 110 python3 results/h200/scripts/graph_memory_probe.py $mid "$OUT/graph-memory-mid-$1-$2.json" \
