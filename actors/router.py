@@ -190,6 +190,7 @@ class StateAffinityRouter(RequestRouter):
         self._refresh_task: asyncio.Task | None = None
         self._planner = None
         self._model_dir: str | None = None
+        self._kv_block_size: int | None = None
         self._prefix_routing = False
         self._max_imbalance = DEFAULT_MAX_IMBALANCE
         self._digests: PromptDigests | None = None      # set by the loader thread
@@ -201,10 +202,14 @@ class StateAffinityRouter(RequestRouter):
 
     def initialize_state(self, refresh_interval_s: float = 0.25, max_view_age_s: float = 2.0,
                          model_dir: str | None = None, prefix_routing: bool = True,
-                         prefix_max_imbalance: float = DEFAULT_MAX_IMBALANCE, **kwargs):
+                         prefix_max_imbalance: float = DEFAULT_MAX_IMBALANCE, kv_block_size: int | None = None,
+                         **kwargs):
+        """kv_block_size: the replicas' KV block size when it is not the export's (the engine's
+        ``kv_block_size``): the routing digests are of blocks of that size, as the replicas' caches'."""
         self._refresh_interval_s = refresh_interval_s
         self._max_view_age_s = max_view_age_s
         self._model_dir = model_dir
+        self._kv_block_size = kv_block_size
         self._prefix_routing = bool(prefix_routing and model_dir)
         self._max_imbalance = float(prefix_max_imbalance)
         if self._prefix_routing:
@@ -272,7 +277,7 @@ class StateAffinityRouter(RequestRouter):
                 from mtpserve.engine.bundled import resolve_model_dir
                 from mtpserve.engine.tokenizer import Tokenizer
                 path = resolve_model_dir(self._model_dir)
-                self._digests = PromptDigests(Tokenizer(path), block_size_of(path))
+                self._digests = PromptDigests(Tokenizer(path), self._kv_block_size or block_size_of(path))
             except Exception as e:  # noqa: BLE001 - without it, routing is by load alone
                 logger.warning(f"prefix-aware routing is off: the tokenizer of {self._model_dir} did not load ({e!r})")
                 self._prefix_routing = False

@@ -105,6 +105,7 @@ def build_app(options: ServeOptions):
         max_ongoing_requests=engine.cache.max_resident_requests + worker.max_pending,
         graceful_shutdown_timeout_s=stop_deadline_s, graceful_shutdown_wait_loop_s=0.5,
         request_router_config=router_config({"model_dir": worker.engine.model_dir,
+                                             "kv_block_size": engine.cache.kv_block_size,
                                              "prefix_routing": options.prefix_routing,
                                              "prefix_max_imbalance": options.prefix_max_imbalance}),
         ray_actor_options={"num_cpus": options.num_cpus_per_replica, "num_gpus": num_gpus,

@@ -32,6 +32,12 @@ class CacheConfig:
     """
     num_blocks: int | None = setting(None, "paged KV blocks per pool (default: every resident request at full "
                                            "context, within kv_pool_gib)")
+    kv_block_size: int | None = setting(None, "paged KV block size in tokens (default: the export's); on CUDA, "
+                                              "ORT's flash PagedAttention reads prompts and MTP verifies in "
+                                              "place only at multiples of 256 / 128 / 64 tokens for attention "
+                                              "head sizes up to 64 / 128 / 256, and gathers each request's KV "
+                                              "into dense K and V otherwise; larger blocks make prefix hits "
+                                              "coarser")
     max_resident_requests: int = setting(64, "fixed-state bank rows: requests resident at once")
     kv_pool_gib: float = setting(2.0, "the most GiB the main model's KV pool may take when num_blocks is unset")
     prefix_cache: bool = setting(True, "reuse cached prefixes: shared KV blocks and recurrent-state snapshots "
@@ -66,6 +72,8 @@ class CacheConfig:
             raise ValueError(f"kv_pool_gib must be > 0, got {self.kv_pool_gib}")
         if self.max_resident_requests < 1:
             raise ValueError(f"max_resident_requests must be >= 1, got {self.max_resident_requests}")
+        if self.kv_block_size is not None and self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
 
 
 def resolve_num_blocks(cache: CacheConfig, context_length: int, block_size: int, bytes_per_block: int) -> int:

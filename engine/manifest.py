@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -277,6 +277,30 @@ def load_manifest(model_dir: str | os.PathLike) -> ModelManifest:
         num_parameters=_count_parameters(main_graph, mtp, path),
         files=files,
     )
+
+
+def with_block_size(manifest: ModelManifest, block_size: int | None) -> ModelManifest:
+    """``manifest`` served with ``block_size``-token KV blocks instead of the export's (None: as
+    exported). The builder's paged graphs leave the pools' block dimension symbolic and
+    PagedAttention reads it from the pools' shape at run time (the export's config is the only
+    place its block size is written), so the engine may choose it: ORT's flash PagedAttention
+    reads prompts and verifies in place only at multiples of 256 / 128 / 64 tokens for head sizes
+    up to 64 / 128 / 256, and gathers each request's KV into dense K and V otherwise. An export
+    whose graphs fix the dimension serves only that."""
+    if block_size is None or block_size == manifest.block_size:
+        return manifest
+    if block_size < 1:
+        raise ValueError(f"kv_block_size must be >= 1, got {block_size}")
+    specs = {t.name: t for t in manifest.inputs}
+    if manifest.mtp is not None:
+        specs.update({t.name: t for t in manifest.mtp.inputs})
+    layers = manifest.kv_layers + (manifest.mtp.kv_layers if manifest.mtp is not None else ())
+    fixed = {specs[n].shape[1] for l in layers for n in (l.key_input, l.value_input)
+             if n in specs and isinstance(specs[n].shape[1], int)}
+    if fixed:
+        raise ModelLoadError(f"{manifest.path.name}: its graphs fix the KV block size at {sorted(fixed)} tokens; "
+                             f"serve it with that kv_block_size (or none), not {block_size}")
+    return replace(manifest, block_size=block_size)
 
 
 def _read_config(path: Path) -> dict:

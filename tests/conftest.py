@@ -35,15 +35,6 @@ def tiny_paged_export(tiny_checkpoint, tmp_path_factory):
     return export_paged(tiny_checkpoint, tmp_path_factory.mktemp("tiny_paged"))
 
 
-@pytest.fixture(scope="session")
-def tiny_paged_export_b64(tiny_checkpoint, tmp_path_factory):
-    """The same checkpoint exported with 64-token KV blocks (what ORT's flash PagedAttention needs
-    for a head size of 256: the mid model's)."""
-    pytest.importorskip("onnxruntime_genai")
-    from mtpserve.cluster.checkpoints import export_paged
-    return export_paged(tiny_checkpoint, tmp_path_factory.mktemp("tiny_paged_b64"), block_size=64)
-
-
 # ---- serving: one local Ray cluster per test session, sized for a 2-core machine, with Serve's
 # HTTP proxy on a free port; apps are deployed per module by the tests.
 PORT_ENV = "MTPSERVE_TEST_HTTP_PORT"

@@ -45,6 +45,7 @@ class AnchorSweep:
     num_warmup_requests: int = 4
     stall_s: float = 60.0
     timeout_s: float = 1800.0
+    block_size: int | None = None        # og's KV block size (None: the export's), as the engine's kv_block_size
 
 
 def run_anchor(sweep: AnchorSweep, workload: Workload, device: str, log=print) -> tuple[list[LoadRun], str | None]:
@@ -89,7 +90,8 @@ def _stderr_fd():
 
 
 # ------------------------------------------------------------------ the child process
-def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_batch_size: int) -> Path:
+def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_batch_size: int,
+                  block_size: int | None = None) -> Path:
     """A folder og.Model can load: the export's files as symlinks, with og's settings for this run."""
     if shadow.exists():
         for p in shadow.iterdir():
@@ -106,7 +108,8 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
     if "mtp" in config["model"]:
         config["model"]["mtp"]["enabled"] = bool(k)
     config.setdefault("engine", {}).setdefault("dynamic_batching", {}).update(
-        {"num_blocks": num_blocks, "max_batch_size": max_batch_size})
+        {"num_blocks": num_blocks, "max_batch_size": max_batch_size,
+         **({"block_size": block_size} if block_size else {})})
     (shadow / "genai_config.json").write_text(json.dumps(config, indent=1))
     tok_path = model_dir / "tokenizer_config.json"
     tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
@@ -249,7 +252,8 @@ def child_main(spec_path: str, out_path: str) -> int:
     max_batch = max(l.concurrency or workload.num_requests for l in sweep.loads)
     for k in sweep.draft_tokens:
         try:
-            shadow = shadow_export(Path(sweep.model_dir), Path(spec["shadow"]), k, sweep.num_blocks, max(max_batch, 1))
+            shadow = shadow_export(Path(sweep.model_dir), Path(spec["shadow"]), k, sweep.num_blocks, max(max_batch, 1),
+                                   sweep.block_size)
             engine = model = None
             for load, wl in per_load(workload, sweep.loads, sweep.seed):
                 if engine is None:

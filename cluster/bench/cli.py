@@ -149,6 +149,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="accept each draft with this probability (untrained MTP heads); labels the run synthetic "
                         "(with --url it only labels the results: the server must be run that way)")
     g.add_argument("--num-blocks", type=int, help="KV blocks per pool (default: enough for every resident request)")
+    g.add_argument("--kv-block-size", type=int, metavar="TOKENS",
+                   help="serve the export with KV blocks of this many tokens (default: the export's; og.Engine "
+                        "gets the same): on CUDA, ORT's flash PagedAttention reads prompts and verifies in place "
+                        "only at multiples of 256 / 128 / 64 tokens for head sizes up to 64 / 128 / 256")
     g.add_argument("--max-resident-requests", type=int, help="state-bank rows (default: the top concurrency)")
     g.add_argument("--max-model-len", type=int,
                    help="longest prompt + output the engine serves (default: the model's context)")
@@ -385,7 +389,8 @@ def _bench(args) -> int:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
-                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s)
+                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
+                                 args.kv_block_size)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_rounds, run_engine_sweep
         overlaps = [None] if args.overlap_decode is None else parse_list(args.overlap_decode, _on_off, "--overlap-decode")
@@ -395,11 +400,13 @@ def _bench(args) -> int:
                                 args.max_tokens, args.temperature, args.ignore_eos, args.seed, args.num_blocks,
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
-                                "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap)
+                                "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap,
+                                kv_block_size=args.kv_block_size)
+            block_size = args.kv_block_size or manifest.block_size
             if args.rounds > 1:
-                runs = run_engine_rounds(sweep, workload, manifest.block_size, args.rounds, log=_log) + runs
+                runs = run_engine_rounds(sweep, workload, block_size, args.rounds, log=_log) + runs
             else:
-                runs = run_engine_sweep(sweep, workload, manifest.block_size, log=_log) + runs
+                runs = run_engine_sweep(sweep, workload, block_size, log=_log) + runs
     return _report(args, runs, workload, loads, manifest, synthetic, anchor_note)
 
 

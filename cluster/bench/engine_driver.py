@@ -44,6 +44,7 @@ class EngineSweep:
     prefix_snapshots: str = "reused"        # the cache's snapshot policy (engine.config CacheConfig)
     phases: str = "off"                     # per-phase step times (engine/phase_timers.py): off, on or sync
     overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
+    kv_block_size: int | None = None        # CacheConfig.kv_block_size (None: the export's)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
@@ -66,7 +67,8 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
     budget = sweep.max_tokens_per_step or max(default, resident * (most_drafts + 1))
     return EngineConfig(sweep.model_dir, device=sweep.device, num_threads=sweep.num_threads,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=resident,
-                                          prefix_cache=sweep.prefix_cache, prefix_snapshots=sweep.prefix_snapshots),
+                                          prefix_cache=sweep.prefix_cache, prefix_snapshots=sweep.prefix_snapshots,
+                                          kv_block_size=sweep.kv_block_size),
                         scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=resident),
                         spec=SpecConfig(draft_tokens="auto" if adaptive else k, draft_calibration=k == "auto-timed",
                                         synthetic_acceptance=sweep.synthetic_acceptance if k else None),

@@ -59,11 +59,15 @@ BODIES = {
 }
 
 
-def test_the_routers_digests_are_what_the_replicas_cache_holds_after_serving_the_prompt(model_dir, tokenizer):
-    engine = Engine(EngineConfig(str(model_dir), num_threads=2, cache=CacheConfig(num_blocks=1024,
-                                                                                   max_resident_requests=8),
+@pytest.mark.parametrize("kv_block_size", [None, 64])
+def test_the_routers_digests_are_what_the_replicas_cache_holds_after_serving_the_prompt(model_dir, tokenizer,
+                                                                                       kv_block_size):
+    """The export's block size, or the one the replicas are served with (``kv_block_size``: the
+    router is told it, ``test_the_router_hashes_blocks_of_the_replicas_size``)."""
+    engine = Engine(EngineConfig(str(model_dir), num_threads=2, cache=CacheConfig(num_blocks=1024, max_resident_requests=8,
+                                                                                   kv_block_size=kv_block_size),
                                  spec=SpecConfig(draft_tokens=0)))
-    digests = PromptDigests(tokenizer, block_size_of(model_dir))
+    digests = PromptDigests(tokenizer, kv_block_size or block_size_of(model_dir))
     bs = digests.block_size
     for i, (body, chat) in enumerate(BODIES.values()):
         engine.add_request(f"r{i}", _replica_ids(tokenizer, body, chat), SamplingParams(max_tokens=1, temperature=0))
@@ -86,6 +90,25 @@ def test_the_routers_digests_are_what_the_replicas_cache_holds_after_serving_the
     assert digests.of_prompt(text) == digests.of_head(prompt_head(json.dumps({"prompt": text}).encode(), False))
     other = digests.of_prompt("class Unrelated:\n    pass\n" * 40)
     assert deepest_match(other, index) == 0
+
+
+def test_the_router_hashes_blocks_of_the_replicas_size(model_dir):
+    """The Serve app hands the router the engine's kv_block_size; its digests are then of blocks
+    of that size (of the export's without it), or no prompt would ever match a replica's cache."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from mtpserve.actors.router import StateAffinityRouter
+    from mtpserve.cluster.app import ServeOptions, build_app
+
+    sizes = {}
+    for kv_block_size in (None, 64):
+        app = build_app(ServeOptions.from_flat(kv_block_size=kv_block_size))
+        kwargs = app._bound_deployment._deployment_config.request_router_config.request_router_kwargs
+        router = StateAffinityRouter(DeploymentID(name="d", app_name="a"), DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(**kwargs)
+        router._loader.join(30)
+        sizes[kv_block_size] = router._digests.block_size
+    assert sizes == {None: block_size_of(model_dir), 64: 64}
 
 
 def test_the_head_is_bounded_and_refuses_what_is_no_prompt():

@@ -39,10 +39,11 @@ PROMPTS = [
 ]
 
 
-def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16, policy=None, prefix_cache=True):
+def make_engine(model_dir, k=0, num_blocks=512, max_rows=16, budget=64, batch=16, policy=None, prefix_cache=True,
+                block_size=None):
     config = EngineConfig(str(model_dir), num_threads=2,
                           cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows,
-                                            prefix_cache=prefix_cache),
+                                            prefix_cache=prefix_cache, kv_block_size=block_size),
                           scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
                           spec=SpecConfig(draft_tokens=k))
     return Engine(config, policy)
@@ -112,23 +113,24 @@ def test_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, greedy_reference
         assert got >= 0.9 * measured, f"K={k}: acceptance at draft {i} fell to {got:.3f} from {measured:.3f}"
 
 
-def test_an_export_with_64_token_blocks_gives_the_16_token_exports_tokens(tiny_paged_export, tiny_paged_export_b64):
-    """The KV block size is the export's (``mtpserve export --block-size``; ORT's flash
-    PagedAttention reads prompts and verifies in place only at multiples of 64-256 tokens): the
-    same checkpoint exported with 64-token blocks emits the 16-token export's greedy tokens, MTP
-    off and on, under chunked prefill, and again in later rounds where prefixes are hit in the
-    cache (prompts share 20, 40, 64, 70, 128 or 130 tokens: a cache keyed at 16 tokens would hand
-    out a 64-token block that only its first 16 or 32 tokens match; the pools checked after
-    every step)."""
+def test_64_token_blocks_give_the_16_token_blocks_tokens(tiny_paged_export):
+    """The KV block size is the engine's choice (``kv_block_size``; the export's graphs read it
+    from the pools' shape; ORT's flash PagedAttention reads prompts and verifies in place only at
+    multiples of 64-256 tokens): an export of 16-token blocks served with 64-token ones emits the
+    same greedy tokens, MTP off and on, under chunked prefill, and again in later rounds where
+    prefixes are hit in the cache (prompts share 20, 40, 64, 70, 128 or 130 tokens: a cache keyed
+    at 16 tokens would hand out a 64-token block that only its first 16 or 32 tokens match; the
+    pools checked after every step)."""
     rng = np.random.default_rng(0)
-    vocab = load_manifest(tiny_paged_export_b64).vocab_size
+    vocab = load_manifest(tiny_paged_export).vocab_size
     shared = rng.integers(3, vocab - 3, 150).tolist()
     prompts = [shared[:n] + rng.integers(3, vocab - 3, m).tolist()
                for n, m in ((0, 20), (20, 60), (40, 40), (70, 5), (130, 30), (64, 1), (128, 3), (0, 200))]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
     reference, _ = run_all(make_engine(tiny_paged_export, k=0, budget=48, prefix_cache=False), prompts, params)
     for k in (0, 2, "auto"):
-        engine = make_engine(tiny_paged_export_b64, k=k, budget=48)
+        engine = make_engine(tiny_paged_export, k=k, budget=48, block_size=64)
+        assert engine.manifest.block_size == 64 and engine.kv_pool.block_size == 64
         for round_ in range(3):
             tokens, _ = run_all(engine, prompts, params)
             assert tokens == reference, f"K={k}, round {round_}"

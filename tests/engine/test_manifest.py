@@ -5,10 +5,11 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from mtpserve.engine.manifest import ModelLoadError, load_manifest
+from mtpserve.engine.manifest import ModelLoadError, TensorSpec, load_manifest, with_block_size
 
 
 def copy_export(src, tmp_path):
@@ -29,6 +30,22 @@ def test_paged_export_reads_into_state_groups_and_mtp_head(tiny_paged_export):
     assert m.mtp is not None and "attention_mask" not in {t.name for t in m.mtp.inputs}
     assert m.mtp.hidden_input == "hidden_states" and m.mtp.hidden_output == "hidden_states_out"
     assert m.num_parameters > 0
+
+
+def test_the_block_size_is_the_engines_where_the_graphs_leave_it_symbolic(tiny_paged_export):
+    """The builder's graphs read the KV block size from the pools' shape: a manifest serves any
+    block size; one whose graphs fix it serves only that, and says so."""
+    m = load_manifest(tiny_paged_export)
+    assert m.block_size == 16 and with_block_size(m, None) is m and with_block_size(m, 16) is m
+    assert with_block_size(m, 64).block_size == 64
+    kv = {n for l in m.kv_layers for n in (l.key_input, l.value_input)}
+    fixed = replace(m, inputs=tuple(TensorSpec(t.name, (t.shape[0], 16, *t.shape[2:]), t.dtype) if t.name in kv else t
+                                    for t in m.inputs))
+    assert with_block_size(fixed, 16) is fixed
+    with pytest.raises(ModelLoadError, match="fix the KV block size at \\[16\\]"):
+        with_block_size(fixed, 64)
+    with pytest.raises(ValueError, match=">= 1"):
+        with_block_size(m, 0)
 
 
 def test_truncated_weights_fail_at_load_naming_the_file(tiny_paged_export, tmp_path):
