@@ -7,8 +7,8 @@ ORT's PagedAttention reads KV pages in place with its flash kernel only when the
 multiple of 256 / 128 / 64 tokens for head sizes up to 64 / 128 / 256 (a reading of its source,
 results/h200/README.md "Nineteenth session"); with 16-token blocks a multi-token step (a prompt,
 an MTP verify) gathers each request's KV into dense K and V, which is what made the 1.4 B model's
-MTP captures take ~30 GiB (session 18). Run on the 16-token and the 64-token export of the same
-checkpoint (`bench --make-model mid [--make-block-size 64]`) and compare.
+MTP captures take ~30 GiB (session 18). Run on the same export at 16 and at 64 tokens
+(`--kv-block-size 64`: the builder's graphs read the block size from the pools) and compare.
 
 A random-weight model's head drafts badly, so nearly every draft is rejected: each verify's first
 row (computed by the multi-token kernel) then gives the emitted token that a decode row (the
@@ -16,7 +16,7 @@ one-token kernel) gives with MTP off. Tokens that differ are the two kernels' ro
 ties, on either block size; the counts side by side say whether flash changes that.
 
     python3 block_size_probe.py MODEL_DIR OUT.json [--concurrency 8] [--requests 16] [--prompt-len 96] [--max-tokens 48]
-        [--draft-tokens 2] [--device cuda]
+        [--draft-tokens 2] [--device cuda] [--kv-block-size 64]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from mtpserve.engine.config import EngineConfig, SpecConfig
+from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
 
@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--draft-tokens", type=int, default=2)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no memory figures)")
+    p.add_argument("--kv-block-size", type=int, help="serve the export with KV blocks of this many tokens")
     args = p.parse_args()
 
     def free_bytes() -> tuple[int, int]:
@@ -71,7 +72,8 @@ def main() -> None:
     for k in (0, args.draft_tokens):
         free0, _ = free_bytes()
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
+        engine = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k),
+                                     cache=CacheConfig(kv_block_size=args.kv_block_size)))
         build = time.perf_counter() - t0
         free1, _ = free_bytes()
         if k == 0:

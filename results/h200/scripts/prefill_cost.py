@@ -43,10 +43,11 @@ HOST = {"attention_metadata", "state_update_active"}
 
 
 class Model:
-    def __init__(self, model_dir: str, max_batch: int, max_tokens: int):
-        cfg = json.load(open(f"{model_dir}/genai_config.json"))["model"]
+    def __init__(self, model_dir: str, max_batch: int, max_tokens: int, block_size: int | None = None):
+        config = json.load(open(f"{model_dir}/genai_config.json"))
+        cfg = config["model"]
         self.dir, self.vocab = model_dir, int(cfg["vocab_size"])
-        self.block = int(cfg.get("engine", {}).get("dynamic_batching", {}).get("block_size", 16))
+        self.block = block_size or int(config["engine"]["dynamic_batching"]["block_size"])
         g = onnx.load(f"{model_dir}/model.onnx", load_external_data=False).graph
 
         def spec(v):
@@ -217,9 +218,10 @@ def main() -> None:
     p.add_argument("--no-kernels", action="store_true")
     p.add_argument("--ort-profile", action="store_true")
     p.add_argument("--gemm-warm", type=int, default=0)
+    p.add_argument("--block-size", type=int, help="KV block size in tokens (default: the export's)")
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    model = Model(args.model_dir, max(b for b, _ in shapes), max(b * n for b, n in shapes))
+    model = Model(args.model_dir, max(b for b, _ in shapes), max(b * n for b, n in shapes), args.block_size)
     warm = None
     if args.gemm_warm:
         from mtpserve.engine.gemm_warmup import model_gemm_shapes, warm_up_gemms

@@ -165,10 +165,10 @@
 #     never drafting at C=16, interleaved, each run's host time a step outside ORT's run calls,
 #     and after the rounds cProfile of each (K=0 / never / auto).
 # bi: the KV block size (session 19, no device; results/h200/README.md "Nineteenth session"): the
-#     1.4 B model exported with 64-token blocks, which ORT's flash PagedAttention reads in place
-#     for multi-token steps (head size 256), against the 16-token export: the kernel ORT picks,
-#     an MTP engine's capture memory, MTP on == off (greedy, graphs) request by request, ms a step,
-#     and an eager prompt step's time (prefill_cost.py) on both.
+#     1.4 B model served with 64-token blocks (--kv-block-size), which ORT's flash PagedAttention
+#     should read in place for multi-token steps (head size 256), against its export's 16: the
+#     kernel ORT picks, an MTP engine's capture memory, MTP on == off (greedy, graphs) request by
+#     request, ms a step, and an eager prompt step's time (prefill_cost.py) at both.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
 part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi}
@@ -180,8 +180,6 @@ export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 bench=(python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT")   # an array: `timeout` runs it
 mid=/tmp/mid
 make_mid() { [[ -f $mid/genai_config.json ]] || "${bench[@]}" --make-model mid --model-out $mid --make-only; }
-mid64=/tmp/mid-b64        # the same checkpoint (seed 0) exported with 64-token KV blocks
-make_mid64() { [[ -f $mid64/genai_config.json ]] || "${bench[@]}" --make-model mid --make-block-size 64 --model-out $mid64 --make-only; }
 fresh_cupy() { CUPY_CACHE_DIR=$(mktemp -d /tmp/cupy-XXXX); export CUPY_CACHE_DIR; }
 step() { echo "=== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 run_test_cuda() {        # the device tests of this checkout, their summary under $OUT
@@ -710,25 +708,23 @@ bh)          # test_cuda, the 1.4 B model's graph memory by arena growth, bundle
     | grep "^round\|median\|^profiled" | cut -c1-700
   step done
   ;;
-bi)          # the 1.4 B model with 16- and 64-token KV blocks: kernel, capture memory, MTP on == off, prompt steps (~540 s)
-  (make_mid > "$OUT/make-mid.txt" 2>&1) &
-  (make_mid64 > "$OUT/make-mid64.txt" 2>&1) &
-  wait
-  step "the kernel ORT's PagedAttention picks for a prompt step (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1), 64 / 16"
-  for m in $mid64 $mid; do
-    ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 timeout 60 python3 results/h200/scripts/prefill_cost.py $m \
-      "$OUT/kernel-info-$(basename $m).json" --shapes 4x96 --no-kernels > "$OUT/kernel-info-$(basename $m).txt" 2>&1
-    grep -i -m 12 "attention\|flash\|efficient\|kernel" "$OUT/kernel-info-$(basename $m).txt" | cut -c1-300
+bi)          # the 1.4 B model at 16- and 64-token KV blocks: kernel, capture memory, MTP on == off, prompt steps (~480 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  for b in 64 16; do
+    step "the kernel ORT's PagedAttention picks for a 4 x 96 prompt step at $b-token blocks (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1)"
+    ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 timeout 60 python3 results/h200/scripts/prefill_cost.py $mid \
+      "$OUT/kernel-info-b$b.json" --shapes 4x96 --no-kernels --block-size $b > "$OUT/kernel-info-b$b.txt" 2>&1
+    grep -i -m 12 "attention\|flash\|efficient\|kernel" "$OUT/kernel-info-b$b.txt" | cut -c1-300
   done
-  for m in $mid64 $mid; do
-    step "block_size_probe.py $(basename $m): K=0 vs K=2 (greedy, graphs), C=8, 16 x 96-token prompts, 48 tokens"
-    timeout 200 python3 results/h200/scripts/block_size_probe.py $m "$OUT/block-size-$(basename $m).json" 2>&1 \
+  for b in 64 16; do
+    step "block_size_probe.py, $b-token blocks: K=0 vs K=2 (greedy, graphs), C=8, 16 x 96-token prompts, 48 tokens"
+    timeout 200 python3 results/h200/scripts/block_size_probe.py $mid "$OUT/block-size-b$b.json" --kv-block-size $b 2>&1 \
       | grep "^K=\|^block size" | cut -c1-700
   done
-  step "prefill_cost.py, eager prompt steps 1x128 / 16x128, 64 then 16"
-  for m in $mid64 $mid; do
-    timeout 90 python3 results/h200/scripts/prefill_cost.py $m "$OUT/prefill-cost-$(basename $m).json" \
-      --shapes 1x128,16x128 --no-kernels 2>&1 | tail -4 | cut -c1-400
+  step "prefill_cost.py, eager prompt steps 1x128 / 16x128 at 64- and 16-token blocks"
+  for b in 64 16; do
+    timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-b$b.json" \
+      --shapes 1x128,16x128 --no-kernels --block-size $b 2>&1 | tail -4 | cut -c1-400
   done
   step done
   ;;
