@@ -168,10 +168,11 @@
 #     1.4 B model served with 64-token blocks (--kv-block-size), which ORT's flash PagedAttention
 #     should read in place for multi-token steps (head size 256), against its export's 16: the
 #     kernel ORT picks, an MTP engine's capture memory, MTP on == off (greedy, graphs) request by
-#     request, ms a step, and an eager prompt step's time (prefill_cost.py) at both.
+#     request, ms a step; bj: the auto engine's captures at 64 and an eager prompt step's time
+#     (prefill_cost.py) at both.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -708,7 +709,7 @@ bh)          # test_cuda, the 1.4 B model's graph memory by arena growth, bundle
     | grep "^round\|median\|^profiled" | cut -c1-700
   step done
   ;;
-bi)          # the 1.4 B model at 16- and 64-token KV blocks: kernel, capture memory, MTP on == off, prompt steps (~480 s)
+bi)          # the 1.4 B model at 64- and 16-token KV blocks: kernel, capture memory, MTP on == off (~420 s)
   make_mid > "$OUT/make-mid.txt" 2>&1
   for b in 64 16; do
     step "the kernel ORT's PagedAttention picks for a 4 x 96 prompt step at $b-token blocks (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1)"
@@ -721,6 +722,13 @@ bi)          # the 1.4 B model at 16- and 64-token KV blocks: kernel, capture me
     timeout 200 python3 results/h200/scripts/block_size_probe.py $mid "$OUT/block-size-b$b.json" --kv-block-size $b 2>&1 \
       | grep "^K=\|^block size" | cut -c1-700
   done
+  step done
+  ;;
+bj)          # bi's sequel: the auto MTP engine's captures at 64-token blocks, eager prompt steps at 64 / 16 (~250 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "graph_memory_probe.py, 1.4 B, MTP auto, largest first, 64-token blocks (bh: the same at 16)"
+  timeout 150 python3 results/h200/scripts/graph_memory_probe.py $mid "$OUT/graph-memory-mid-b64.json" \
+    --kv-block-size 64 2>&1 | grep -v "No registered plugin" | tail -3 | cut -c1-600
   step "prefill_cost.py, eager prompt steps 1x128 / 16x128 at 64- and 16-token blocks"
   for b in 64 16; do
     timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-b$b.json" \
