@@ -170,9 +170,12 @@
 #     kernel ORT picks, an MTP engine's capture memory, MTP on == off (greedy, graphs) request by
 #     request, ms a step; bj: the auto engine's captures at 64 and an eager prompt step's time
 #     (prefill_cost.py) at both.
+# bk: the bundled model at 256-token blocks (its head size is 64: flash's minimum), MTP K=0 / 2 /
+#     3 / auto at C=1 / 16, 3 rounds, against 16: a K=2 verify replay took 0.37 ms against a
+#     decode's 0.32 on its MEA gather, the ceiling that kept K=2 under 1.8x at C=1.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -733,6 +736,14 @@ bj)          # bi's sequel: the auto MTP engine's captures at 64-token blocks, e
   for b in 64 16; do
     timeout 90 python3 results/h200/scripts/prefill_cost.py $mid "$OUT/prefill-cost-b$b.json" \
       --shapes 1x128,16x128 --no-kernels --block-size $b 2>&1 | tail -4 | cut -c1-400
+  done
+  step done
+  ;;
+bk)          # the bundled model (head size 64) at 256-token blocks, where flash reads its verifies in place, vs 16 (~420 s)
+  for b in 256 16; do
+    step "bundled K=0/2/3/auto, C=1/16, 3 rounds, --kv-block-size $b"
+    timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+      --rounds 3 --kv-block-size $b --name bundled-mtp-rounds-b$b 2>&1 | grep -v "prefill:" | tail -14
   done
   step done
   ;;
