@@ -32,12 +32,6 @@ class CacheConfig:
     """
     num_blocks: int | None = setting(None, "paged KV blocks per pool (default: every resident request at full "
                                            "context, within kv_pool_gib)")
-    kv_block_size: int | None = setting(None, "paged KV block size in tokens (default: the export's); on CUDA, "
-                                              "ORT's flash PagedAttention reads prompts and MTP verifies in "
-                                              "place only at multiples of 256 / 128 / 64 tokens for attention "
-                                              "head sizes up to 64 / 128 / 256, and gathers each request's KV "
-                                              "into dense K and V otherwise; larger blocks make prefix hits "
-                                              "coarser")
     max_resident_requests: int = setting(64, "fixed-state bank rows: requests resident at once")
     kv_pool_gib: float = setting(2.0, "the most GiB the main model's KV pool may take when num_blocks is unset")
     prefix_cache: bool = setting(True, "reuse cached prefixes: shared KV blocks and recurrent-state snapshots "
@@ -57,6 +51,12 @@ class CacheConfig:
                                                   "tokens (a multiple of the block size) and at its last full "
                                                   "block (default: the step's token budget, so a long prompt's "
                                                   "chunks end there anyway)")
+    kv_block_size: int | None = setting(None, "paged KV block size in tokens (default: the export's); on CUDA, "
+                                              "ORT's flash PagedAttention reads prompts and MTP verifies in "
+                                              "place only at multiples of 256 / 128 / 64 tokens for attention "
+                                              "head sizes up to 64 / 128 / 256, and gathers each request's KV "
+                                              "into dense K and V otherwise; larger blocks make prefix hits "
+                                              "coarser")
 
     def validate(self) -> None:
         if self.prefix_snapshot_gib < 0 or self.prefix_host_gib < 0 or (self.snapshot_interval or 1) < 1:
