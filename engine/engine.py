@@ -38,7 +38,7 @@ from mtpserve.engine.config import EngineConfig, resolve_num_blocks
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
 from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
-from mtpserve.engine.manifest import ModelManifest, load_manifest, with_block_size
+from mtpserve.engine.manifest import ModelManifest, flash_block_multiple, load_manifest, with_block_size
 from mtpserve.engine.output import OutputProcessor
 from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, accept_drafts, continuation_blocker, overlap_blocker
 from mtpserve.engine.proposer import MTPProposer
@@ -93,6 +93,11 @@ class Engine:
             # one stream for every CuPy op and every ORT run: ordered without host syncs
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self.manifest = with_block_size(self.manifest, config.cache.kv_block_size)
+        flash = flash_block_multiple(self.manifest)
+        if config.device == "cuda" and flash and self.manifest.block_size % flash:
+            logger.info("engine: %d-token KV blocks: ORT's PagedAttention gathers each request's KV into dense K "
+                        "and V for prompts and verifies; --kv-block-size %d lets its flash kernel read them in place",
+                        self.manifest.block_size, flash)
         with self.device_context():
             self._build(config, draft_policy)
             if self.graphs is not None:

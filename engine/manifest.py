@@ -279,6 +279,20 @@ def load_manifest(model_dir: str | os.PathLike) -> ModelManifest:
     )
 
 
+def flash_block_multiple(manifest: ModelManifest) -> int | None:
+    """The block sizes at which ORT's CUDA PagedAttention reads multi-token steps (prompts, MTP
+    verifies, the head's catch-up) in place with its flash kernel: multiples of this many tokens
+    (256 / 128 / 64 for head sizes up to 64 / 128 / 256: ``flash_min_block_size`` in ORT's
+    paged_attention.cc; sm80+ and fp16), or None where no block size does. At other sizes it
+    gathers each request's KV into dense K and V per step (results/h200/README.md, "Nineteenth
+    session": what made the 1.4 B model's MTP captures take ~30 GiB)."""
+    heads = {l.head_size for l in manifest.kv_layers + (manifest.mtp.kv_layers if manifest.mtp else ())}
+    if not heads or max(heads) > 256:
+        return None
+    size = max(heads)
+    return 256 if size <= 64 else 128 if size <= 128 else 64
+
+
 def with_block_size(manifest: ModelManifest, block_size: int | None) -> ModelManifest:
     """``manifest`` served with ``block_size``-token KV blocks instead of the export's (None: as
     exported). The builder's paged graphs leave the pools' block dimension symbolic and

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from mtpserve.engine.manifest import ModelLoadError, TensorSpec, load_manifest, with_block_size
+from mtpserve.engine.manifest import ModelLoadError, TensorSpec, flash_block_multiple, load_manifest, with_block_size
 
 
 def copy_export(src, tmp_path):
@@ -46,6 +46,20 @@ def test_the_block_size_is_the_engines_where_the_graphs_leave_it_symbolic(tiny_p
         with_block_size(fixed, 64)
     with pytest.raises(ValueError, match=">= 1"):
         with_block_size(m, 0)
+
+
+def test_the_flash_block_multiple_follows_the_largest_attention_head(tiny_paged_export):
+    """ORT's flash PagedAttention block minimum: 256 / 128 / 64 tokens for head sizes up to 64 /
+    128 / 256 (the head's layer counts too), none past 256."""
+    m = load_manifest(tiny_paged_export)
+    assert {l.head_size for l in m.kv_layers} == {32} and flash_block_multiple(m) == 256
+
+    def heads(size, head=None):
+        layers = tuple(replace(l, head_size=size) for l in m.kv_layers)
+        mtp = replace(m.mtp, kv_layers=tuple(replace(l, head_size=head or size) for l in m.mtp.kv_layers))
+        return replace(m, kv_layers=layers, mtp=mtp)
+    assert [flash_block_multiple(heads(s)) for s in (64, 65, 128, 256, 512)] == [256, 128, 128, 64, None]
+    assert flash_block_multiple(heads(64, head=128)) == 128
 
 
 def test_truncated_weights_fail_at_load_naming_the_file(tiny_paged_export, tmp_path):
