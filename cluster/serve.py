@@ -74,11 +74,12 @@ def cmd_serve(args) -> int:
     import ray
 
     from mtpserve.cluster import deploy
-    from mtpserve.engine.manifest import load_manifest
+    from mtpserve.engine.manifest import load_manifest, with_block_size
     try:
         options = options_from_args(args, None)
         options.validate()
-        load_manifest(options.worker.engine.model_dir)     # a bad model fails here, in one line, before Ray
+        with_block_size(load_manifest(options.worker.engine.model_dir),     # a bad model (or a block size its
+                        options.worker.engine.cache.kv_block_size)          # graphs fix) fails here, before Ray
     except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2

@@ -533,7 +533,9 @@ class PrefixCache:
         wanted = {"kv": [a.shape[1:] for a in self.kv_arrays], "head": [a.shape[1:] for a in self.head_arrays]}
         for part in ("kv", "head"):
             if part in record and [tuple(a.shape) for a in record[part]] != [tuple(s) for s in wanted[part]]:
-                raise ValueError(f"a prefix record's {part} blocks do not fit this engine's pools (another model?)")
+                raise ValueError(f"a prefix record's {part} blocks {[tuple(a.shape) for a in record[part]]} do not "
+                                 f"fit this engine's pools' {[tuple(s) for s in wanted[part]]} (another model, or "
+                                 f"another kv_block_size: {self.block_size} tokens here)")
         if "snapshot" in record:
             conv, recurrent, _ = record["snapshot"]
             if conv.shape != self.bank.snapshot_conv.shape[1:] or recurrent.shape != self.bank.snapshot_recurrent.shape[1:]:

@@ -190,7 +190,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "(engine/phase_timers.py)")
     g.add_argument("--timeout-s", type=float, default=600.0, help="give up a load after this long")
     g.add_argument("--anchor-draft-tokens", help="og.Engine draft counts (default: --draft-tokens; 0 with synthetic)")
-    g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool (keep it generous)")
+    g.add_argument("--anchor-num-blocks", type=int, default=8192, help="og.Engine's block pool in the export's blocks (keep it "
+                   "generous; with --kv-block-size og gets as many tokens in its larger blocks)")
     g.add_argument("--anchor-stall-s", type=float, default=60.0, help="og.Engine without a token this long = stalled")
     g.add_argument("--anchor-timeout-s", type=float, default=1800.0, help="kill og.Engine's process after this long")
 
@@ -307,6 +308,8 @@ def _bench(args) -> int:
     if args.overlap_decode is not None:
         parse_list(args.overlap_decode, _on_off, "--overlap-decode")
     if args.nodes is not None:
+        if args.kv_block_size is not None:
+            raise ValueError("--nodes deploys the CPU replicas of its manifest as they are: drop --kv-block-size")
         return _bench_nodes(args)
     if args.soak is not None:
         return _bench_soak(args)
@@ -388,8 +391,13 @@ def _bench(args) -> int:
                 if synthetic:
                     _log("ortgenai: og.Engine has no synthetic acceptance; it runs at K=0 only "
                          "(--anchor-draft-tokens to override)")
+            # --anchor-num-blocks counts the export's blocks (8192 x 16 tokens: 131k); at another block
+            # size og gets as many tokens, not as many blocks (at 64, 4x the memory)
+            anchor_blocks = args.anchor_num_blocks
+            if args.kv_block_size:
+                anchor_blocks = max(64, -(-anchor_blocks * manifest.block_size // args.kv_block_size))
             anchor = AnchorSweep(str(manifest.path), anchor_k, loads, args.max_tokens, args.ignore_eos, args.seed,
-                                 args.anchor_num_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
+                                 anchor_blocks, args.warmup_requests, args.anchor_stall_s, args.anchor_timeout_s,
                                  args.kv_block_size)
             runs, anchor_note = run_anchor(anchor, workload, args.device, log=_log)
         from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_rounds, run_engine_sweep
@@ -497,7 +505,8 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         "command": sys.argv, "git_commit": _git_commit(),
         "synthetic": {"acceptance": a, "note": "drafts accepted with this probability instead of checked "
                                                "against the model; outputs are not the model's"} if synthetic else None,
-        "model": _model_info(manifest), "machine": report.machine_info(), "device": args.device,
+        "model": _model_info(manifest, getattr(args, "kv_block_size", None)), "machine": report.machine_info(),
+        "device": args.device,
         "settings": settings,
         "workload": {"num_requests": workload.num_requests, "prompt_set": "file" if args.prompts_file else args.prompts,
                      "prompt_tokens": {"min": min(lengths), "max": max(lengths),
@@ -586,11 +595,15 @@ def _manifest(model: str, required: bool):
         return None
 
 
-def _model_info(manifest) -> dict | None:
+def _model_info(manifest, kv_block_size: int | None = None) -> dict | None:
+    """The export's summary; ``block_size`` is the one served (``--kv-block-size``), the export's
+    own under ``export_block_size`` when they differ."""
     if manifest is None:
         return None
     info = manifest.to_dict()
     info.pop("files", None)
+    if kv_block_size and kv_block_size != info["block_size"]:
+        info["export_block_size"], info["block_size"] = info["block_size"], kv_block_size
     return info
 
 

@@ -74,6 +74,7 @@ def serve_options(args, num_replicas: int, num_cpus: int, prefix_routing: bool =
         threads = max(1, num_cpus // num_replicas)
     given = {"draft_tokens": args.draft_tokens, "num_blocks": args.num_blocks,
              "max_resident_requests": args.max_resident_requests, "max_model_len": args.max_model_len,
+             "kv_block_size": getattr(args, "kv_block_size", None),
              "prefix_max_imbalance": getattr(args, "prefix_max_imbalance", None),
              "prefix_host_gib": getattr(args, "prefix_host_gib", None),
              "stall_phases": True if getattr(args, "stall_phases", False) else None}

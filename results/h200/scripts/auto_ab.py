@@ -212,7 +212,7 @@ def fits(policy) -> dict:
 
 # the model's forwards (cProfile's keys for ORT's run calls): their own time is the device's (or,
 # on the CPU, the model's), not the host's
-FORWARDS = ("pybind11_state.run_with_iobinding>", "<method 'run' of 'onnxruntime")
+FORWARDS = ("pybind11_state.run_with_iobinding>", "pybind11_state.run>")
 
 
 def forward(key: str) -> bool:

@@ -238,7 +238,7 @@ def main() -> None:
                   open(args.out, "w"), indent=1)
         return
     rng = np.random.default_rng(0)
-    result = {"model": args.model_dir, "ort": ort.__version__, "gemm_warm": warm, "shapes": []}
+    result = {"model": args.model_dir, "ort": ort.__version__, "block_size": model.block, "gemm_warm": warm, "shapes": []}
     for gid, (B, P) in enumerate(shapes, start=1):
         T = B * P
         rec = {"batch": B, "prompt": P, "tokens": T}

@@ -712,7 +712,8 @@ bh)          # test_cuda, the 1.4 B model's graph memory by arena growth, bundle
     | grep "^round\|median\|^profiled" | cut -c1-700
   step done
   ;;
-bi)          # the 1.4 B model at 64- and 16-token KV blocks: kernel, capture memory, MTP on == off (~420 s)
+bi)          # the 1.4 B model at 64- and 16-token KV blocks: kernel, capture memory, MTP on == off (~420 s; run it on
+             # the machine bh left warm: its make_mid is then done, else it adds ~70 s to at most 460 s of timeouts)
   make_mid > "$OUT/make-mid.txt" 2>&1
   for b in 64 16; do
     step "the kernel ORT's PagedAttention picks for a 4 x 96 prompt step at $b-token blocks (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1)"
@@ -722,7 +723,7 @@ bi)          # the 1.4 B model at 64- and 16-token KV blocks: kernel, capture me
   done
   for b in 64 16; do
     step "block_size_probe.py, $b-token blocks: K=0 vs K=2 (greedy, graphs), C=8, 16 x 96-token prompts, 48 tokens"
-    timeout 200 python3 results/h200/scripts/block_size_probe.py $mid "$OUT/block-size-b$b.json" --kv-block-size $b 2>&1 \
+    timeout 170 python3 results/h200/scripts/block_size_probe.py $mid "$OUT/block-size-b$b.json" --kv-block-size $b 2>&1 \
       | grep "^K=\|^block size" | cut -c1-700
   done
   step done
