@@ -47,9 +47,26 @@ NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port",
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid=()) -> list[int]:
+    """``n`` distinct free ports on ``host``, none in ``avoid``: bound all at once, then let go.
+    (One at a time, the OS may hand out the same port twice: CI once had a node's node manager
+    and runtime-env agent given one port, and `ray start` refused it.)"""
+    sockets, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            sockets.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -99,13 +116,18 @@ class LocalCluster:
         if not self.token_path.exists():
             self.token_path.write_text(secrets.token_hex(32))
             self.token_path.chmod(0o600)
-        self.gcs_port, self.client_port = free_port(), free_port()
-        self._gcs = None
-        self.dashboard_port = free_port() if self.include_dashboard else None
+        # the head's ports and node 0's share 127.0.0.1 (and the proxies bind 127.0.0.1 at http_port + i):
+        # all chosen at once, so no two components get one port
         self.http_port = self.http_port or free_port()
+        proxies = {self.http_port + i for i in range(self.num_workers + 1)}
+        ports = free_ports(3 + len(NODE_PORTS), avoid=proxies)
+        self.gcs_port, self.client_port = ports[0], ports[1]
+        self._gcs = None
+        self.dashboard_port = ports[2] if self.include_dashboard else None
         for i in range(self.num_workers + 1):
             ip = f"127.0.0.{i + 1}"
-            self.nodes.append(Node(i, ip, {name: free_port(ip) for name in NODE_PORTS}, self.http_port + i,
+            mine = ports[3:] if i == 0 else free_ports(len(NODE_PORTS), ip, avoid=proxies)
+            self.nodes.append(Node(i, ip, dict(zip(NODE_PORTS, mine)), self.http_port + i,
                                    {} if i == 0 else {self.replica_resource: 1},
                                    self.head_cpus if i == 0 else self.cpus_per_node))
 
@@ -160,7 +182,9 @@ class LocalCluster:
         assert not node.alive(), f"node {index} is already running"
         if node.starts:           # a rejoin: reap what is left of the lost node, and take fresh ports (an
             self.stop_node(index, timeout_s=5)     # agent of the old one may still hold its own for a while)
-            node.ports = {name: free_port(node.ip) for name in NODE_PORTS}
+            taken = {self.gcs_port, self.client_port, self.dashboard_port} if index == 0 else set()
+            node.ports = dict(zip(NODE_PORTS, free_ports(len(NODE_PORTS), node.ip,
+                                                         avoid=taken | {n.http_port for n in self.nodes})))
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                f"--node-ip-address={node.ip}", f"--num-cpus={node.num_cpus:g}", "--num-gpus=0",
                f"--resources={json.dumps(node.resources)}", f"--temp-dir={self.temp_dir}",

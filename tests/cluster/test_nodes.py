@@ -81,3 +81,20 @@ def test_three_nodes_route_across_proxies_and_survive_a_lost_worker_node(tmp_pat
     for replica in f["replicas_after"].values():
         assert replica["integrity"] == "ok" and replica["idle_and_empty"], replica
         assert replica["num_free_rows"] == replica["num_rows"]
+
+
+def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies(tmp_path):
+    """Every component of every node gets a port of its own: one at a time the OS handed a node's
+    node manager and runtime-env agent the same port once, and `ray start` refused to start."""
+    from mtpserve.cluster.local_cluster import NODE_PORTS, LocalCluster, free_ports
+
+    ports = free_ports(200, avoid={20000})
+    assert len(set(ports)) == 200 and 20000 not in ports
+    for _ in range(20):
+        cluster = LocalCluster(num_workers=2, workdir=tmp_path / "c")      # nothing started
+        head = [cluster.gcs_port, cluster.client_port, cluster.dashboard_port, *cluster.nodes[0].ports.values()]
+        head = [p for p in head if p is not None]
+        proxies = {n.http_port for n in cluster.nodes}
+        assert len(set(head)) == len(head) and not set(head) & proxies
+        for node in cluster.nodes:
+            assert len(set(node.ports.values())) == len(NODE_PORTS) and not set(node.ports.values()) & proxies
