@@ -75,7 +75,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     add_setting_flags(p.add_argument_group("engine settings"), ENGINE_SETTINGS,
                       names=["num_threads", "num_blocks", "max_resident_requests", "max_tokens_per_step",
-                             "max_requests_per_step", "max_model_len"])
+                             "max_requests_per_step", "max_model_len", "kv_block_size"])
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
