@@ -175,13 +175,13 @@ def make_checkpoint(out: str | Path, shape: CheckpointShape = TINY, seed: int = 
     return out
 
 
-def export_paged(checkpoint: str | Path, out: str | Path, block_size: int = BLOCK_SIZE) -> Path:
+def export_paged(checkpoint: str | Path, out: str | Path) -> Path:
     """The builder's paged fp16 export of `checkpoint` (-e cuda; needs no GPU), not validated."""
     from mtpserve.cluster.export import builder_command
 
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="mtpserve-export-cache-") as cache:
-        cmd = builder_command(Path(checkpoint), out, Path(cache), "fp16", block_size, CAPTURE_CAPACITY)
+        cmd = builder_command(Path(checkpoint), out, Path(cache), "fp16", BLOCK_SIZE, CAPTURE_CAPACITY)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise RuntimeError("builder failed:\n" + "\n".join(proc.stdout.splitlines()[-30:]))
@@ -189,25 +189,17 @@ def export_paged(checkpoint: str | Path, out: str | Path, block_size: int = BLOC
 
 
 def make_bench_model(out: str | Path, shape: str | CheckpointShape = "mid", seed: int = 0,
-                     quiet: bool = False, block_size: int = BLOCK_SIZE) -> Path:
-    """A paged fp16 export of a random checkpoint at `out` (reused when already there, if its
-    paged KV blocks are ``block_size`` tokens).
+                     quiet: bool = False) -> Path:
+    """A paged fp16 export of a random checkpoint at `out` (reused when already there).
 
     The checkpoint is written beside it (`<out>.ckpt`) and removed once the export is validated.
-    ``block_size``: ORT's PagedAttention reads multi-token steps (prompts, MTP verifies) in place
-    with its flash kernel only when the block size is a multiple of 256 / 128 / 64 tokens for
-    head sizes up to 64 / 128 / 256; otherwise it gathers each request's KV into dense K and V
-    (the CUDA graphs' capture memory of the mid model's MTP engine, ~30 GiB at 16).
+    Its 16-token KV blocks are served at another size with ``kv_block_size`` (the graphs read
+    the block size from the pools).
     """
     from mtpserve.cluster.export import export_checkpoint
-    from mtpserve.engine.manifest import load_manifest
 
     out = Path(out).expanduser().resolve()
     if (out / "genai_config.json").is_file():
-        made = load_manifest(out).block_size
-        if made != block_size:
-            raise ValueError(f"{out} holds a model with {made}-token KV blocks, not {block_size}: "
-                             "remove it or give another --model-out")
         return out
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -218,7 +210,7 @@ def make_bench_model(out: str | Path, shape: str | CheckpointShape = "mid", seed
         print(f"making a random checkpoint ({num_parameters(shape) / 1e9:.2f} B parameters) at {ckpt}",
               file=sys.stderr, flush=True)
     make_checkpoint(ckpt, shape, seed)
-    export_checkpoint(ckpt, out, "fp16", block_size, CAPTURE_CAPACITY, quiet=quiet)
+    export_checkpoint(ckpt, out, "fp16", BLOCK_SIZE, CAPTURE_CAPACITY, quiet=quiet)
     shutil.rmtree(ckpt, ignore_errors=True)
     return out
 

@@ -279,6 +279,11 @@ def load_manifest(model_dir: str | os.PathLike) -> ModelManifest:
     )
 
 
+def _paged_layers(manifest: ModelManifest) -> tuple[PagedKVLayer, ...]:
+    """The main model's paged attention layers and the MTP head's."""
+    return manifest.kv_layers + (manifest.mtp.kv_layers if manifest.mtp is not None else ())
+
+
 def flash_block_multiple(manifest: ModelManifest) -> int | None:
     """The block sizes at which ORT's CUDA PagedAttention reads multi-token steps (prompts, MTP
     verifies, the head's catch-up) in place with its flash kernel: multiples of this many tokens
@@ -286,7 +291,7 @@ def flash_block_multiple(manifest: ModelManifest) -> int | None:
     paged_attention.cc; sm80+ and fp16), or None where no block size does. At other sizes it
     gathers each request's KV into dense K and V per step (results/h200/README.md, "Nineteenth
     session": what made the 1.4 B model's MTP captures take ~30 GiB)."""
-    heads = {l.head_size for l in manifest.kv_layers + (manifest.mtp.kv_layers if manifest.mtp else ())}
+    heads = {l.head_size for l in _paged_layers(manifest)}
     if not heads or max(heads) > 256:
         return None
     size = max(heads)
@@ -297,10 +302,8 @@ def with_block_size(manifest: ModelManifest, block_size: int | None) -> ModelMan
     """``manifest`` served with ``block_size``-token KV blocks instead of the export's (None: as
     exported). The builder's paged graphs leave the pools' block dimension symbolic and
     PagedAttention reads it from the pools' shape at run time (the export's config is the only
-    place its block size is written), so the engine may choose it: ORT's flash PagedAttention
-    reads prompts and verifies in place only at multiples of 256 / 128 / 64 tokens for head sizes
-    up to 64 / 128 / 256, and gathers each request's KV into dense K and V otherwise. An export
-    whose graphs fix the dimension serves only that."""
+    place its block size is written), so the engine may choose it, e.g. one its flash kernel
+    takes (``flash_block_multiple``). An export whose graphs fix the dimension serves only that."""
     if block_size is None or block_size == manifest.block_size:
         return manifest
     if block_size < 1:
@@ -308,8 +311,7 @@ def with_block_size(manifest: ModelManifest, block_size: int | None) -> ModelMan
     specs = {t.name: t for t in manifest.inputs}
     if manifest.mtp is not None:
         specs.update({t.name: t for t in manifest.mtp.inputs})
-    layers = manifest.kv_layers + (manifest.mtp.kv_layers if manifest.mtp is not None else ())
-    fixed = {specs[n].shape[1] for l in layers for n in (l.key_input, l.value_input)
+    fixed = {specs[n].shape[1] for l in _paged_layers(manifest) for n in (l.key_input, l.value_input)
              if n in specs and isinstance(specs[n].shape[1], int)}
     if fixed:
         raise ModelLoadError(f"{manifest.path.name}: its graphs fix the KV block size at {sorted(fixed)} tokens; "

@@ -63,10 +63,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "mid: hidden 2048, 24 layers 3:1, ~1.4 B parameters; reused if already made")
     g.add_argument("--model-out", help="where --make-model writes (default: $MTPSERVE_CACHE/bench-models/SHAPE)")
     g.add_argument("--make-only", action="store_true", help="stop after --make-model")
-    g.add_argument("--make-block-size", type=int, default=16, metavar="TOKENS",
-                   help="the paged KV block size of --make-model's export (default 16; ORT's PagedAttention "
-                        "reads prompts and verifies in place, without a dense gather, only at multiples of "
-                        "64 tokens for the mid model's head size of 256)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--num-threads", type=int, default=0, help="ORT intra-op threads (0 = ORT's default)")
     g.add_argument("--url", help="benchmark this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000)")
@@ -341,10 +337,9 @@ def _bench(args) -> int:
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root
-        name = args.make_model + (f"-b{args.make_block_size}" if args.make_block_size != 16 else "")
-        out = Path(args.model_out or default_cache_root() / "bench-models" / name)
+        out = Path(args.model_out or default_cache_root() / "bench-models" / args.make_model)
         started = time.perf_counter()
-        args.model = str(make_bench_model(out, args.make_model, block_size=args.make_block_size))
+        args.model = str(make_bench_model(out, args.make_model))
         _log(f"model {args.model} ready in {time.perf_counter() - started:.0f} s")
         if args.make_only:
             return 0
@@ -410,7 +405,8 @@ def _bench(args) -> int:
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
                                 "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap,
                                 kv_block_size=args.kv_block_size)
-            block_size = args.kv_block_size or manifest.block_size
+            from mtpserve.engine.manifest import with_block_size
+            block_size = with_block_size(manifest, args.kv_block_size).block_size
             if args.rounds > 1:
                 runs = run_engine_rounds(sweep, workload, block_size, args.rounds, log=_log) + runs
             else:
@@ -598,12 +594,13 @@ def _manifest(model: str, required: bool):
 def _model_info(manifest, kv_block_size: int | None = None) -> dict | None:
     """The export's summary; ``block_size`` is the one served (``--kv-block-size``), the export's
     own under ``export_block_size`` when they differ."""
+    from mtpserve.engine.manifest import with_block_size
     if manifest is None:
         return None
-    info = manifest.to_dict()
+    info = with_block_size(manifest, kv_block_size).to_dict()
     info.pop("files", None)
-    if kv_block_size and kv_block_size != info["block_size"]:
-        info["export_block_size"], info["block_size"] = info["block_size"], kv_block_size
+    if info["block_size"] != manifest.block_size:
+        info["export_block_size"] = manifest.block_size
     return info
 
 

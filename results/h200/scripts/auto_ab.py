@@ -92,12 +92,15 @@ class ForwardClock:
 
 
 class ClosedLoop:
-    """C requests of ``prompts`` in flight on one engine (greedy, 128 tokens each), a finished one
-    replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns in
-    an interleaved one."""
+    """C requests of ``prompts`` in flight on one engine (greedy, ``max_tokens`` each), a finished
+    one replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns
+    in an interleaved one. ``outputs``: each request's tokens, when ``keep_outputs``."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str):
+    def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str,
+                 max_tokens: int = 128, keep_outputs: bool = False):
         self.engine, self.concurrency, self.tag = engine, concurrency, tag
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.outputs: dict[str, list[int]] | None = {} if keep_outputs else None
         self.queue, self.in_flight = list(enumerate(prompts)), set()
         self.tokens, self.times, self.seconds, self.forward_seconds = 0, [], 0.0, 0.0
         self.pipelined = {"True": 0, "False": 0, "None": 0}
@@ -109,7 +112,7 @@ class ClosedLoop:
 
     def advance(self, max_steps: float = float("inf")) -> tuple[int, float]:
         """Up to ``max_steps`` steps: (tokens, wall seconds) of them."""
-        engine, params = self.engine, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        engine, params, outputs = self.engine, self.params, self.outputs
         tokens, steps, t0, f0 = self.tokens, 0, time.perf_counter(), ForwardClock.seconds
         while not self.done and steps < max_steps:
             while self.queue and len(self.in_flight) < self.concurrency:
@@ -119,6 +122,8 @@ class ClosedLoop:
             s0 = time.perf_counter()
             for ev in engine.step():
                 self.tokens += len(ev.token_ids)
+                if outputs is not None:
+                    outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
                 if ev.finish_reason is not None:
                     self.in_flight.discard(ev.request_id)
             self.times.append(time.perf_counter() - s0)

@@ -25,28 +25,10 @@ import json
 import time
 
 import numpy as np
+from auto_ab import ClosedLoop  # this folder's closed loop (run as a script: its folder is on the path)
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
-from mtpserve.engine.sampler import SamplingParams
-
-
-def run(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[dict, float, int]:
-    """A closed loop of ``concurrency`` greedy requests: (tokens by request, seconds, steps)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    queue, flying, tokens, steps = list(enumerate(prompts)), set(), {}, 0
-    t0 = time.perf_counter()
-    while queue or flying:
-        while queue and len(flying) < concurrency:
-            i, p = queue.pop(0)
-            engine.add_request(f"p{i}", p, params)
-            flying.add(f"p{i}")
-        for ev in engine.step():
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            if ev.finish_reason is not None:
-                flying.discard(ev.request_id)
-        steps += 1
-    return tokens, time.perf_counter() - t0, steps
 
 
 def main() -> None:
@@ -80,9 +62,11 @@ def main() -> None:
             out["block_size"] = engine.manifest.block_size
             rng = np.random.default_rng(0)
             prompts = rng.integers(3, engine.manifest.vocab_size - 3, (args.requests, args.prompt_len)).tolist()
-        run(engine, prompts[:2], 2, 4)                                   # first calls out of the timed run
+        ClosedLoop(engine, prompts[:2], 2, "warm", max_tokens=4).advance()     # first calls out of the timed run
         before = (engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)     # (the counters accumulate)
-        tokens, seconds, steps = run(engine, prompts, args.concurrency, args.max_tokens)
+        loop = ClosedLoop(engine, prompts, args.concurrency, "p", args.max_tokens, keep_outputs=True)
+        loop.advance()
+        tokens, seconds, steps = loop.outputs, loop.seconds, len(loop.times)
         graphs = {"main": engine.graphs, "head": getattr(engine.proposer, "graphs", None)}
         s = engine.stats
         out["engines"][f"K={k}"] = {
