@@ -115,6 +115,9 @@ class KVPool:
         """
         if num_tokens_total < 0:
             raise ValueError(f"num_tokens_total must be >= 0, got {num_tokens_total}")
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens_total:
+            return True                           # (most steps: the table already covers it)
         need = self.num_blocks_needed(request_id, num_tokens_total)
         if need > self.num_free_blocks:
             return False

@@ -30,15 +30,17 @@ class OutputProcessor:
         a stop string found in the new text finishes it too."""
         stop = req.params.stop
         detok = req.detokenizer
-        searched = len(detok.text)
-        # only text that the new tokens could have completed a stop string in
-        start = max(0, searched - max(map(len, stop)) + 1) if stop else 0
-        if stop and len(new_token_ids) > 1:
-            new_token_ids, logprobs = self._until_stop_string(req, new_token_ids, logprobs, start)
+        if not stop:                  # all the text goes out as it comes
+            text = detok.add(new_token_ids)
+            req.num_emitted_text += len(text)
         else:
-            detok.add(new_token_ids)
-        text_end = len(detok.text)
-        if stop:
+            # only text that the new tokens could have completed a stop string in
+            start = max(0, len(detok.text) - max(map(len, stop)) + 1)
+            if len(new_token_ids) > 1:
+                new_token_ids, logprobs = self._until_stop_string(req, new_token_ids, logprobs, start)
+            else:
+                detok.add(new_token_ids)
+            text_end = len(detok.text)
             hits = [(i, len(s)) for s in stop if (i := detok.text.find(s, start)) >= 0]
             if hits:
                 hit, length = min(hits)
@@ -46,8 +48,8 @@ class OutputProcessor:
                 text_end = hit + length if req.params.include_stop_str_in_output else hit
             elif finish is None:   # hold back what may be the start of a stop string
                 text_end = max(req.num_emitted_text, text_end - max(map(len, stop)) + 1)
-        text = detok.text[req.num_emitted_text:text_end]
-        req.num_emitted_text = max(req.num_emitted_text, text_end)
+            text = detok.text[req.num_emitted_text:text_end]
+            req.num_emitted_text = max(req.num_emitted_text, text_end)
         prompt = None
         if req.prompt_logprobs is not None:           # the prompt's entries go out once, with the first tokens
             prompt, req.prompt_logprobs = [req.prompt_logprobs[i] for i in sorted(req.prompt_logprobs)], None

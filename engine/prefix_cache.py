@@ -570,7 +570,9 @@ class PrefixCache:
         snapshot when ``num_computed`` sits on one of its prompt's boundaries (``tokens``: the
         prompt and the output so far). ``pending_rows(request_id, offset, count)``: the main
         model's hidden rows from position ``num_head + offset`` (MTP on; the proposer's)."""
-        chain = self._chains.setdefault(request_id, _RequestChain())
+        chain = self._chains.get(request_id)
+        if chain is None:
+            chain = self._chains[request_id] = _RequestChain()
         full = num_computed // self.block_size
         if full > chain.num_registered:           # (most decode steps fill no block: nothing to do)
             chain_digests(tokens[:num_computed], self.block_size, chain.digests)

@@ -75,20 +75,18 @@ class Request:
     num_cached_tokens: int = 0             # prompt tokens taken from the prefix cache at admission
     prompt_logprobs: dict[int, tuple] | None = None   # with params.prompt_logprobs: position -> entry,
                                                       # handed out with the first event, then None
+    num_prompt_tokens: int = field(init=False)       # len(prompt_token_ids), which never changes
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.rng is None:
             self.rng = make_rng(self.params.seed)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_to_feed(self) -> int:
@@ -96,11 +94,11 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.status is RequestStatus.RUNNING and self.num_to_feed == 1
+        return self.status is RequestStatus.RUNNING and len(self.token_ids) - self.num_computed == 1
 
     @property
     def max_output_left(self) -> int:
-        return self.params.max_tokens - self.num_output_tokens
+        return self.params.max_tokens - len(self.token_ids) + self.num_prompt_tokens
 
     def reset_for_recompute(self) -> None:
         """Preempted: all device state is gone; the tokens so far are recomputed as a prefill."""

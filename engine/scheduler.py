@@ -235,7 +235,7 @@ class Scheduler:
                 k = wanted.get(req.request_id, 0)
                 if self.uniform_drafts and k and budget < 1 + k:
                     continue          # rule 4: it waits for the next step rather than carry fewer drafts
-                num_drafts = 0 if has_prefill else self._num_drafts(req, k, budget - 1)
+                num_drafts = self._num_drafts(req, k, budget - 1) if k and not has_prefill else 0
             else:
                 num_tokens, num_drafts = self._chunk(req, budget), 0
             num_drafts = self._reserve_or_preempt(req, num_tokens, num_drafts, queue, plan)
@@ -487,17 +487,17 @@ class Scheduler:
                                         min(r.num_head, num_computed), pending_rows)
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
-        """Append tokens up to and including the first stop id, or up to max_tokens / the context."""
-        last = min(req.max_output_left, self.context_length - len(req.token_ids))
-        added, finish = [], None
-        for i, t in enumerate(tokens):
-            added.append(t)
-            if t in req.stop_token_ids:
-                finish = FinishReason.STOP
-                break
-            if i + 1 >= last:
-                finish = FinishReason.LENGTH
-                break
+        """Append tokens up to and including the first stop id, or up to max_tokens / the context
+        (at least one token: the step sampled it)."""
+        room = max(1, min(req.max_output_left, self.context_length - len(req.token_ids)))
+        added = tokens[:room]
+        finish = FinishReason.LENGTH if room <= len(tokens) else None
+        stops = req.stop_token_ids
+        if stops:
+            for i, t in enumerate(added):
+                if t in stops:
+                    added, finish = added[:i + 1], FinishReason.STOP
+                    break
         req.token_ids.extend(added)
         return added, finish
 

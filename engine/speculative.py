@@ -241,10 +241,13 @@ def accept_step(scheduled: Sequence, target_rows: Sequence[int], drafts: dict, l
                 (coupled if r.params.is_seeded_sampled else verified).append((s, last))
             continue
         if argmax is None:
-            argmax = to_host(row_argmax(logits, xp))
-        d = drafts[r.request_id].tokens if s.num_drafts else []
+            argmax = to_host(row_argmax(logits, xp)).tolist()
+        if not s.num_drafts:
+            result[r.request_id] = [argmax[last]], 0
+            continue
+        d = drafts[r.request_id].tokens
         emitted, num_accepted = accept_greedy(argmax[last:last + len(d) + 1], d)
-        if synthetic_acceptance is not None and d:
+        if synthetic_acceptance is not None:
             hits = synthetic_rng.random(len(d)) < synthetic_acceptance
             num_accepted = int(np.argmin(np.append(hits, False)))
             emitted = d[:num_accepted] + [int(argmax[last + num_accepted])]

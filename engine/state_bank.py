@@ -346,8 +346,11 @@ class StateBank:
         return True
 
     def row(self, request_id: str) -> int:
-        self._require(request_id)
-        return self._rows[request_id]
+        try:
+            return self._rows[request_id]
+        except KeyError:
+            self._require(request_id)
+            raise
 
     def active_bank(self, request_id: str) -> int:
         return int(self._active[self.row(request_id)])
@@ -626,9 +629,11 @@ class StateBank:
             raise AssertionError(f"request {request_id!r} holds no state row")
 
     def _host_rows(self, request_ids: Sequence[str]) -> np.ndarray:
-        for r in request_ids:
-            self._require(r)
-        rows = np.fromiter((self._rows[r] for r in request_ids), np.int64, len(request_ids))
+        try:
+            rows = np.fromiter(map(self._rows.__getitem__, request_ids), np.int64, len(request_ids))
+        except KeyError as e:
+            self._require(e.args[0])
+            raise
         if len(set(rows.tolist())) != len(rows):
             raise AssertionError(f"a request appears twice in the step: {list(request_ids)}")
         return rows
