@@ -173,9 +173,13 @@
 # bk: the bundled model at 256-token blocks (its head size is 64: flash's minimum), MTP K=0 / 2 /
 #     3 / auto at C=1 / 16, 3 rounds, against 16: a K=2 verify replay took 0.37 ms against a
 #     decode's 0.32 on its MEA gather, the ceiling that kept K=2 under 1.8x at C=1.
+# Next (session 20), after bh / bi:
+# bl: the host time a step before and after session 20's cut of the step's per-request Python
+#     (results/h200/README.md "Twentieth session"): the engine as of a498f6a (host-ab-base.patch
+#     taken back) and this one, alternated twice, bundled K=0 and never drafting at C=16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -745,6 +749,22 @@ bk)          # the bundled model (head size 64) at 256-token blocks, where flash
     step "bundled K=0/2/3/auto, C=1/16, 3 rounds, --kv-block-size $b"
     timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
       --rounds 3 --kv-block-size $b --name bundled-mtp-rounds-b$b 2>&1 | grep -v "prefill:" | tail -14
+  done
+  step done
+  ;;
+bl)          # host time a step, before / after session 20's host-path change, alternated (~300 s)
+  # the base tree: this checkout's engine with host-ab-base.patch (git diff a498f6a -- engine) taken back
+  rm -rf /tmp/base && mkdir -p /tmp/base/mtpserve && cp -r engine actors cluster /tmp/base/mtpserve/
+  touch /tmp/base/mtpserve/__init__.py     # a package of its own: else /tmp/pkg's (a package, above) wins
+  (cd /tmp/base/mtpserve && patch -s -R -p1 < "$OLDPWD/results/h200/scripts/host-ab-base.patch") || { echo "patch failed"; exit 1; }
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for r in 1 2; do
+    for tree in base new; do
+      step "auto_ab.py --no-fit --interleave 64, bundled, C=16, 128 requests, 3 rounds, the $tree tree ($r)"
+      pp=$PYTHONPATH; [[ $tree == base ]] && pp=/tmp/base:$PYTHONPATH
+      PYTHONPATH=$pp timeout 70 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/host-ab-$tree-$r.json" \
+        --concurrency 16 --requests 128 --rounds 3 --interleave 64 --no-fit 2>&1 | grep "^round\|median" | cut -c1-500
+    done
   done
   step done
   ;;
