@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -160,17 +161,19 @@ class SamplingParams:
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} or null, got {v!r}")
 
-    @property
+    # (the three flags below are read for each request on every step: worked out once; a frozen
+    # dataclass still takes cached_property, which writes the instance's __dict__ directly)
+    @cached_property
     def has_penalties(self) -> bool:
         """Logit changes that depend on the request (its history, its bias): see apply_penalties."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
 
-    @property
+    @cached_property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
 
-    @property
+    @cached_property
     def is_seeded_sampled(self) -> bool:
         """Sampled with a seed: output token n is drawn with the noise of (seed, n) however it is
         drafted and verified (``sample_keyed``, ``speculative.accept_step``), so its text is
