@@ -264,6 +264,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--device", default="cuda")
     p.add_argument("--freeze", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="overlapped decoding on the CPU too (CUDA's default path; "
+                   "with a tiny model the host's share of a step is then near the H200's)")
     p.add_argument("--fixed", default="", help="fixed draft counts to run beside them, e.g. 2,3")
     p.add_argument("--synthetic", type=float, default=None, help="synthetic acceptance (an untrained head)")
     p.add_argument("--random-prompts", type=int, default=0, help="random prompts of this many tokens")
@@ -278,7 +280,7 @@ def main() -> None:
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
     ForwardClock.install()
-    base = EngineConfig(args.model_dir, device=args.device)
+    base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True if args.overlap else None)
 
     def spec(k):
         return SpecConfig(k, synthetic_acceptance=args.synthetic if k != 0 else None)
