@@ -558,7 +558,7 @@ class Engine:
         its rows and moved to its acceptance on the device; eagerly from the host's copy of that
         acceptance (a wait) when no graph fits."""
         k1 = after.num_drafts + 1
-        tables = [self.kv_pool.block_table(rid) for rid in plan.request_ids]
+        tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
         if self.graphs is not None:
             on_device = self._device_drafts(plan, drafts)
             rows = [PackedRows([0] * (1 + s.num_drafts) if on_device is not None else [0] + drafts[rid].tokens,
@@ -601,7 +601,7 @@ class Engine:
     def _verify_continuation(self, plan: StepPlan, after: LaunchedStep):
         """The continuation's forward: a captured decode step whose input ids are copied from
         ``after``'s tokens on the device; eagerly (with the host's ids, after a wait) when none fits."""
-        rows = [PackedRows([0], s.request.num_computed, self.kv_pool.block_table(s.request.request_id))
+        rows = [PackedRows([0], s.request.num_computed, self.kv_pool.block_array(s.request.request_id))
                 for s in plan.scheduled]
         if self.graphs is not None:
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=self.proposer is not None,
@@ -797,7 +797,7 @@ class Engine:
             tokens = r.token_ids[r.num_computed:r.num_computed + s.num_tokens]
             if s.num_drafts:
                 tokens = tokens + ([0] * s.num_drafts if placeholders else drafts[r.request_id].tokens)
-            rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_table(r.request_id)))
+            rows.append(PackedRows(tokens, r.num_computed, self.kv_pool.block_array(r.request_id)))
         return rows
 
     @staticmethod

@@ -58,6 +58,7 @@ class KVPool:
         self.num_scratch_blocks = num_scratch_blocks
         self._free: deque[int] = deque(range(num_scratch_blocks, num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._arrays: dict[str, np.ndarray] = {}            # block_array's copies, dropped when a table changes
         self._committed: dict[str, int] = {}
         self._refs: dict[int, int] = {}                     # block -> tables holding it (> 0)
         self._cached: set[int] = set()                      # blocks whose contents the prefix cache keeps
@@ -123,6 +124,8 @@ class KVPool:
             return False
         table = self._tables.setdefault(request_id, [])
         self._committed.setdefault(request_id, 0)
+        if need:
+            self._arrays.pop(request_id, None)
         for _ in range(need):
             block = self._take()
             self._refs[block] = 1
@@ -163,6 +166,7 @@ class KVPool:
             self._evictable.pop(b, None)
             self._refs[b] = self._refs.get(b, 0) + 1
         self._tables[request_id] = list(blocks)
+        self._arrays.pop(request_id, None)
         self._committed[request_id] = len(blocks) * self.block_size
 
     def mark_cached(self, block: int) -> None:
@@ -197,6 +201,8 @@ class KVPool:
         table = self._tables[request_id]
         keep = cdiv(self._committed[request_id], self.block_size)
         extra = table[keep:]
+        if extra:
+            self._arrays.pop(request_id, None)
         del table[keep:]
         for b in extra:
             self._release(b)
@@ -205,6 +211,7 @@ class KVPool:
     def free(self, request_id: str) -> int:
         """Return all the request's blocks and forget it; the number freed (0 if unknown)."""
         table = self._tables.pop(request_id, None)
+        self._arrays.pop(request_id, None)
         if table is None:
             return 0
         del self._committed[request_id]
@@ -216,6 +223,18 @@ class KVPool:
     def block_table(self, request_id: str) -> list[int]:
         self._require(request_id)
         return list(self._tables[request_id])
+
+    def block_array(self, request_id: str) -> np.ndarray:
+        """``block_table`` as a read-only int32 array, made when the table last changed (a new
+        block every ``block_size`` tokens) and shared until it changes again: what a step's rows
+        carry into its inputs. (A list copied and converted per request and step took 55 us a
+        step at 16 requests of 113 blocks on a 2-core host, these arrays 10.)"""
+        arr = self._arrays.get(request_id)
+        if arr is None:
+            self._require(request_id)
+            arr = self._arrays[request_id] = np.array(self._tables[request_id], np.int32)
+            arr.flags.writeable = False
+        return arr
 
     def committed_len(self, request_id: str) -> int:
         self._require(request_id)
@@ -280,6 +299,9 @@ class KVPool:
                                      f"{len(table)} blocks of {self.block_size}")
         if set(self._committed) != set(self._tables):
             raise AssertionError("committed lengths and block tables name different requests")
+        for rid, arr in self._arrays.items():
+            if rid not in self._tables or arr.tolist() != self._tables[rid]:
+                raise AssertionError(f"{rid!r}: block_array's copy differs from the block table")
         if counts != self._refs:
             raise AssertionError("block reference counts differ from the tables holding them")
         if not self._cached <= set(self._refs) | set(self._evictable):

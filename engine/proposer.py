@@ -154,7 +154,7 @@ class MTPProposer:
         elif self.max_rows is not None:                  # the drafting forward within max_rows
             self._catch_up_long(_longest_past(requests, self.max_rows))
         rows = [PackedRows(s.request.token_ids[s.request.num_head + 1:s.request.num_computed + 1],
-                           s.request.num_head, self.head_pool.block_table(s.request.request_id)) for s in drafting]
+                           s.request.num_head, self.head_pool.block_array(s.request.request_id)) for s in drafting]
         if graphed:
             tokens = self.graphs.draft(rows, [self._pending.get(s.request.request_id, []) for s in drafting],
                                        max(s.num_drafts for s in drafting))
@@ -173,7 +173,7 @@ class MTPProposer:
     def _propose_after(self, drafting: list, after) -> dict[str, Drafts]:
         """``propose`` after the launched draft step ``after`` (see there)."""
         k1 = after.num_drafts + 1
-        tables = [self.head_pool.block_table(s.request.request_id) for s in drafting]
+        tables = [self.head_pool.block_array(s.request.request_id) for s in drafting]
         starts = after.plan.layout.row_start
         if self.graphs is not None:
             rows = [PackedRows([0] * k1, s.request.num_head, t) for s, t in zip(drafting, tables)]
@@ -214,7 +214,7 @@ class MTPProposer:
         for i in range(max(s.num_drafts for s in drafting)):
             if i > 0:
                 rows = [PackedRows([result[s.request.request_id].tokens[-1]], after_rows[s.request.request_id] + i - 1,
-                                   self.head_pool.block_table(s.request.request_id)) for s in active]
+                                   self.head_pool.block_array(s.request.request_id)) for s in active]
                 out = self.runner.run_head(rows, head_hidden)
                 logits, head_hidden = out.logits, out.hidden
             tokens, q = self._draft_tokens(active, self._constrained(active, logits) if constrained else logits, i)
@@ -267,7 +267,7 @@ class MTPProposer:
             rows_in += piece[2]
         for forward in forwards:
             rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
-                               self.head_pool.block_table(r.request_id)) for r, at, n in forward]
+                               self.head_pool.block_array(r.request_id)) for r, at, n in forward]
             hidden = [self.pending_rows(r.request_id, at, n) for r, at, n in forward]
             self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
         for r in long:

@@ -40,6 +40,27 @@ def test_reserve_is_all_or_nothing_and_never_shrinks():
     pool.check_integrity()
 
 
+def test_block_array_is_the_table_kept_until_it_changes():
+    pool = KVPool(num_blocks=9, block_size=4)
+    assert pool.reserve("a", 6)
+    arr = pool.block_array("a")
+    assert arr.tolist() == pool.block_table("a") and arr.dtype.name == "int32"
+    with pytest.raises(ValueError):
+        arr[0] = 7                                         # read-only: steps share it
+    pool.commit("a", 6)
+    assert pool.reserve("a", 7) and pool.block_array("a") is arr   # no new block: the same copy
+    assert pool.reserve("a", 9)                                    # a third block
+    assert pool.block_array("a").tolist() == pool.block_table("a") and len(pool.block_array("a")) == 3
+    assert arr.tolist() == pool.block_table("a")[:2]               # the copy a step took is unchanged
+    assert pool.trim("a") == 1 and pool.block_array("a").tolist() == pool.block_table("a")
+    pool._arrays["a"] = pool.block_array("a")[:1]                  # a stale copy: the integrity check says so
+    with pytest.raises(AssertionError, match="block_array"):
+        pool.check_integrity()
+    pool.free("a")
+    with pytest.raises(AssertionError, match="unknown request"):
+        pool.block_array("a")
+
+
 def test_scratch_blocks_are_never_handed_out():
     pool = KVPool(num_blocks=6, block_size=2, num_scratch_blocks=2)
     assert pool.reserve("a", 8) and not pool.reserve("b", 1)
@@ -167,6 +188,7 @@ class KVTraffic(RuleBasedStateMachine):
         for rid, n in self.committed.items():
             assert self.pool.committed_len(rid) == n
             table = self.pool.block_table(rid)
+            assert self.pool.block_array(rid).tolist() == table       # the step's copy is never stale
             if n:
                 assert self.pool.slot(rid, n - 1) // self.pool.block_size == table[(n - 1) // self.pool.block_size]
 
