@@ -44,6 +44,30 @@ logger = logging.getLogger("mtpserve")
 SMALLEST_KV_BUCKET = 256      # tokens: the first block-table bucket; then powers of two up to the context
 
 
+class CaptureOutOfMemory(RuntimeError):
+    """A graph captured at start-up did not fit the device's memory; the message says which graph,
+    what the captures had taken, and which settings make them smaller."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the device running out of memory: ORT's arena ("Failed to allocate
+    memory for requested buffer of size ...", session 18's 1.4 B MTP engine), CuPy's
+    ``OutOfMemoryError`` (matched by name: no CuPy import here) or a CUDA allocation failure."""
+    text = str(error)
+    return (type(error).__name__ == "OutOfMemoryError" or "Failed to allocate memory" in text
+            or "out of memory" in text.lower() or "cudaErrorMemoryAllocation" in text)
+
+
+def capture_memory_message(what: str, shape: GraphShape, block_size: int, index: int, count: int,
+                           taken_bytes: int, free_bytes: int, total_bytes: int, advice: str) -> str:
+    """``CaptureOutOfMemory``'s message (``advice``: the engine's settings to change)."""
+    gib = 2 ** 30
+    return (f"capturing CUDA graphs ran out of device memory at the {what} graph of {shape.batch} requests x "
+            f"{shape.tokens} rows, KV bucket {shape.table_width * block_size} tokens ({index + 1} of {count}, "
+            f"largest first): the captures had taken {taken_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB of "
+            f"{total_bytes / gib:.1f} GiB is free. {advice}".rstrip())
+
+
 @dataclass(frozen=True)
 class GraphShape:
     """One captured step: ``batch`` padded requests feeding ``tokens`` rows each (1 = decode,
@@ -184,9 +208,10 @@ class _GraphSet:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
-        """Capture every shape of the catalog (``_capture`` binds one, ``_add`` captures it)."""
-        seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress)
+    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
+        """Capture every shape of the catalog (``_capture`` binds one, ``_add`` captures it);
+        ``CaptureOutOfMemory`` (with ``advice``) when one does not fit."""
+        seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress, advice)
         self.capture_seconds += seconds
         self.memory_bytes += nbytes
 
@@ -239,11 +264,11 @@ class StepGraphs(_GraphSet):
         self.num_device_drafts = 0     # verify steps whose drafts came from the device
 
     # ------------------------------------------------------------------ capture
-    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
         """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
         if self.bank.num_resident_rows:
             raise AssertionError("graphs are captured before any request holds a state row")
-        super().capture_all(progress)
+        super().capture_all(progress, advice)
 
     def _capture(self, shape: GraphShape) -> None:
         r, m, xp = self.runner, self.runner.manifest, self.xp
@@ -352,9 +377,10 @@ class _RowCopies:
 
 
 def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Callable[[GraphShape], None],
-                    progress: Callable[[str], None] | None) -> tuple[float, int]:
+                    progress: Callable[[str], None] | None, advice: str = "") -> tuple[float, int]:
     """Capture every shape of ``catalog`` not in ``graphs`` with ``capture``, saying how it goes;
-    (seconds, device bytes the captures took: graphs and ORT's arena growth)."""
+    (seconds, device bytes the captures took: graphs and ORT's arena growth). A capture that runs
+    out of device memory raises ``CaptureOutOfMemory`` (ORT's own error says only a buffer size)."""
     import cupy
     shapes = [s for s in catalog.capture_order() if s not in graphs]
     say = progress or logger.info
@@ -366,7 +392,14 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
     free_before = cupy.cuda.runtime.memGetInfo()[0]
     started = last = time.perf_counter()
     for i, shape in enumerate(shapes):
-        capture(shape)
+        try:
+            capture(shape)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            free, total = cupy.cuda.runtime.memGetInfo()
+            raise CaptureOutOfMemory(capture_memory_message(what, shape, catalog.block_size, i, len(shapes),
+                                                            max(0, free_before - free), free, total, advice)) from e
         now = time.perf_counter()
         if now - last > 5 and i + 1 < len(shapes):
             say(f"cuda graphs: {i + 1}/{len(shapes)} {what} shapes captured, {now - started:.1f} s")
@@ -476,10 +509,10 @@ class HeadGraphs(_GraphSet):
         # a step's drafts [batch, K] (flat, row-major: the argmax of forward i writes column i)
         self.drafts = xp.zeros(max(catalog.batch_sizes) * max(1, self.catch_up_rows - 1), np.int64)
 
-    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
+    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
         """Capture every shape, then run once each CuPy kernel a drafting step launches besides
         them (CuPy builds a kernel on its first use: 0.16 s each, seen on a live step)."""
-        super().capture_all(progress)
+        super().capture_all(progress, advice)
         gather_rows(self.hidden_in, self.hidden_in, self.xp.zeros((2, 1), np.int64), 0, 1)    # row 0 := row 0
         advance_positions(self.xp.zeros(1, np.int32), self.xp.zeros((3, 1), np.int64), 1)
 

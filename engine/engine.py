@@ -101,9 +101,10 @@ class Engine:
         with self.device_context():
             self._build(config, draft_policy)
             if self.graphs is not None:
-                self.graphs.capture_all()
+                advice = self.capture_memory_advice()
+                self.graphs.capture_all(advice=advice)
                 if self.proposer is not None and self.proposer.graphs is not None:
-                    self.proposer.graphs.capture_all()
+                    self.proposer.graphs.capture_all(advice=advice)
             if self._stream is not None and config.warm_up:
                 self._warm_up_shapes()
                 self._warm_up_gemms()
@@ -329,6 +330,31 @@ class Engine:
     def device_context(self):
         """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""
         return self._stream if self._stream is not None else contextlib.nullcontext()
+
+    def capture_memory_advice(self) -> str:
+        """The settings that make this engine's captured graphs smaller, for the error a capture
+        that runs out of device memory raises (``cuda_graphs.CaptureOutOfMemory``)."""
+        m, tips = self.manifest, []
+        flash = flash_block_multiple(m)
+        if flash and m.block_size % flash and self._serves_block_size(flash):
+            tips.append(f"--kv-block-size {flash} (ORT's flash kernel then reads the KV blocks in place; at "
+                        f"{m.block_size}-token blocks each verify and MTP-head graph gathers a dense copy of its "
+                        "requests' KV)")
+        tips.append(f"--max-requests-per-step below {self.config.scheduler.max_requests_per_step} (the largest "
+                    "graphs' batch)")
+        tips.append(f"--max-model-len below {m.context_length} (the largest KV bucket)")
+        if self.proposer is not None:
+            tips.append("--draft-tokens 0 (no verify or MTP-head graphs)")
+        tips.append("--cuda-graphs off (every step eager: slower decoding)")
+        return "Try " + "; ".join(tips) + "."
+
+    def _serves_block_size(self, block_size: int) -> bool:
+        """Whether this export's graphs take ``block_size``-token KV blocks (``with_block_size``)."""
+        try:
+            with_block_size(self.manifest, block_size)
+        except ValueError:
+            return False
+        return True
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -2,7 +2,20 @@
 runs here; the replays themselves are in test_cuda.py, on the device)."""
 from __future__ import annotations
 
-from mtpserve.engine.cuda_graphs import GraphCatalog, GraphShape, graph_batch_sizes, table_width_buckets
+import sys
+import types
+
+import pytest
+
+from mtpserve.engine import cuda_graphs
+from mtpserve.engine.cuda_graphs import (
+    CaptureOutOfMemory,
+    GraphCatalog,
+    GraphShape,
+    graph_batch_sizes,
+    is_out_of_memory,
+    table_width_buckets,
+)
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_limit():
@@ -51,3 +64,75 @@ def test_shapes_are_captured_largest_first_every_one_once():
     assert order[0] == GraphShape(8, 3, 63, 1) and order[-1] == GraphShape(1, 1, 16, 0)
     footprints = [s.batch * s.table_width for s in order]
     assert footprints == sorted(footprints, reverse=True)
+
+
+# ---- a capture that runs out of device memory says where, and what to change ------------------
+ORT_OOM = ("Error in execution: Non-zero status code returned while running PagedAttention node. Name:'/model/"
+           "layers.0/attn/PagedAttention' Status Message: /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:"
+           "360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) Failed to "
+           "allocate memory for requested buffer of size 2684354560")     # session 18's, on the H200
+
+
+def test_out_of_memory_is_told_from_other_errors():
+    assert is_out_of_memory(RuntimeError(ORT_OOM))
+    assert is_out_of_memory(type("OutOfMemoryError", (Exception,), {})("Out of memory allocating 1,024 bytes"))
+    assert not is_out_of_memory(RuntimeError("Non-zero status code returned while running MatMul node"))
+    assert not is_out_of_memory(ValueError("bad shape"))
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """The two CuPy calls the capture loop makes (a stream to sync, the device's free / total
+    bytes), on the CPU: free memory falls 3 GiB with each capture."""
+    gib, state = 2 ** 30, {"free": 40 * 2 ** 30}
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (state["free"], 80 * gib))
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return state
+
+
+def test_a_capture_out_of_memory_names_its_graph_and_the_settings_that_shrink_it(fake_cupy):
+    captured = []
+
+    def capture(shape):
+        if len(captured) == 2:
+            raise RuntimeError(ORT_OOM)
+        captured.append(shape)
+        fake_cupy["free"] -= 3 * 2 ** 30
+
+    with pytest.raises(CaptureOutOfMemory) as e:
+        cuda_graphs._capture_shapes("main model", CATALOG, {}, capture, lambda _: None, advice="Try --cuda-graphs off.")
+    shape = CATALOG.capture_order()[2]
+    msg = str(e.value)
+    assert f"{shape.batch} requests x {shape.tokens} rows, KV bucket {shape.table_width * 16} tokens" in msg
+    assert f"3 of {len(CATALOG.capture_order())}" in msg and "taken 6.0 GiB" in msg and "34.0 GiB of 80.0 GiB" in msg
+    assert msg.endswith("Try --cuda-graphs off.")
+    assert isinstance(e.value.__cause__, RuntimeError)            # ORT's own error stays chained
+
+
+def test_other_capture_errors_pass_through_unchanged(fake_cupy):
+    def capture(shape):
+        raise RuntimeError("Non-zero status code returned while running MatMul node")
+
+    with pytest.raises(RuntimeError, match="MatMul") as e:
+        cuda_graphs._capture_shapes("main model", CATALOG, {}, capture, lambda _: None)
+    assert not isinstance(e.value, CaptureOutOfMemory)
+
+
+def test_the_engines_advice_names_the_settings_it_can_change(model_dir):
+    """The bundled model: head size 64, so flash takes 256-token blocks; its export's 16 can be
+    served at 256 (the builder's graphs leave the block size to the pools' shape)."""
+    from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from mtpserve.engine.engine import Engine
+
+    def advice(k, block_size=None):
+        return Engine(EngineConfig(str(model_dir), num_threads=1, spec=SpecConfig(k),
+                                   scheduler=SchedulerConfig(max_requests_per_step=32),
+                                   cache=CacheConfig(kv_block_size=block_size))).capture_memory_advice()
+
+    mtp = advice(2)
+    assert "--kv-block-size 256" in mtp and "--max-requests-per-step below 32" in mtp
+    assert "--draft-tokens 0" in mtp and "--cuda-graphs off" in mtp and "--max-model-len below 2048" in mtp
+    assert "--draft-tokens" not in advice(0)                     # no verify or head graphs to drop
+    assert "--kv-block-size" not in advice(2, block_size=256)    # already one flash takes
