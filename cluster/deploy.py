@@ -174,6 +174,24 @@ def deploy(options, app_name: str, route_prefix: str = "/") -> None:
     serve.run(build_app(options), name=app_name, route_prefix=route_prefix, blocking=False)
 
 
+def failure_reason(app_name: str) -> str | None:
+    """Why the app's replicas could not start: the exception line that ends each failed
+    deployment's message (Serve keeps the replica constructor's traceback there), or None."""
+    from ray import serve
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001 - a status we cannot read leaves Serve's own error to say it
+        return None
+    if app is None:
+        return None
+    reasons = []
+    for d in app.deployments.values():
+        lines = [line.strip() for line in (d.message or "").splitlines() if line.strip()]
+        if lines and lines[-1] not in reasons and str(d.status).endswith("DEPLOY_FAILED"):
+            reasons.append(lines[-1])
+    return "; ".join(reasons) or None
+
+
 def placement(app_name: str):
     """The app's planner's placement view, or None while the planner is missing or restarting."""
     import ray

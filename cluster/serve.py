@@ -111,7 +111,12 @@ def cmd_serve(args) -> int:
             return 2
     stop = _install_signal_handlers()
     try:
-        deploy.deploy(options, args.app_name, route_prefix="/")
+        try:
+            deploy.deploy(options, args.app_name, route_prefix="/")
+        except RuntimeError as e:       # a replica's constructor raised (Serve tried it 3 times)
+            print(f"mtpserve: error: the replicas could not start: {deploy.failure_reason(args.app_name) or e}\n"
+                  "  (each attempt's traceback is in the log above)", file=sys.stderr, flush=True)
+            return 1
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
                   f"--host/--port do not change it", flush=True)

@@ -25,6 +25,24 @@ APP, KEY = "cli", "test-key"
 ORIGIN = "http://app.example"
 
 
+def test_replicas_that_cannot_start_end_serve_with_the_reason_in_one_line(ray_cluster, model_dir):
+    """A setting only the engine's build refuses (here a snapshot budget too small for one state
+    snapshot): serve says why in one line, exits 1 and leaves no application behind. (First in
+    this module: the module's server below takes the route prefix / once it starts.)"""
+    from ray import serve
+    port = ray_cluster["url"].rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
+                           "--port", port, "--model", str(model_dir), "--app-name", "cannot-start",
+                           "--num-threads", "1", "--prefix-snapshot-gib", "1e-7"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mtpserve: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("mtpserve: error: the replicas could not start: ValueError: prefix_snapshot_gib 1e-07 "
+                                "holds no state snapshot"), errors
+    assert "cannot-start" not in serve.status().applications
+
+
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
     served = start_serve(ray_cluster, model_dir, APP, "--api-key", KEY, "--num-threads", "1",
