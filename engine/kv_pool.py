@@ -124,12 +124,12 @@ class KVPool:
             return False
         table = self._tables.setdefault(request_id, [])
         self._committed.setdefault(request_id, 0)
-        if need:
-            self._arrays.pop(request_id, None)
         for _ in range(need):
             block = self._take()
             self._refs[block] = 1
             table.append(block)
+        if need:                                  # (after the loop: an eviction callback sees the old copy)
+            self._arrays.pop(request_id, None)
         return True
 
     def _take(self) -> int:

@@ -35,10 +35,12 @@ HOST_INPUTS = {"attention_metadata", "state_update_active"}   # read on the host
 
 @dataclass
 class PackedRows:
-    """One request's rows in a packed forward: tokens at positions [past_len, past_len + len(token_ids))."""
+    """One request's rows in a packed forward: tokens at positions [past_len, past_len + len(token_ids)).
+    ``block_table``: a list, or the pool's read-only ``KVPool.block_array`` (an engine step's rows):
+    read it by length, index and slice only (``+`` or truth on an array do not mean a list's)."""
     token_ids: Sequence[int]
     past_len: int
-    block_table: Sequence[int]
+    block_table: Sequence[int] | np.ndarray
 
 
 @dataclass
