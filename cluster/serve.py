@@ -74,12 +74,13 @@ def cmd_serve(args) -> int:
     import ray
 
     from mtpserve.cluster import deploy
-    from mtpserve.engine.manifest import load_manifest, with_block_size
+    from mtpserve.engine.engine import check_settings
+    from mtpserve.engine.manifest import load_manifest
     try:
         options = options_from_args(args, None)
         options.validate()
-        with_block_size(load_manifest(options.worker.engine.model_dir),     # a bad model (or a block size its
-                        options.worker.engine.cache.kv_block_size)          # graphs fix) fails here, before Ray
+        engine = options.worker.engine           # a bad model, or a setting it refuses, fails here, before Ray
+        check_settings(engine, load_manifest(engine.model_dir))
     except ValueError as e:                                  # ModelLoadError is a ValueError
         print(f"mtpserve: error: {e}", file=sys.stderr)
         return 2

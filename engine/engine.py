@@ -120,11 +120,9 @@ class Engine:
         gc.collect()
 
     def _build(self, config: EngineConfig, draft_policy: DraftPolicy | None) -> None:
+        check_settings(config, self.manifest)
         if config.max_model_len is not None:
             # every limit downstream (admission, scheduler, block tables, /v1/models) reads this one
-            if config.max_model_len > self.manifest.context_length:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
-                                 f"{self.manifest.context_length}")
             self.manifest = dataclasses.replace(self.manifest, context_length=config.max_model_len)
         m = self.manifest
         self.tokenizer = Tokenizer(m.path)
@@ -151,13 +149,7 @@ class Engine:
             if spec.capacity <= MAX_CAPACITY:          # else the array code replays the commit
                 fused = CommitReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim,
                                      config.cache.max_resident_requests)
-        num_snapshots = 0
-        if config.cache.prefix_cache:
-            num_snapshots = min(4096, int(config.cache.prefix_snapshot_gib * 2**30) // spec.bytes_per_row(num_banks=1))
-            if num_snapshots == 0:      # no snapshot, no hit: the cache would only cost prompt chunks
-                raise ValueError(f"prefix_snapshot_gib {config.cache.prefix_snapshot_gib} holds no state snapshot "
-                                 f"(one takes {spec.bytes_per_row(num_banks=1)} bytes); raise it or turn "
-                                 f"prefix_cache off")
+        num_snapshots = _num_snapshots(config, spec)
         self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused,
                                     num_snapshots=num_snapshots)
         self.prefix_cache = None
@@ -867,6 +859,31 @@ class Engine:
     def is_idle_and_empty(self) -> bool:
         """No requests, nothing in flight, and every pool back to empty."""
         return self._in_flight is None and self.scheduler.is_idle_and_empty()
+
+
+def check_settings(config: EngineConfig, manifest: ModelManifest) -> None:
+    """Raise ValueError for a setting an engine of ``manifest`` refuses, without building one:
+    ``mtpserve serve`` checks them before it starts Ray (and a replica for each), the engine
+    again when it is built."""
+    m = with_block_size(manifest, config.cache.kv_block_size)     # (a size the export's graphs fix)
+    if config.max_model_len is not None and config.max_model_len > m.context_length:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context {m.context_length}")
+    interval = config.cache.snapshot_interval
+    if config.cache.prefix_cache and interval and interval % m.block_size:
+        raise ValueError(f"snapshot_interval must be a positive multiple of the block size {m.block_size}, "
+                         f"got {interval}")
+    if config.cache.prefix_cache and not _num_snapshots(config, _fixed_state_spec(m)):
+        # no snapshot, no hit: the cache would only cost prompt chunks
+        raise ValueError(f"prefix_snapshot_gib {config.cache.prefix_snapshot_gib} holds no state snapshot "
+                         f"(one takes {_fixed_state_spec(m).bytes_per_row(num_banks=1)} bytes); raise it or "
+                         "turn prefix_cache off")
+
+
+def _num_snapshots(config: EngineConfig, spec: FixedStateSpec) -> int:
+    """The prefix cache's state snapshots within its budget (0 without the cache)."""
+    if not config.cache.prefix_cache:
+        return 0
+    return min(4096, int(config.cache.prefix_snapshot_gib * 2**30) // spec.bytes_per_row(num_banks=1))
 
 
 def _fixed_state_spec(m: ModelManifest) -> FixedStateSpec:

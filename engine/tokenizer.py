@@ -64,7 +64,11 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception naming no file
+            raise ValueError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template") or CHATML_TEMPLATE

@@ -114,6 +114,21 @@ def test_serve_refuses_a_truncated_model_in_one_line_before_starting_ray(tmp_pat
     assert "Ray" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("flags, error", [
+    (("--max-model-len", "999999"), "max_model_len 999999 exceeds the model's context 2048"),
+    (("--snapshot-interval", "17"), "snapshot_interval must be a positive multiple of the block size 16, got 17"),
+    (("--prefix-snapshot-gib", "1e-7"), "prefix_snapshot_gib 1e-07 holds no state snapshot"),
+])
+def test_serve_refuses_settings_the_model_does_not_take_in_one_line_before_starting_ray(flags, error):
+    """Settings only a model can judge (its context, block size, state size) are checked against
+    it before Ray starts, not by each replica's engine three times over."""
+    proc = mtpserve("serve", "--port", "0", *flags, check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"mtpserve: error: {error}"), proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr
+
+
 def test_the_printed_url_names_a_host_a_client_can_reach():
     """`mtpserve serve --host 0.0.0.0` (a cluster's proxies) prints an address to connect to, not the wildcard."""
     from mtpserve.cluster.deploy import client_url

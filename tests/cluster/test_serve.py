@@ -25,21 +25,26 @@ APP, KEY = "cli", "test-key"
 ORIGIN = "http://app.example"
 
 
-def test_replicas_that_cannot_start_end_serve_with_the_reason_in_one_line(ray_cluster, model_dir):
-    """A setting only the engine's build refuses (here a snapshot budget too small for one state
-    snapshot): serve says why in one line, exits 1 and leaves no application behind. (First in
-    this module: the module's server below takes the route prefix / once it starts.)"""
+def test_replicas_that_cannot_start_end_serve_with_the_reason_in_one_line(ray_cluster, model_dir, tmp_path):
+    """What only a replica finds (here a tokenizer.json that does not parse: the checks before
+    Ray read the model's graphs and config, not its tokenizer): serve says why in one line,
+    exits 1 and leaves no application behind. (First in this module: the module's server below
+    takes the route prefix / once it starts.)"""
+    import shutil
+
     from ray import serve
+    model = tmp_path / "broken-tokenizer"
+    shutil.copytree(model_dir, model)
+    (model / "tokenizer.json").write_text('{"broken": ')
     port = ray_cluster["url"].rsplit(":", 1)[1]
     proc = subprocess.run([sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
-                           "--port", port, "--model", str(model_dir), "--app-name", "cannot-start",
-                           "--num-threads", "1", "--prefix-snapshot-gib", "1e-7"],
+                           "--port", port, "--model", str(model), "--app-name", "cannot-start", "--num-threads", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("mtpserve: error:")]
     assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith("mtpserve: error: the replicas could not start: ValueError: prefix_snapshot_gib 1e-07 "
-                                "holds no state snapshot"), errors
+    assert errors[0].startswith("mtpserve: error: the replicas could not start: ValueError: ")
+    assert "tokenizer.json: not a tokenizer the tokenizers library reads" in errors[0], errors
     assert "cannot-start" not in serve.status().applications
 
 
