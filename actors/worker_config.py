@@ -33,8 +33,8 @@ class WorkerConfig:
     model_name: str | None = setting(None, "the name clients pass as `model` (default: the model folder's "
                                            "name, mtpserve-bundled for the bundled model)")
     max_pending: int = setting(1024, "requests waiting for admission on a replica before it answers 429")
-    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1 (else $MTPSERVE_API_KEY "
-                                        "on the replica, else none)")
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on every POST route and /v1/models "
+                                        "(else $MTPSERVE_API_KEY on the replica, else none)")
     report_interval_s: float = setting(0.2, "seconds between a replica's reports to the planner actor")
     allowed_origins: str | None = setting(None, "CORS for browser clients: comma-separated origins allowed "
                                                 "(* for any); default none (no CORS headers, preflights 405)")

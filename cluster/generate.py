@@ -67,7 +67,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--prompts-file", help="a file with one prompt per line, all run concurrently")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", default="2",
-                   help="MTP draft tokens per step: K (0 = off) or auto (each request's K from its acceptance)")
+                   help="MTP draft tokens per step: K (0 = off) or auto (each step's depth from its requests' measured "
+                        "acceptance and the measured step cost); default 2")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -38,15 +38,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     model_dir and num_replicas."""
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on Ray Serve")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, ray://host:10001) "
                                                    "instead of starting a local one")
-    p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name")
+    p.add_argument("--app-name", default=DEFAULT_APP_NAME, help="Serve application name (default %(default)s)")
     p.add_argument("--direct-port", type=int, default=None, metavar="PORT",
                    help="also let each replica serve HTTP itself, on ports from PORT up (Ray Serve's "
                         "experimental direct ingress): no proxy hop, so less added latency; those URLs have "
                         "no session routing and no replica-loss errors (the --port URL keeps both). "
-                        "Needs a Ray of our own (not --address)")
+                        "Serve's direct ingress (--api-servers 0, the CPU default) needs a Ray of our own (not "
+                        "--address); the replica's own API servers (the CUDA default) work with --address too")
     add_setting_flags(p.add_argument_group("settings (ServeOptions, the worker and engine configs)"),
                       SETTINGS, [n for n in SETTINGS if n not in ("api_port", "api_host")],   # --direct-port, --host
                       rename={"model_dir": "--model", "num_replicas": "--replicas"})

@@ -16,7 +16,7 @@
 
 Every configuration (draft count; og.Engine with --compare ortgenai) runs at every load
 (closed-loop concurrencies, or Poisson request rates) against the same prompts, after a warm-up.
-Figures follow DESIGN §8; speedups are against K=0 of the same run. Results go to
+Figures: cluster/bench/report.py; speedups are against K=0 of the same run. Results go to
 <results-dir>/<timestamp>-<name>.json (+ .png). With --synthetic-acceptance every draft is
 accepted with that probability instead of checked against the model (for untrained MTP heads):
 such outputs are not the model's, and every report says "synthetic". With --replicas the
@@ -198,7 +198,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--name", help="file name stem after the timestamp (default: mode-model)")
     g.add_argument("--copy-gbps", type=float, default=4300.0,
                    help="device memory copy rate for the batch-1 bandwidth bound in the report (default 4300: "
-                        "the H200's copy rate in DESIGN §6, 4.26 TB/s; on a CPU the bound is only indicative)")
+                        "the H200's measured device copy rate, 4.26 TB/s; on a CPU the bound is only indicative)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--save-requests", action="store_true", help="keep every request's timeline in the JSON")
     p.set_defaults(func=cmd_bench)
