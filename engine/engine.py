@@ -866,6 +866,13 @@ def check_settings(config: EngineConfig, manifest: ModelManifest) -> None:
     ``mtpserve serve`` checks them before it starts Ray (and a replica for each), the engine
     again when it is built."""
     m = with_block_size(manifest, config.cache.kv_block_size)     # (a size the export's graphs fix)
+    k = config.spec.num_draft_tokens
+    if k and m.mtp is None:
+        raise ValueError(f"draft_tokens {k}: this export has no MTP head to draft with (0 or auto serve it)")
+    if k > min(MAX_NUM_DRAFTS, m.capture_capacity):
+        raise ValueError(f"draft_tokens {k}: this export captures {m.capture_capacity} state transitions a step, so "
+                         f"a step verifies at most {min(MAX_NUM_DRAFTS, m.capture_capacity)} drafts (export it with "
+                         "a larger --capture-capacity for more)")
     if config.max_model_len is not None and config.max_model_len > m.context_length:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context {m.context_length}")
     interval = config.cache.snapshot_interval

@@ -118,6 +118,8 @@ def test_serve_refuses_a_truncated_model_in_one_line_before_starting_ray(tmp_pat
     (("--max-model-len", "999999"), "max_model_len 999999 exceeds the model's context 2048"),
     (("--snapshot-interval", "17"), "snapshot_interval must be a positive multiple of the block size 16, got 17"),
     (("--prefix-snapshot-gib", "1e-7"), "prefix_snapshot_gib 1e-07 holds no state snapshot"),
+    (("--draft-tokens", "6"), "draft_tokens 6: this export captures 4 state transitions a step, so a step "
+                              "verifies at most 4 drafts"),     # (it ran at 4, every verify eager on CUDA)
 ])
 def test_serve_refuses_settings_the_model_does_not_take_in_one_line_before_starting_ray(flags, error):
     """Settings only a model can judge (its context, block size, state size) are checked against

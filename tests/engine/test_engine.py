@@ -312,6 +312,14 @@ def test_max_model_len_bounds_every_request(model_dir):
         Engine(EngineConfig(str(model_dir), max_model_len=10 ** 7))
 
 
+def test_a_fixed_draft_count_past_what_the_export_captures_is_refused(model_dir):
+    """The bundled export captures 4 state transitions a step: K=6 used to run at 4 without a word
+    (and with CUDA graphs no verify shape was captured for it: every verify ran eagerly)."""
+    with pytest.raises(ValueError, match="at most 4 drafts"):
+        Engine(EngineConfig(str(model_dir), num_threads=1, spec=SpecConfig(6)))
+    assert Engine(EngineConfig(str(model_dir), num_threads=1, spec=SpecConfig(4))).max_drafts == 4
+
+
 def _logprobs_of(engine, prompts, params):
     """Each request's (tokens, logprob entries) from its events."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
