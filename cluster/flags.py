@@ -21,8 +21,9 @@ def add_setting_flags(parser, fields: dict[str, ConfigField], names: list[str] |
     for name in names or fields:
         f = fields[name]
         flag = rename.get(name, "--" + name.replace("_", "-"))
-        shown = "" if f.default is None else f" (default: {f.default})"
         kind = _scalar_type(f.type)
+        default = ("on" if f.default else "off") if kind is bool and isinstance(f.default, bool) else f.default
+        shown = "" if default is None else f" (default: {default})"
         if kind is bool:
             # --flag, --flag on|off (true|false, yes|no, 1|0), or --no-flag
             parser.add_argument(flag, dest=name, nargs="?", const=True, type=on_off, default=argparse.SUPPRESS,
