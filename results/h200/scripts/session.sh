@@ -756,7 +756,8 @@ bl)          # host time a step, before / after session 20's host-path change, a
   # the base tree: this checkout's engine with host-ab-base.patch (git diff a498f6a -- engine) taken back
   rm -rf /tmp/base && mkdir -p /tmp/base/mtpserve && cp -r engine actors cluster /tmp/base/mtpserve/
   touch /tmp/base/mtpserve/__init__.py     # a package of its own: else /tmp/pkg's (a package, above) wins
-  (cd /tmp/base/mtpserve && patch -s -R -p1 < "$OLDPWD/results/h200/scripts/host-ab-base.patch") || { echo "patch failed"; exit 1; }
+  (cd /tmp/base/mtpserve && { patch -s -R -p1 < "$OLDPWD/results/h200/scripts/host-ab-base.patch" 2>/dev/null \
+    || git apply -R -p1 "$OLDPWD/results/h200/scripts/host-ab-base.patch"; }) || { echo "patch failed"; exit 1; }
   bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   for r in 1 2; do
     for tree in base new; do
