@@ -61,7 +61,7 @@ def _fail(message: str) -> int:
 
 
 def cmd_info(args) -> int:
-    from mtpserve.engine.manifest import ModelLoadError, flash_block_multiple, load_manifest
+    from mtpserve.engine.manifest import ModelLoadError, flash_block_multiple, flash_block_size_to_try, load_manifest
     try:
         manifest = load_manifest(args.model)
     except ModelLoadError as e:
@@ -83,8 +83,8 @@ def cmd_info(args) -> int:
         detail = {k: v for k, v in g.items() if k not in ("kind", "layer_ids")}
         print(f"state group  {g['kind']:<16} layers {g['layer_ids']}  {detail}")
     print(f"paged KV     block size {info['block_size']}; capture capacity {info['capture_capacity']}")
-    flash = info["flash_block_multiple"]
-    if flash and info["block_size"] % flash:
+    flash = flash_block_size_to_try(manifest)
+    if flash:
         print(f"             on CUDA, ORT's flash PagedAttention takes prompts and verifies at multiples of {flash} "
               f"tokens (by ORT's source; --kv-block-size {flash}); at {info['block_size']} it gathers KV for them")
     mtp = info["mtp"]

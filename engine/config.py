@@ -74,9 +74,6 @@ class CacheConfig:
             raise ValueError(f"max_resident_requests must be >= 1, got {self.max_resident_requests}")
         if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
-        if self.kv_block_size and self.snapshot_interval and self.snapshot_interval % self.kv_block_size:
-            raise ValueError(f"snapshot_interval ({self.snapshot_interval}) must be a multiple of kv_block_size "
-                             f"({self.kv_block_size})")
 
 
 def resolve_num_blocks(cache: CacheConfig, context_length: int, block_size: int, bytes_per_block: int) -> int:

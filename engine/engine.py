@@ -38,7 +38,7 @@ from mtpserve.engine.config import EngineConfig, resolve_num_blocks
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
 from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
-from mtpserve.engine.manifest import ModelManifest, flash_block_multiple, load_manifest, with_block_size
+from mtpserve.engine.manifest import ModelManifest, flash_block_size_to_try, load_manifest, with_block_size
 from mtpserve.engine.output import OutputProcessor
 from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, accept_drafts, continuation_blocker, overlap_blocker
 from mtpserve.engine.proposer import MTPProposer
@@ -93,8 +93,8 @@ class Engine:
             # one stream for every CuPy op and every ORT run: ordered without host syncs
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self.manifest = with_block_size(self.manifest, config.cache.kv_block_size)
-        flash = flash_block_multiple(self.manifest)
-        if config.device == "cuda" and flash and self.manifest.block_size % flash:
+        flash = flash_block_size_to_try(self.manifest)
+        if config.device == "cuda" and flash:
             logger.info("engine: %d-token KV blocks: ORT's PagedAttention gathers each request's KV into dense K "
                         "and V for prompts and verifies; --kv-block-size %d lets its flash kernel read them in place",
                         self.manifest.block_size, flash)
@@ -327,8 +327,8 @@ class Engine:
         """The settings that make this engine's captured graphs smaller, for the error a capture
         that runs out of device memory raises (``cuda_graphs.CaptureOutOfMemory``)."""
         m, tips = self.manifest, []
-        flash = flash_block_multiple(m)
-        if flash and m.block_size % flash and self._serves_block_size(flash):
+        flash = flash_block_size_to_try(m)
+        if flash:
             tips.append(f"--kv-block-size {flash} (ORT's flash kernel then reads the KV blocks in place; at "
                         f"{m.block_size}-token blocks each verify and MTP-head graph gathers a dense copy of its "
                         "requests' KV)")
@@ -339,14 +339,6 @@ class Engine:
             tips.append("--draft-tokens 0 (no verify or MTP-head graphs)")
         tips.append("--cuda-graphs off (every step eager: slower decoding)")
         return "Try " + "; ".join(tips) + "."
-
-    def _serves_block_size(self, block_size: int) -> bool:
-        """Whether this export's graphs take ``block_size``-token KV blocks (``with_block_size``)."""
-        try:
-            with_block_size(self.manifest, block_size)
-        except ValueError:
-            return False
-        return True
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -876,14 +868,14 @@ def check_settings(config: EngineConfig, manifest: ModelManifest) -> None:
     if config.max_model_len is not None and config.max_model_len > m.context_length:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context {m.context_length}")
     interval = config.cache.snapshot_interval
-    if config.cache.prefix_cache and interval and interval % m.block_size:
+    if interval and interval % m.block_size:
         raise ValueError(f"snapshot_interval must be a positive multiple of the block size {m.block_size}, "
                          f"got {interval}")
-    if config.cache.prefix_cache and not _num_snapshots(config, _fixed_state_spec(m)):
+    spec = _fixed_state_spec(m)
+    if config.cache.prefix_cache and not _num_snapshots(config, spec):
         # no snapshot, no hit: the cache would only cost prompt chunks
         raise ValueError(f"prefix_snapshot_gib {config.cache.prefix_snapshot_gib} holds no state snapshot "
-                         f"(one takes {_fixed_state_spec(m).bytes_per_row(num_banks=1)} bytes); raise it or "
-                         "turn prefix_cache off")
+                         f"(one takes {spec.bytes_per_row(num_banks=1)} bytes); raise it or turn prefix_cache off")
 
 
 def _num_snapshots(config: EngineConfig, spec: FixedStateSpec) -> int:

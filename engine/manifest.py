@@ -298,6 +298,20 @@ def flash_block_multiple(manifest: ModelManifest) -> int | None:
     return 256 if size <= 64 else 128 if size <= 128 else 64
 
 
+def flash_block_size_to_try(manifest: ModelManifest) -> int | None:
+    """The ``--kv-block-size`` to suggest for ORT's flash kernel: ``flash_block_multiple`` when the
+    served block size is not a multiple of it and the export's graphs take it; else None.
+    (On the H200 at such a size MTP on parted from off once: results/h200/README.md, session 20.)"""
+    flash = flash_block_multiple(manifest)
+    if not flash or manifest.block_size % flash == 0:
+        return None
+    try:
+        with_block_size(manifest, flash)
+    except ValueError:
+        return None
+    return flash
+
+
 def with_block_size(manifest: ModelManifest, block_size: int | None) -> ModelManifest:
     """``manifest`` served with ``block_size``-token KV blocks instead of the export's (None: as
     exported). The builder's paged graphs leave the pools' block dimension symbolic and

@@ -9,7 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from mtpserve.engine.manifest import ModelLoadError, TensorSpec, flash_block_multiple, load_manifest, with_block_size
+from mtpserve.engine.manifest import (
+    ModelLoadError,
+    TensorSpec,
+    flash_block_multiple,
+    flash_block_size_to_try,
+    load_manifest,
+    with_block_size,
+)
 
 
 def copy_export(src, tmp_path):
@@ -44,6 +51,10 @@ def test_the_block_size_is_the_engines_where_the_graphs_leave_it_symbolic(tiny_p
     assert with_block_size(fixed, 16) is fixed
     with pytest.raises(ModelLoadError, match="fix the KV block size at \\[16\\]"):
         with_block_size(fixed, 64)
+    # the flash size suggested (serve's log, mtpserve info, a capture's out-of-memory advice): only
+    # where the served size is not one already and the graphs take it
+    assert flash_block_size_to_try(m) == 256 and flash_block_size_to_try(with_block_size(m, 256)) is None
+    assert flash_block_size_to_try(fixed) is None
     with pytest.raises(ValueError, match=">= 1"):
         with_block_size(m, 0)
 
