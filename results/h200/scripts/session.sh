@@ -177,9 +177,14 @@
 # bl: the host time a step before and after session 20's cut of the step's per-request Python
 #     (results/h200/README.md "Twentieth session"): the engine as of a498f6a (host-ab-base.patch
 #     taken back) and this one, alternated twice, bundled K=0 and never drafting at C=16.
+# Next (session 21): test_cuda's 256-token-block test parted MTP on from off for 1 of 8 requests:
+# bm: flash_tie_probe.py: the test's workload at 256 and 16 with logprobs, K=0 against K=2 (graphs
+#     and prefix cache / no prefix cache / eager): each parting's position, both runs' top-two
+#     margin there and the rounding gap before it; then the attention kernel each eager step's
+#     PagedAttention picks at 256 (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1), counted.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -767,6 +772,23 @@ bl)          # host time a step, before / after session 20's host-path change, a
         --concurrency 16 --requests 128 --rounds 3 --interleave 64 --no-fit 2>&1 | grep "^round\|median" | cut -c1-500
     done
   done
+  step done
+  ;;
+bm)          # why MTP on parted from off at 256-token blocks (~250 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  step "flash_tie_probe.py, bundled, 256- and 16-token blocks, K=0 vs K=2 with logprobs"
+  timeout 300 python3 results/h200/scripts/flash_tie_probe.py $bundled "$OUT/flash-tie.json" 2>&1 \
+    | grep -v "No registered plugin" | tail -40 | cut -c1-600
+  step "the kernel each eager PagedAttention call picks at 256-token blocks, K=2 (counted)"
+  ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 timeout 120 python3 -c "
+import sys; sys.argv = ['x', '$bundled', '/dev/null']
+sys.path.insert(0, 'results/h200/scripts')
+import flash_tie_probe as f
+shared = ' '.join(f.test_prompts()) * 2
+prompts = [shared + ' ' + q for q in f.test_prompts()[:8]]
+f.run(f.engine_on('$bundled', 'cuda', 2, 256, cuda_graphs=False), prompts, None)
+" > "$OUT/kernel-info-b256.txt" 2>&1
+  grep -v "^\s*$" "$OUT/kernel-info-b256.txt" | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -30 | cut -c1-300
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
