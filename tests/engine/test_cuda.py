@@ -1,6 +1,7 @@
 """The CUDA path on the real bundled model (runs where onnxruntime-gpu and cupy see a GPU; skipped elsewhere)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -114,15 +115,19 @@ def test_cuda_logits_agree_with_the_cpu_adapted_model(model_dir):
 
 @needs_cuda
 @pytest.mark.parametrize("k", [2, 3])
-def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
+def test_cuda_greedy_mtp_on_equals_mtp_off_up_to_near_ties(model_dir, k):
+    """Greedy MTP on (graphs, device drafts, draft steps launched from the one before) gives MTP
+    off's tokens, but where MTP off's two best tokens were a near-tie of fp16 rounding: a verify
+    row and a decode row are forwards of other shapes (near_tie_partings; on the H100 MTP off's
+    two best logits were exactly equal at each parting seen, 2026-12-05)."""
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(PROMPTS)
-    ref, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48), PROMPTS, params)
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", k=0, budget=48),
+                                         [dataclasses.replace(p, logprobs=2) for p in params])
     engine = engine_on(model_dir, "cuda", k=k, budget=48)
-    out, _ = run_all(engine, PROMPTS, params)
-    mismatched = [r for r in ref if ref[r] != out[r]]
-    print(f"K={k}: {len(mismatched)} of {len(ref)} requests differ; acceptance {engine.stats.acceptance_rate:.3f}, "
-          f"tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
-    assert not mismatched
+    out, reasons = run_all(engine, PROMPTS, params)
+    parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
+    print(f"K={k}: {len(parted)} of {len(ref)} requests part from MTP off at near-ties {parted}; acceptance "
+          f"{engine.stats.acceptance_rate:.3f}, tokens/target forward {engine.stats.tokens_per_target_forward:.3f}")
     assert engine.stats.num_accepted_tokens > 0
     head = engine.proposer.graphs
     print(f"K={k}: {engine.graphs.num_replays} of {engine.num_steps} steps replayed a graph, "
@@ -135,9 +140,9 @@ def test_cuda_greedy_mtp_on_is_token_identical_to_mtp_off(model_dir, k):
     # drafts that reach the verify from the device are the eager head's drafts: wrong ones would
     # leave the output as it is (rejected) but lose acceptance
     eager = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=False)
-    eager_out, _ = run_all(eager, PROMPTS, params)
+    eager_out, eager_reasons = run_all(eager, PROMPTS, params)
     print(f"K={k}: acceptance with graphs {engine.stats.acceptance_rate:.3f}, eager {eager.stats.acceptance_rate:.3f}")
-    assert eager_out == ref
+    near_tie_partings(ref, ref_reasons, tops, eager_out, eager_reasons)
     assert engine.stats.acceptance_rate >= 0.97 * eager.stats.acceptance_rate
 
 
@@ -258,27 +263,27 @@ def _graph_share(engine) -> float:
 
 
 @needs_cuda
-@pytest.mark.xfail(reason="known gap (issue 11): on the H200 (2026-12-05) 1 of 8 requests parted from K=0 at 256-token "
-                          "blocks, likely different attention kernels for verify and decode steps there; being looked "
-                          "into, so a pass is not an error either", strict=False)
-def test_cuda_at_a_block_size_flash_reads_in_place_mtp_on_stays_token_identical_to_off(model_dir):
+def test_cuda_at_a_block_size_flash_reads_in_place_mtp_on_parts_from_off_only_at_near_ties(model_dir):
     """At 256-token blocks (flash's minimum for the bundled model's head size of 64) ORT's
-    PagedAttention should read prompts and verifies in place instead of gathering them into dense
-    K and V: greedy MTP on, on graphs, still gives MTP off's tokens at that block size, with
-    prompts of ~350 tokens sharing ~340 (reads across blocks) over two rounds (prefix hits of whole
-    256-token blocks). (Against 16-token blocks the kernels differ, so near ties may part:
-    printed, not asserted.)"""
+    PagedAttention reads prompts, verifies and decodes in place with its flash kernel: greedy MTP
+    on, on graphs, gives MTP off's tokens at that block size up to near-ties (near_tie_partings),
+    with prompts of ~350 tokens sharing ~340 (reads across blocks) over two rounds (prefix hits of
+    whole 256-token blocks). On the H200 (2026-12-05) 1 of 8 requests parted; on the H100 MTP
+    off's two best logprobs were exactly equal there, and requests part at 16-token blocks as
+    well (results/h200/mtp/20261205-session21/). (Against 16-token blocks the kernels differ, so
+    near ties may part: printed, not asserted.)"""
     shared = " ".join(PROMPTS) * 2                      # ~346 tokens
     prompts = [f"{shared} {p}" for p in PROMPTS[:8]]
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(prompts)
     ref16, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48), prompts, params)
-    ref, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48, block_size=256), prompts, params)
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", k=0, budget=48, block_size=256),
+                                         [dataclasses.replace(p, logprobs=2) for p in params], prompts)
     engine = engine_on(model_dir, "cuda", k=2, budget=48, block_size=256)
     assert engine.manifest.block_size == engine.kv_pool.block_size == 256
     for round_ in range(2):
-        out, _ = run_all(engine, prompts, params)
-        mismatched = [r for r in ref if ref[r] != out[r]]
-        assert not mismatched, f"round {round_}: {len(mismatched)} of {len(ref)} requests differ from K=0"
+        out, reasons = run_all(engine, prompts, params)
+        parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
+        print(f"round {round_}: {len(parted)} of {len(ref)} requests part from K=0 at near-ties: {parted}")
     head = engine.proposer.graphs
     print(f"256-token blocks, K=2: acceptance {engine.stats.acceptance_rate:.3f}; {engine.graphs.num_replays} of "
           f"{engine.num_steps} steps replayed ({engine.graphs.memory_bytes / 2**20:.0f} + "
@@ -304,9 +309,9 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert engine.is_idle_and_empty()
 
 
-def _greedy_run(engine, params) -> tuple[dict, dict, dict]:
-    """(tokens, finish reasons, per token the top-2 logprobs when asked) of PROMPTS, pools checked."""
-    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+def _greedy_run(engine, params, prompts=PROMPTS) -> tuple[dict, dict, dict]:
+    """(tokens, finish reasons, per token the top-2 logprobs when asked) of ``prompts``, pools checked."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
     tokens, reasons, tops = {}, {}, {}
     while engine.has_work:
@@ -350,7 +355,6 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
     eager: the acceptance read first); its verify forwards have other shapes than MTP off's,
     whose fp16 logits round differently, so a sequence may part from MTP off's where MTP off's
     two best tokens were a near-tie (NEAR_TIE in logprob), as in the seeded test."""
-    import dataclasses
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
     params[1] = SamplingParams(temperature=0, max_tokens=64)                   # may stop at EOS
@@ -381,7 +385,6 @@ def test_cuda_draft_calibration_times_every_depth_on_graphs_and_leaves_output_ex
     the table timed from steps that replayed graphs, the engine idle, empty and intact
     afterwards, and auto on that table gives MTP off's tokens (or parts at a near-tie, as in
     the overlap test)."""
-    import dataclasses
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
     ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, overlap=False),
