@@ -383,7 +383,8 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
             "times_after_kill": times, "serve_while_down": serve_while_down,
             "recovery_after_rejoin": recovered, "planner_while_down": planner_while_down,
             "planner_before": planner, "probes": probe_outcomes,
-            "outcomes": classify(records, killed_at, victim, cluster.nodes[index].proxy_url, args.max_tokens)}
+            "outcomes": classify(records, killed_at, victim, cluster.nodes[index].proxy_url, args.max_tokens,
+                                 {n.proxy_url: n.index for n in cluster.nodes})}
 
 
 def _open_probes(urls, model, prompt, replica: str, max_tokens: int, timeout_s: float) -> dict:
@@ -409,13 +410,17 @@ def _open_probes(urls, model, prompt, replica: str, max_tokens: int, timeout_s: 
     return probes
 
 
-def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: str, max_tokens: int) -> dict:
-    """The load's requests by what happened to them around the kill."""
+def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: str, max_tokens: int,
+             proxy_node: dict[str, int] | None = None) -> dict:
+    """The load's requests by what happened to them around the kill; ``stuck``: each hung or
+    unclear one in full (the proxy's node, when it started and ended against the kill, its
+    replica and the tokens it got), to tell where it stalled."""
     groups: dict[str, Counter] = {"before the kill": Counter(), "in flight on the lost replica": Counter(),
                                   "in flight through the lost node's proxy": Counter(),
                                   "in flight, no response started": Counter(),
                                   "in flight elsewhere": Counter(), "after the kill": Counter()}
     messages: Counter = Counter()
+    stuck = []
     for r in records:
         if r["ended"] < killed_at:
             group = "before the kill"
@@ -436,8 +441,12 @@ def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: s
         groups[group][outcome] += 1
         if r["error"] and outcome not in ("proxy lost", "proxy down"):
             messages[f"{group}: {outcome}: {r['error'][:140]}"] += 1
+        if outcome in ("hung", "unclear"):
+            stuck.append({"group": group, "outcome": outcome, "via_node": (proxy_node or {}).get(r["url"], r["url"]),
+                          "started_s": round(r["started"] - killed_at, 2), "ended_s": round(r["ended"] - killed_at, 2),
+                          "replica": r["replica"], "num_tokens": len(r["token_ids"]), "error": r["error"]})
     return {"num_requests": len(records), **{g: dict(c) for g, c in groups.items()},
-            "messages": dict(messages.most_common(10))}
+            "messages": dict(messages.most_common(10)), "stuck": stuck}
 
 
 def _concurrent(urls, model, prompts, max_tokens, n, timeout_s) -> list[dict]:
@@ -565,9 +574,10 @@ def format_nodes(f: dict) -> str:
             lines.append(f"  probes on the {name}, by proxy: " + ", ".join(
                 f"node {_node_of(f, url)}: {p['outcome']} after {p['num_tokens']} tokens" for url, p in group.items()))
         for group, counts in loss["outcomes"].items():
-            if isinstance(counts, dict) and group != "messages" and counts:
+            if isinstance(counts, dict) and group not in ("messages", "stuck") and counts:
                 lines.append(f"  {group}: {counts}")
         lines += [f"  {n} x {m}" for m, n in loss["outcomes"]["messages"].items()]
+        lines += [f"  stuck: {r}" for r in loss["outcomes"].get("stuck", [])]
         lines.append(f"  Serve while the node was down: {loss['serve_while_down']}")
         lines.append(f"  planner: before {loss['planner_before']}, while down {loss['planner_while_down']}, "
                      f"after {f.get('planner_after')}")

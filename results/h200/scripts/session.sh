@@ -182,9 +182,11 @@
 #     and prefix cache / no prefix cache / eager): each parting's position, both runs' top-two
 #     margin there and the rounding gap before it; then the attention kernel each eager step's
 #     PagedAttention picks at 256 (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1), counted.
+# bn: test_cuda's greedy MTP on == off tests under the near-tie rule (bm's finding), then the
+#     bundled model K=0 / 2 / auto at C=1 / 16 at 256- and 16-token blocks, 2 rounds (bk, shorter).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -789,6 +791,18 @@ prompts = [shared + ' ' + q for q in f.test_prompts()[:8]]
 f.run(f.engine_on('$bundled', 'cuda', 2, 256, cuda_graphs=False), prompts, None)
 " > "$OUT/kernel-info-b256.txt" 2>&1
   grep -v "^\s*$" "$OUT/kernel-info-b256.txt" | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -30 | cut -c1-300
+  step done
+  ;;
+bn)          # the near-tie tests, then bundled at 256 vs 16 (~330 s)
+  step "test_cuda: greedy MTP on == off up to near-ties (16- and 256-token blocks)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py -s \
+    -k "greedy_mtp_on_equals or flash_reads_in_place" 2>&1 | grep -v Warning \
+    | grep "part\|passed\|failed\|Error\|assert" | tail -16 | cut -c1-700 | tee "$OUT/test-cuda-near-ties.txt"
+  for b in 256 16; do
+    step "bundled K=0/2/auto, C=1/16, 2 rounds, --kv-block-size $b"
+    timeout 90 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
+      --rounds 2 --kv-block-size $b --name bundled-mtp-rounds-b$b 2>&1 | grep -v "prefill:" | tail -10
+  done
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
