@@ -177,11 +177,23 @@ class LocalCluster:
         return self
 
     def start_node(self, index: int, wait: bool = True, timeout_s: float = 120.0) -> Node:
-        """(Re)start node ``index`` (0 = head); with ``wait``, until Ray counts it alive."""
+        """(Re)start node ``index`` (0 = head); with ``wait``, until Ray counts it alive. A worker
+        node that fails to come up is started once more, on fresh ports: `ray start` gives a
+        raylet 30 s to register with the GCS, which a loaded 2-core machine can miss."""
+        assert not self.nodes[index].alive(), f"node {index} is already running"
+        if not wait or index == 0:
+            return self._start_node(index, wait, timeout_s)
+        try:
+            return self._start_node(index, wait, timeout_s)
+        except RuntimeError as e:
+            print(f"local cluster: node {index} did not come up ({str(e)[-300:]}); starting it again",
+                  file=sys.stderr, flush=True)
+            return self._start_node(index, wait, timeout_s)
+
+    def _start_node(self, index: int, wait: bool, timeout_s: float) -> Node:
         node = self.nodes[index]
-        assert not node.alive(), f"node {index} is already running"
-        if node.starts:           # a rejoin: reap what is left of the lost node, and take fresh ports (an
-            self.stop_node(index, timeout_s=5)     # agent of the old one may still hold its own for a while)
+        if node.starts:           # a rejoin or a second try: reap what is left of the node before, and take fresh
+            self.stop_node(index, timeout_s=5)     # ports (an agent of the old one may still hold its own a while)
             taken = {self.gcs_port, self.client_port, self.dashboard_port} if index == 0 else set()
             node.ports = dict(zip(NODE_PORTS, free_ports(len(NODE_PORTS), node.ip,
                                                          avoid=taken | {n.http_port for n in self.nodes})))

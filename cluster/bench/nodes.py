@@ -361,11 +361,7 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
     log(f"probes on the lost replica, by proxy: {probe_outcomes}")
     planner_while_down = _planner_where(APP_NAME, cluster)
     log(f"node down {time.perf_counter() - killed_at:.1f} s: {times}; Serve: {serve_while_down}")
-    try:
-        cluster.start_node(index)
-    except RuntimeError as e:          # a loaded machine can time a node's start out: once more
-        log(f"node {index} did not rejoin ({str(e)[-300:]}); starting it again")
-        cluster.start_node(index)
+    cluster.start_node(index)          # (started twice if the first start times out on a loaded machine)
     back_at = time.perf_counter()
     recovered = {"serve_running_s": None, "view_recovered_s": None}
     while time.perf_counter() - back_at < args.timeout_s and None in recovered.values():
