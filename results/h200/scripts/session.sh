@@ -184,9 +184,11 @@
 #     PagedAttention picks at 256 (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1), counted.
 # bn: test_cuda's greedy MTP on == off tests under the near-tie rule (bm's finding), then the
 #     bundled model K=0 / 2 / auto at C=1 / 16 at 256- and 16-token blocks, 2 rounds (bk, shorter).
+# bo: bundled auto against K=0 and never drafting, interleaved (bh's method: the H200's 0.895x),
+#     at C=16 and C=8, 3 rounds each (~200 s).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -802,6 +804,15 @@ bn)          # the near-tie tests, then bundled at 256 vs 16 (~330 s)
     step "bundled K=0/2/auto, C=1/16, 2 rounds, --kv-block-size $b"
     timeout 90 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 \
       --rounds 2 --kv-block-size $b --name bundled-mtp-rounds-b$b 2>&1 | grep -v "prefill:" | tail -10
+  done
+  step done
+  ;;
+bo)          # bundled auto vs K=0 and never drafting, interleaved, C=16 / 8 (~200 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py --interleave 64, bundled, C=$c, 128 requests, 3 rounds (K=0 / auto / never drafts)"
+    timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c$c.json" --concurrency $c \
+      --requests 128 --rounds 3 --interleave 64 2>&1 | grep "^round\|median" | cut -c1-500
   done
   step done
   ;;
