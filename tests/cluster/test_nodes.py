@@ -98,3 +98,30 @@ def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies(tmp_path):
         assert len(set(head)) == len(head) and not set(head) & proxies
         for node in cluster.nodes:
             assert len(set(node.ports.values())) == len(NODE_PORTS) and not set(node.ports.values()) & proxies
+
+
+def test_a_worker_node_that_does_not_come_up_is_started_once_more(tmp_path, monkeypatch):
+    """`ray start` gives a raylet 30 s to register with the GCS, which a loaded 2-core machine
+    missed ("The current node timed out during startup"): a worker node is started a second time
+    (the second start reaps the first and takes fresh ports); a second failure, and any failure
+    of the head, is the caller's."""
+    from mtpserve.cluster.local_cluster import LocalCluster
+
+    cluster = LocalCluster(num_workers=2, workdir=tmp_path / "c")      # nothing started
+    calls, failures = [], {1: 1, 2: 2, 0: 1}
+
+    def start(index, wait, timeout_s):
+        calls.append(index)
+        if failures[index]:
+            failures[index] -= 1
+            raise RuntimeError(f"node {index} exited: The current node timed out during startup")
+        return cluster.nodes[index]
+
+    monkeypatch.setattr(cluster, "_start_node", start)
+    assert cluster.start_node(1) is cluster.nodes[1] and calls == [1, 1]
+    with pytest.raises(RuntimeError, match="node 2"):
+        cluster.start_node(2)
+    assert calls[2:] == [2, 2]
+    with pytest.raises(RuntimeError, match="node 0"):
+        cluster.start_node(0)
+    assert calls[4:] == [0]
