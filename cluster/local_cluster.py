@@ -177,9 +177,9 @@ class LocalCluster:
         return self
 
     def start_node(self, index: int, wait: bool = True, timeout_s: float = 120.0) -> Node:
-        """(Re)start node ``index`` (0 = head); with ``wait``, until Ray counts it alive. A worker
-        node that fails to come up is started once more, on fresh ports: `ray start` gives a
-        raylet 30 s to register with the GCS, which a loaded 2-core machine can miss."""
+        """(Re)start node ``index`` (0 = head); with ``wait``, until Ray counts it alive. Then a
+        worker node that fails to come up is started once more, on fresh ports: `ray start` gives
+        a raylet 30 s to register with the GCS, which a loaded 2-core machine can miss."""
         assert not self.nodes[index].alive(), f"node {index} is already running"
         if not wait or index == 0:
             return self._start_node(index, wait, timeout_s)

@@ -407,10 +407,10 @@ def _open_probes(urls, model, prompt, replica: str, max_tokens: int, timeout_s: 
 
 
 def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: str, max_tokens: int,
-             proxy_node: dict[str, int] | None = None) -> dict:
+             proxy_node: dict[str, int]) -> dict:
     """The load's requests by what happened to them around the kill; ``stuck``: each hung or
-    unclear one in full (the proxy's node, when it started and ended against the kill, its
-    replica and the tokens it got), to tell where it stalled."""
+    unclear one in full (its proxy's node by ``proxy_node``, when it started and ended against
+    the kill, its replica and the tokens it got), to tell where it stalled."""
     groups: dict[str, Counter] = {"before the kill": Counter(), "in flight on the lost replica": Counter(),
                                   "in flight through the lost node's proxy": Counter(),
                                   "in flight, no response started": Counter(),
@@ -438,7 +438,7 @@ def classify(records: list[dict], killed_at: float, victim: str, victim_proxy: s
         if r["error"] and outcome not in ("proxy lost", "proxy down"):
             messages[f"{group}: {outcome}: {r['error'][:140]}"] += 1
         if outcome in ("hung", "unclear"):
-            stuck.append({"group": group, "outcome": outcome, "via_node": (proxy_node or {}).get(r["url"], r["url"]),
+            stuck.append({"group": group, "outcome": outcome, "via_node": proxy_node.get(r["url"], r["url"]),
                           "started_s": round(r["started"] - killed_at, 2), "ended_s": round(r["ended"] - killed_at, 2),
                           "replica": r["replica"], "num_tokens": len(r["token_ids"]), "error": r["error"]})
     return {"num_requests": len(records), **{g: dict(c) for g, c in groups.items()},

@@ -262,6 +262,10 @@ def _graph_share(engine) -> float:
     return g.num_replays / max(1, engine.num_steps)
 
 
+# 8 prompts of ~350 tokens sharing ~340 (reads across 256-token blocks; prefix hits of whole ones)
+SHARED_PREFIX_PROMPTS = [f"{' '.join(PROMPTS) * 2} {p}" for p in PROMPTS[:8]]
+
+
 @needs_cuda
 def test_cuda_at_a_block_size_flash_reads_in_place_mtp_on_parts_from_off_only_at_near_ties(model_dir):
     """At 256-token blocks (flash's minimum for the bundled model's head size of 64) ORT's
@@ -272,8 +276,7 @@ def test_cuda_at_a_block_size_flash_reads_in_place_mtp_on_parts_from_off_only_at
     off's two best logprobs were exactly equal there, and requests part at 16-token blocks as
     well (results/h200/mtp/20261205-session21/). (Against 16-token blocks the kernels differ, so
     near ties may part: printed, not asserted.)"""
-    shared = " ".join(PROMPTS) * 2                      # ~346 tokens
-    prompts = [f"{shared} {p}" for p in PROMPTS[:8]]
+    prompts = SHARED_PREFIX_PROMPTS
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(prompts)
     ref16, _ = run_all(engine_on(model_dir, "cuda", k=0, budget=48), prompts, params)
     ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", k=0, budget=48, block_size=256),

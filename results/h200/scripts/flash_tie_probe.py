@@ -1,6 +1,6 @@
 """Why greedy MTP on parted from MTP off at 256-token KV blocks (test_cuda, session 20: 1 of 8
-requests), with the test's own workload: 8 prompts of ~350 tokens sharing ~340, 64 greedy tokens,
-a 48-token step budget, CUDA graphs on.
+requests), with the test's own workload and engines (test_cuda's SHARED_PREFIX_PROMPTS, engine_on
+and _greedy_run: 8 prompts of ~350 tokens sharing ~340, 64 greedy tokens, a 48-token step budget).
 
 For each block size and engine setting, runs K=0 and K=2 with logprobs=2 (each emitted token's
 log-probability and the top two, from the logits the token was picked from: a decode row with
@@ -16,45 +16,22 @@ are without them.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
+import sys
 import time
 from pathlib import Path
 
-from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from mtpserve.engine.engine import Engine
-from mtpserve.engine.sampler import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "engine"))
+from mtpserve.engine.sampler import SamplingParams  # noqa: E402
+
+from test_cuda import SHARED_PREFIX_PROMPTS, _greedy_run, engine_on  # noqa: E402 - test_cuda's workload and engines
 
 
-def test_prompts() -> list[str]:
-    """test_engine.PROMPTS, read from the file (importing it needs pytest's conftest)."""
-    src = (Path(__file__).resolve().parents[3] / "tests" / "engine" / "test_engine.py").read_text()
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PROMPTS":
-            return ast.literal_eval(node.value)
-    raise RuntimeError("PROMPTS not found in tests/engine/test_engine.py")
-
-
-def engine_on(model_dir, device, k, block_size, prefix_cache=True, cuda_graphs=True) -> Engine:
-    """test_cuda's engine_on."""
-    return Engine(EngineConfig(str(model_dir), device=device,
-                               cache=CacheConfig(num_blocks=512, max_resident_requests=32, prefix_cache=prefix_cache,
-                                                 snapshot_interval=block_size, kv_block_size=block_size),
-                               scheduler=SchedulerConfig(max_tokens_per_step=48, max_requests_per_step=32),
-                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs))
-
-
-def run(engine, prompts, logprobs) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=logprobs)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    tokens, lps = {}, {}
-    while engine.has_work:
-        for ev in engine.step():
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            lps.setdefault(ev.request_id, []).extend(ev.logprobs or [])
-    engine.check_integrity()
-    return {"tokens": tokens, "logprobs": lps}
+def run(engine, logprobs) -> dict:
+    """test_cuda's workload on ``engine``, greedy, 64 tokens, logprobs=``logprobs``."""
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=logprobs)]
+    tokens, _, tops = _greedy_run(engine, params * len(SHARED_PREFIX_PROMPTS), SHARED_PREFIX_PROMPTS)
+    return {"tokens": tokens, "logprobs": tops}
 
 
 def margin(entry) -> float | None:
@@ -88,15 +65,13 @@ def main() -> None:
     p.add_argument("--block-sizes", default="256,16")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    shared = " ".join(test_prompts()) * 2
-    prompts = [f"{shared} {q}" for q in test_prompts()[:8]]
     out = {"model": args.model_dir, "runs": {}}
     for b in map(int, args.block_sizes.split(",")):
         for label, kw in (("graphs, prefix cache", {}), ("graphs, no prefix cache", {"prefix_cache": False}),
                           ("eager, prefix cache", {"cuda_graphs": False})):
             t0 = time.perf_counter()
-            runs = {k: run(engine_on(args.model_dir, args.device, k, b, **kw), prompts, 2) for k in (0, 2)}
-            plain = run(engine_on(args.model_dir, args.device, 2, b, **kw), prompts, None)
+            runs = {k: run(engine_on(args.model_dir, args.device, k, budget=48, block_size=b, **kw), 2) for k in (0, 2)}
+            plain = run(engine_on(args.model_dir, args.device, 2, budget=48, block_size=b, **kw), None)
             r = compare(runs[0], runs[2])
             r["logprobs_left_tokens_alone"] = plain["tokens"] == runs[2]["tokens"]
             r["seconds"] = round(time.perf_counter() - t0, 1)

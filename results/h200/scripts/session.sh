@@ -785,12 +785,9 @@ bm)          # why MTP on parted from off at 256-token blocks (~250 s)
     | grep -v "No registered plugin" | tail -40 | cut -c1-600
   step "the kernel each eager PagedAttention call picks at 256-token blocks, K=2 (counted)"
   ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 timeout 120 python3 -c "
-import sys; sys.argv = ['x', '$bundled', '/dev/null']
-sys.path.insert(0, 'results/h200/scripts')
+import sys; sys.path.insert(0, 'results/h200/scripts')
 import flash_tie_probe as f
-shared = ' '.join(f.test_prompts()) * 2
-prompts = [shared + ' ' + q for q in f.test_prompts()[:8]]
-f.run(f.engine_on('$bundled', 'cuda', 2, 256, cuda_graphs=False), prompts, None)
+f.run(f.engine_on('$bundled', 'cuda', 2, budget=48, block_size=256, cuda_graphs=False), None)
 " > "$OUT/kernel-info-b256.txt" 2>&1
   grep -v "^\s*$" "$OUT/kernel-info-b256.txt" | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -30 | cut -c1-300
   step done
