@@ -269,8 +269,9 @@ SHARED_PREFIX_PROMPTS = [f"{' '.join(PROMPTS) * 2} {p}" for p in PROMPTS[:8]]
 @needs_cuda
 def test_cuda_at_a_block_size_flash_reads_in_place_mtp_on_parts_from_off_only_at_near_ties(model_dir):
     """At 256-token blocks (flash's minimum for the bundled model's head size of 64) ORT's
-    PagedAttention reads prompts, verifies and decodes in place with its flash kernel: greedy MTP
-    on, on graphs, gives MTP off's tokens at that block size up to near-ties (near_tie_partings),
+    PagedAttention reads KV pages in place (its flash kernel, or cuDNN's for some calls: the H100's
+    kernel log, 2026-12-05) instead of gathering them into dense K and V: greedy MTP on, on
+    graphs, gives MTP off's tokens at that block size up to near-ties (near_tie_partings),
     with prompts of ~350 tokens sharing ~340 (reads across blocks) over two rounds (prefix hits of
     whole 256-token blocks). On the H200 (2026-12-05) 1 of 8 requests parted; on the H100 MTP
     off's two best logprobs were exactly equal there, and requests part at 16-token blocks as
