@@ -186,9 +186,12 @@
 #     bundled model K=0 / 2 / auto at C=1 / 16 at 256- and 16-token blocks, 2 rounds (bk, shorter).
 # bo: bundled auto against K=0 and never drafting, interleaved (bh's method: the H200's 0.895x),
 #     at C=16 and C=8, 3 rounds each (~200 s).
+# Next (session 22): session 20's auto turns at C=16 alternated ~0.79x / ~1.0x K=0 by half-wave.
+# bp: step_trace.py: every step of auto, never drafting and K=0, interleaved, bundled C=16: which
+#     steps auto loses its time in (prompt steps, steps launched alone, overlapped decode steps).
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -811,6 +814,13 @@ bo)          # bundled auto vs K=0 and never drafting, interleaved, C=16 / 8 (~2
     timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c$c.json" --concurrency $c \
       --requests 128 --rounds 3 --interleave 64 2>&1 | grep "^round\|median" | cut -c1-500
   done
+  step done
+  ;;
+bp)          # every step of auto / never drafting / K=0, bundled C=16, interleaved (~120 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds"
+  timeout 150 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16.json" --concurrency 16 \
+    --requests 128 --rounds 2 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)

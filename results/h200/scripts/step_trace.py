@@ -1,0 +1,113 @@
+"""Every step of auto against an MTP engine that never drafts (and K=0), interleaved: where
+auto's time goes step by step, not only in sum (auto_ab.py's rounds say how much, not where).
+
+    python3 step_trace.py MODEL_DIR OUT.json [--device cuda] [--concurrency 16] [--requests 128] [--rounds 2]
+
+The engines take turns of 64 steps (the order swapped each cycle), each a closed loop of C
+greedy requests of 128 tokens over the bundled prompts. Each step's record: its index in the
+run, wall ms, whether overlapped decoding had launched it (``pipelined``), whether it fed a
+prompt, its head forwards and rows, and the draft depth the policy planned for it. The summary
+(the second half of the steps, past the start) splits each engine's time into prompt steps,
+steps launched alone and overlapped decode steps, and lists the slowest steps.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from auto_ab import ClosedLoop  # noqa: E402
+
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS  # noqa: E402
+from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
+from mtpserve.engine.draft_policy import FixedDraftPolicy  # noqa: E402
+from mtpserve.engine.engine import Engine  # noqa: E402
+
+
+def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int = 64) -> dict:
+    """{engine name: [step record, ...]} over ``rounds`` interleaved closed loops."""
+    recs = {n: [] for n in engines}
+    planned = {n: [] for n in engines}
+    for n, e in engines.items():
+        ask = e.draft_policy.step_drafts
+
+        def step_drafts(requests, uniform, ask=ask, out=planned[n]):
+            depths = ask(requests, uniform)
+            out.append(depths[0] if depths else -1)
+            return depths
+        e.draft_policy.step_drafts = step_drafts
+    for r in range(rounds):
+        loops = {n: ClosedLoop(e, prompts, concurrency, f"{n}-{r}") for n, e in engines.items()}
+        index, cycle, names = {n: 0 for n in engines}, 0, list(engines)
+        while not all(loop.done for loop in loops.values()):
+            for n in names[cycle % len(names):] + names[:cycle % len(names)]:
+                loop, e = loops[n], engines[n]
+                for _ in range(turn):
+                    if loop.done:
+                        break
+                    before = len(planned[n])
+                    loop.advance(1)
+                    s = e.last_step
+                    recs[n].append({"round": r, "i": index[n], "ms": round(loop.times[-1] * 1e3, 4),
+                                    "pipelined": None if s is None else s.pipelined,
+                                    "prompt": None if s is None else s.has_prefill,
+                                    "head_forwards": 0 if s is None else s.num_head_forwards,
+                                    "head_rows": 0 if s is None else s.num_head_rows,
+                                    "rows": 0 if s is None else s.num_main_tokens,
+                                    "planned": planned[n][before:]})
+                    index[n] += 1
+            cycle += 1
+    return recs
+
+
+def summary(steps: list[dict]) -> dict:
+    """The steps' time by kind: prompt steps, steps launched alone, overlapped decode steps."""
+    def part(xs):
+        ms = [x["ms"] for x in xs]
+        return {"steps": len(ms), "ms": round(sum(ms), 2),
+                "mean_ms": round(statistics.mean(ms), 4) if ms else None,
+                "p50_ms": round(statistics.median(ms), 4) if ms else None}
+    return {"all": part(steps), "prompt": part([x for x in steps if x["prompt"]]),
+            "alone": part([x for x in steps if not x["prompt"] and x["pipelined"] is False]),
+            "overlapped": part([x for x in steps if not x["prompt"] and x["pipelined"]]),
+            "drafting": part([x for x in steps if x["head_forwards"]]),
+            "slowest": sorted(steps, key=lambda x: -x["ms"])[:16]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir")
+    p.add_argument("out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-k0", action="store_true", help="leave out K=0")
+    args = p.parse_args()
+    base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
+    engines = {"auto": Engine(dataclasses.replace(base, spec=SpecConfig("auto"))),
+               "never drafts": Engine(dataclasses.replace(base, spec=SpecConfig("auto")),
+                                      draft_policy=FixedDraftPolicy(0))}
+    if not args.no_k0:
+        engines["K=0"] = Engine(dataclasses.replace(base, spec=SpecConfig(0)))
+    texts = [engines["auto"].tokenizer.encode(t) for t in BUNDLED_PROMPTS]
+    prompts = [texts[i % len(texts)] for i in range(args.requests)]
+    recs = trace(engines, prompts, args.concurrency, args.rounds)
+    out = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
+           "requests": args.requests, "rounds": args.rounds, "steps": recs,
+           "summary": {n: summary([x for x in s if x["round"] == args.rounds - 1]) for n, s in recs.items()}}
+    Path(args.out).write_text(json.dumps(out))
+    for n, s in out["summary"].items():
+        print(f"{n}: " + "  ".join(f"{k} {v['steps']} steps {v['ms']} ms (mean {v['mean_ms']}, p50 {v['p50_ms']})"
+                                   for k, v in s.items() if k != "slowest"), flush=True)
+        for x in s["slowest"][:10]:
+            print("    ", {k: x[k] for k in ("i", "ms", "pipelined", "prompt", "head_forwards", "head_rows", "rows",
+                                            "planned")})
+
+
+if __name__ == "__main__":
+    main()
