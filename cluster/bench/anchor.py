@@ -125,7 +125,8 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
 # are counted as stray.
 
 
-def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep, max_tokens: int) -> LoadRun:
+def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep,
+                max_tokens: int | None = None) -> LoadRun:
     """Like engine_driver.run_load, for og.Engine: one `engine.run` call is one step."""
     import numpy as np
 
@@ -140,9 +141,10 @@ def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: Ancho
     def submit(i: int, arrival: float) -> None:
         req = engine.create_request()
         opts = og.TurnOptions(req)
-        opts.set_max_generated_tokens(max_tokens)
+        length = max_tokens or workload.max_tokens(i, sweep.max_tokens)
+        opts.set_max_generated_tokens(length)
         if sweep.ignore_eos:
-            opts.set_min_generated_tokens(max_tokens)
+            opts.set_min_generated_tokens(length)
         opts.set_do_sample(False)
         req.begin_turn(np.asarray(prompts[i], dtype=np.int32), opts)
         rec = RequestRecord(f"og-{i}", len(prompts[i]), arrival)
@@ -259,7 +261,7 @@ def child_main(spec_path: str, out_path: str) -> int:
                 if engine is None:
                     model, engine = _og_engine(og, shadow, k, workload, sweep)
                 max_drafts = engine.max_draft_tokens_per_proposal() if k else 0
-                run = og_run_load(og, engine, wl, load, k, sweep, sweep.max_tokens)
+                run = og_run_load(og, engine, wl, load, k, sweep)
                 run.extra["og_max_draft_tokens_per_proposal"] = max_drafts
                 result["runs"].append(run.to_dict())
                 save()

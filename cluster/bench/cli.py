@@ -35,6 +35,7 @@ import datetime as _dt
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mtpserve.cluster.bench import report
@@ -42,6 +43,7 @@ from mtpserve.cluster.bench.workload import (
     BUNDLED_PROMPTS,
     Load,
     Workload,
+    output_lengths,
     random_workload,
     text_workload,
     with_shared_prefixes,
@@ -126,6 +128,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, help="random token ids range, for --url without a local --model")
     g.add_argument("--num-prompts", type=int, help="requests per load (default: max(16, 2 x top concurrency))")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    g.add_argument("--range-ratio", type=float, default=0.0, metavar="R",
+                   help="each request's output length drawn (seeded) from --max-tokens x [1 - R, 1 + R], as vLLM's "
+                        "--random-range-ratio draws them (default 0: every request --max-tokens, so a closed loop's "
+                        "requests finish together and arrive in waves)")
     g.add_argument("--concurrency", default=None, help="closed-loop concurrency levels, e.g. 1,16 (default 1)")
     g.add_argument("--request-rate", default=None, help="open-loop Poisson request rates in req/s, e.g. 2,8")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -303,6 +309,10 @@ def _bench(args) -> int:
     parse_list(args.prefix_routing, _on_off, "--prefix-routing")
     if args.overlap_decode is not None:
         parse_list(args.overlap_decode, _on_off, "--overlap-decode")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio:g}")
+    if args.range_ratio and (args.nodes is not None or args.soak is not None):
+        raise ValueError("--nodes and --soak send requests of their own: drop --range-ratio")
     if args.nodes is not None:
         if args.kv_block_size is not None:
             raise ValueError("--nodes deploys the CPU replicas of its manifest as they are: drop --kv-block-size")
@@ -357,6 +367,7 @@ def _bench(args) -> int:
     vocab = args.vocab_size or (manifest.vocab_size if manifest else None)
     exclude = tuple(manifest.eos_token_ids) if manifest else ()
     workload = _workload(args, tokenizer, vocab, exclude, num_requests)
+    workload = replace(workload, output_lens=output_lengths(num_requests, args.max_tokens, args.range_ratio, args.seed))
     if args.shared_prefix_len:
         if vocab is None:
             raise ValueError("--shared-prefix-len needs a vocabulary size: give --model DIR or --vocab-size N")
@@ -507,7 +518,9 @@ def _report(args, runs, workload: Workload, loads, manifest, synthetic: bool, an
         "workload": {"num_requests": workload.num_requests, "prompt_set": "file" if args.prompts_file else args.prompts,
                      "prompt_tokens": {"min": min(lengths), "max": max(lengths),
                                        "mean": round(sum(lengths) / len(lengths), 1)},
-                     "max_tokens": args.max_tokens, "loads": [l.label for l in loads]},
+                     "max_tokens": args.max_tokens, "loads": [l.label for l in loads],
+                     **({"output_tokens": {"range_ratio": args.range_ratio, "min": min(workload.output_lens),
+                                           "max": max(workload.output_lens)}} if workload.output_lens else {})},
         "anchor_note": anchor_note,
         "results": summaries, "comparisons": comps,
     }

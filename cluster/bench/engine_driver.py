@@ -53,15 +53,16 @@ NO_OVERLAP = "mtpserve no-overlap"       # ... and with overlapped decoding turn
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
-                  num_requests: int) -> EngineConfig:
+                  num_requests: int, max_output_len: int | None = None) -> EngineConfig:
     """Pools sized so every load can keep its requests resident (unless told otherwise); k is
     a fixed draft count, "auto" (the adaptive policy on its fits) or "auto-timed" (on a table
     of step costs timed at start-up: ``SpecConfig.draft_calibration``)."""
+    max_output_len = max_output_len or sweep.max_tokens
     peak = max((l.concurrency or num_requests) for l in sweep.loads)
     resident = sweep.max_resident_requests or max(1, min(peak, 256))
     adaptive = isinstance(k, str)
     most_drafts = MAX_NUM_DRAFTS if adaptive else k
-    per_request = math.ceil((max_prompt_len + sweep.max_tokens + most_drafts + 1) / block_size) + 1
+    per_request = math.ceil((max_prompt_len + max_output_len + most_drafts + 1) / block_size) + 1
     num_blocks = sweep.num_blocks or max(64, resident * per_request + 8)
     default = SchedulerConfig().for_device(sweep.device).max_tokens_per_step
     budget = sweep.max_tokens_per_step or max(default, resident * (most_drafts + 1))
@@ -102,7 +103,8 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
 def ready_engine(sweep: EngineSweep, k: int | str, workload: Workload, block_size: int, log=print) -> Engine:
     """The engine of draft count ``k`` for this sweep, built (its start-up logged) and warmed up
     on ``workload``'s warm-up prompts."""
-    config = engine_config(sweep, k, block_size, max(len(p) for p in workload.prompt_ids), workload.num_requests)
+    config = engine_config(sweep, k, block_size, max(len(p) for p in workload.prompt_ids), workload.num_requests,
+                           max(workload.output_lens or [sweep.max_tokens]))
     started = time.perf_counter()
     engine = Engine(config)
     g = engine.graphs
@@ -160,7 +162,6 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              max_tokens: int | None = None, timers=None) -> LoadRun:
     """Drive `engine` through every request of `workload` at `load`; returns the timeline (with
     ``timers``, a ``PhaseTimers`` on the engine: its per-phase step times in ``extra["phases"]``)."""
-    max_tokens = max_tokens or sweep.max_tokens
     prompts, n = workload.prompt_ids, workload.num_requests
     records: dict[str, RequestRecord] = {}
     requests = []
@@ -179,7 +180,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
 
     def submit(i: int, arrival: float) -> None:
         rid = f"{tag}-{i}"
-        requests.append(engine.add_request(rid, prompts[i], sampling_params(sweep, max_tokens, i)))
+        length = max_tokens or workload.max_tokens(i, sweep.max_tokens)
+        requests.append(engine.add_request(rid, prompts[i], sampling_params(sweep, length, i)))
         records[rid] = RequestRecord(rid, len(prompts[i]), arrival)
 
     schedule = Submitter(workload, load, submit)

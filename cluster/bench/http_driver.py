@@ -189,7 +189,8 @@ async def _run_requests(session, target: HttpTarget, model: str, workload: Workl
         prompt = workload.prompt_texts[i] if workload.prompt_texts else workload.prompt_ids[i]
         rec = RequestRecord(f"http-{i}", len(workload.prompt_ids[i]), arrival)
         records[i] = rec
-        payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens or target.max_tokens, "stream": True,
+        payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens or workload.max_tokens(i, target.max_tokens),
+                   "stream": True,
                    "temperature": target.temperature, "stream_options": {"include_usage": True}}
         if target.ignore_eos:
             payload["ignore_eos"] = True

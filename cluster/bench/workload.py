@@ -71,17 +71,23 @@ class Workload:
     fresh, when set, makes the i-th prompt set (i >= 1; set 0 is ``prompt_ids``): ``per_load``
     gives each load a set of its own, so a prefix cache cannot answer a later load from an
     earlier one (random prompts; a fixed text list repeats by nature). ``warmup_ids``: the prompts
-    a warm-up before this workload runs (default: its own first ones).
+    a warm-up before this workload runs (default: its own first ones). ``output_lens``: each
+    request's max_tokens (``output_lengths``), or None for the run's one ``--max-tokens``.
     """
     prompt_ids: list[list[int]]
     prompt_texts: list[str] | None
     arrivals_s: list[float] | None = None
     fresh: Callable[[int], list[list[int]]] | None = field(default=None, compare=False, repr=False)
     warmup_ids: list[list[int]] | None = field(default=None, repr=False)
+    output_lens: list[int] | None = None
 
     @property
     def num_requests(self) -> int:
         return len(self.prompt_ids)
+
+    def max_tokens(self, i: int, default: int) -> int:
+        """Request i's max_tokens: its own length, or ``default`` (the run's one length)."""
+        return default if self.output_lens is None else self.output_lens[i]
 
     def with_arrivals(self, arrivals_s: list[float] | None) -> Workload:
         return replace(self, arrivals_s=arrivals_s)
@@ -90,7 +96,7 @@ class Workload:
         """The i-th prompt set (0 = this one) as a workload that warms up on set 0."""
         if i == 0 or self.fresh is None:
             return self
-        return Workload(self.fresh(i), None, self.arrivals_s, None, self.prompt_ids)
+        return Workload(self.fresh(i), None, self.arrivals_s, None, self.prompt_ids, self.output_lens)
 
     def warmup(self, n: int) -> Workload:
         """The first n prompts a warm-up before this workload sends (not this workload's own
@@ -189,7 +195,25 @@ def with_shared_prefixes(base: Workload, length: int, num_groups: int, vocab: in
         shared = prefixes(i)
         return [shared[g] + p for g, p in zip(groups, prompts)]
     return Workload(prefixed(0, base.prompt_ids), None, base.arrivals_s,
-                    fresh=(lambda i: prefixed(i, base.fresh(i))) if base.fresh else None)
+                    fresh=(lambda i: prefixed(i, base.fresh(i))) if base.fresh else None,
+                    output_lens=base.output_lens)
+
+
+def output_lengths(num_requests: int, max_tokens: int, range_ratio: float, seed: int = 0) -> list[int] | None:
+    """Each request's output length, drawn uniformly (seeded) from
+    [max_tokens * (1 - range_ratio), max_tokens * (1 + range_ratio)], as vLLM's
+    ``--random-range-ratio`` draws them; None for 0 (every request ``max_tokens``).
+
+    With one length for all, a closed loop's requests finish in the same step and the next C
+    arrive together in one prompt step, a rhythm real traffic does not have: an MTP engine whose
+    accepted drafts put some requests a token ahead loses it (each wave then arrives over two
+    steps that mix prompts with decoding rows), and so does HTTP, whose arrivals spread out."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"the range ratio must be in [0, 1), got {range_ratio}")
+    if range_ratio == 0.0:
+        return None
+    lo, hi = max(1, round(max_tokens * (1 - range_ratio))), max(1, round(max_tokens * (1 + range_ratio)))
+    return [int(n) for n in np.random.default_rng([seed, 11]).integers(lo, hi + 1, size=num_requests)]
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:

@@ -18,6 +18,7 @@ from mtpserve.cluster.bench.report import LoadRun, RequestRecord, summarize, the
 from mtpserve.cluster.bench.workload import (
     Load,
     Workload,
+    output_lengths,
     poisson_arrivals,
     random_workload,
     with_shared_prefixes,
@@ -327,6 +328,41 @@ def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, 
     assert "ms per step by engine phase" in capsys.readouterr().out
 
 
+def test_range_ratio_gives_each_request_its_own_seeded_output_length(tiny_paged_export, tmp_path):
+    """--range-ratio 0.5: each request generates its own length, drawn from 8 x [0.5, 1.5] (seeded,
+    the same in every run), and the JSON says the range; the prompts are those of a run without it."""
+    lens = output_lengths(6, 8, 0.5, seed=0)
+    assert lens == output_lengths(6, 8, 0.5, seed=0) != output_lengths(6, 8, 0.5, seed=1)
+    assert all(4 <= n <= 12 for n in lens) and len(set(lens)) > 1
+    assert output_lengths(6, 8, 0.0) is None
+    rc = bench(["--model", str(tiny_paged_export), "--draft-tokens", "0", "--concurrency", "2", "--num-prompts", "6",
+                "--max-tokens", "8", "--range-ratio", "0.5", "--warmup-requests", "1", "--save-requests", "--no-plot",
+                "--results-dir", str(tmp_path)])
+    assert rc == 0
+    data = only_json(tmp_path)
+    [r] = data["results"]
+    assert r["num_completed"] == 6 and r["num_output_tokens"] == sum(lens)
+    [run] = data["requests"]
+    by_index = {int(x["request_id"].rsplit("-", 1)[1]): x["num_output_tokens"] for x in run["records"]}
+    assert [by_index[i] for i in range(6)] == lens
+    assert data["workload"]["output_tokens"] == {"range_ratio": 0.5, "min": min(lens), "max": max(lens)}
+
+
+def test_og_driver_and_http_give_each_request_its_workload_length(fake_server):
+    """The workload's per-request lengths reach og.Engine's options and the HTTP body alike."""
+    lens = [2, 5, 3]
+    workload = Workload([[1, 2], [3], [4, 5, 6]], None, output_lens=lens)
+    sweep = bench_anchor.AnchorSweep("unused", (0,), (Load(concurrency=2),), 4)
+    run = bench_anchor.og_run_load(FakeOg, FakeOg.Engine(), workload, Load(concurrency=2), 0, sweep)
+    assert [r.num_output_tokens for r in run.records] == lens
+    from mtpserve.cluster.bench.http_driver import HttpTarget, run_http_loads
+    FakeOpenAI.state.update(max_in_flight=0, bodies=[])
+    target = HttpTarget(fake_server, "fake-model", None, 4, 0.0, True, 30.0, 0, True, 1)
+    [run] = run_http_loads(target, [(Load(concurrency=1), workload)], log=lambda *a: None)
+    assert sorted(b["max_tokens"] for b in FakeOpenAI.state["bodies"]) == sorted(lens)
+    assert [r.num_output_tokens for r in run.records] == lens
+
+
 def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--concurrency", "1", "--request-rate", "2", "--results-dir", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
@@ -342,6 +378,10 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert bench(["--direct-ingress", "--replicas", "0,2", "--results-dir", str(tmp_path)]) == 2
     assert "--direct-ingress measures one replica" in capsys.readouterr().err
     assert bench(["--direct-ingress", "--results-dir", str(tmp_path)]) == 2
+    assert bench(["--range-ratio", "1", "--results-dir", str(tmp_path)]) == 2
+    assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
+    assert bench(["--range-ratio", "0.5", "--nodes", "3", "--results-dir", str(tmp_path)]) == 2
+    assert "drop --range-ratio" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

@@ -6,7 +6,7 @@ many short runs each, the order rotated every round; each round's ratio is again
 of that round.
 
     python3 auto_ab.py MODEL_DIR OUT.json [--interleave 64] [--concurrency 16] [--requests 64] [--rounds 12] [--freeze] [--fixed 2,3]
-        [--synthetic 0.7 --random-prompts 128] [--bursts] [--table]
+        [--synthetic 0.7 --random-prompts 128] [--bursts] [--table] [--range-ratio 0.5]
 
 --interleave N runs the engines at once instead, each taking turns of N steps (the order rotated
 each cycle), so that every engine sees the same host: at C=16 the same engine's runs took 0.54
@@ -18,8 +18,9 @@ Each run also records its steps' p50 / p90 wall time and the garbage collector's
 (their count and milliseconds, by generation); --freeze calls gc.freeze() once the engines are
 built (what start-up leaves is then never scanned again by a full collection).
 
-Each run: a closed loop of C requests in flight over the bundled prompts (greedy, 128 tokens),
-N requests in all. Engines:
+Each run: a closed loop of C requests in flight over the bundled prompts (greedy, 128 tokens,
+or with --range-ratio R lengths drawn from 128 x [1 - R, 1 + R], the same for every engine), N
+requests in all. Engines:
   K=0            MTP off
   auto           the adaptive policy (serve's default)
   never drafts   an MTP engine whose policy always answers 0: what keeping hidden rows and the
@@ -42,7 +43,7 @@ import time
 
 import numpy as np
 
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.draft_policy import MAX_NUM_DRAFTS, AdaptiveDraftPolicy, FixedDraftPolicy
 from mtpserve.engine.engine import Engine
@@ -94,12 +95,14 @@ class ForwardClock:
 class ClosedLoop:
     """C requests of ``prompts`` in flight on one engine (greedy, ``max_tokens`` each), a finished
     one replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns
-    in an interleaved one. ``outputs``: each request's tokens, when ``keep_outputs``."""
+    in an interleaved one. ``max_tokens``: one length for all, or request i's (``workload.output_lengths``).
+    ``outputs``: each request's tokens, when ``keep_outputs``."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str,
-                 max_tokens: int = 128, keep_outputs: bool = False):
+                 max_tokens: int | list[int] = 128, keep_outputs: bool = False):
         self.engine, self.concurrency, self.tag = engine, concurrency, tag
-        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
         self.outputs: dict[str, list[int]] | None = {} if keep_outputs else None
         self.queue, self.in_flight = list(enumerate(prompts)), set()
         self.tokens, self.times, self.seconds, self.forward_seconds = 0, [], 0.0, 0.0
@@ -112,12 +115,12 @@ class ClosedLoop:
 
     def advance(self, max_steps: float = float("inf")) -> tuple[int, float]:
         """Up to ``max_steps`` steps: (tokens, wall seconds) of them."""
-        engine, params, outputs = self.engine, self.params, self.outputs
+        engine, outputs = self.engine, self.outputs
         tokens, steps, t0, f0 = self.tokens, 0, time.perf_counter(), ForwardClock.seconds
         while not self.done and steps < max_steps:
             while self.queue and len(self.in_flight) < self.concurrency:
                 i, p = self.queue.pop(0)
-                engine.add_request(f"{self.tag}-{i}", p, params)
+                engine.add_request(f"{self.tag}-{i}", p, self.params[i])
                 self.in_flight.add(f"{self.tag}-{i}")
             s0 = time.perf_counter()
             for ev in engine.step():
@@ -147,9 +150,9 @@ class ClosedLoop:
                 "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
 
 
-def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str) -> dict:
+def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str, lengths: int | list[int] = 128) -> dict:
     """One engine's whole run, with the garbage collector's passes during it."""
-    loop, clock = ClosedLoop(engine, prompts, concurrency, tag), GcClock()
+    loop, clock = ClosedLoop(engine, prompts, concurrency, tag, lengths), GcClock()
     loop.advance()
     return {**loop.result(), "gc": clock.close()}
 
@@ -158,12 +161,13 @@ def gc_note(rec: dict) -> str:
     return f", gc {rec['gc']['count']} {sum(rec['gc']['ms']):.1f} ms" if "gc" in rec else ""
 
 
-def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, tag: str, turn_steps: int) -> dict:
+def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, tag: str, turn_steps: int,
+                    lengths: int | list[int] = 128) -> dict:
     """Every engine's run at once, taking turns of ``turn_steps`` steps (the order rotated each
     cycle): the host's speed, which on the H200 host moved 2x between runs a second apart, is
     then shared by all of them. Each engine's time is the sum of its turns; ``turns`` keeps the
     ratio to K=0 of each cycle in which both ran a whole turn (tokens / seconds of the turn)."""
-    loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}") for n, e in engines.items()}
+    loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}", lengths) for n, e in engines.items()}
     names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != "K=0"}
     clock = GcClock()
     while not all(loop.done for loop in loops.values()):
@@ -224,7 +228,7 @@ def forward(key: str) -> bool:
     return any(f in key for f in FORWARDS)
 
 
-def profile_engines(engines: dict, prompts: list, concurrency: int) -> dict:
+def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int | list[int] = 128) -> dict:
     """cProfile one run of K=0, the engine that never drafts and auto (those present): each one's
     host time per step (own time outside the model's forwards), and what the MTP engine that
     never drafts adds to K=0 and auto adds to it, largest first."""
@@ -235,7 +239,7 @@ def profile_engines(engines: dict, prompts: list, concurrency: int) -> dict:
     for name in names:
         pr = cProfile.Profile()
         pr.enable()
-        r = run(engines[name], prompts, concurrency, f"prof-{name}")
+        r = run(engines[name], prompts, concurrency, f"prof-{name}", lengths)
         pr.disable()
         st = pstats.Stats(pr).stats
         key = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", v) for k, v in st.items()]
@@ -276,6 +280,9 @@ def main() -> None:
     p.add_argument("--no-fit", action="store_true", help="leave out auto on the fit (serve's default)")
     p.add_argument("--no-never", action="store_true", help="leave out the engine that never drafts (on the 1.4 B "
                    "model four engines' captures do not fit one H200: session 18's bb ran out of memory building a fourth)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths drawn from 128 x [1 - R, 1 + R], "
+                   "the same for every engine (bench's --range-ratio; 0: 128 for all, so a closed loop's requests "
+                   "arrive in waves)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
@@ -313,9 +320,10 @@ def main() -> None:
     else:
         texts = [e0.tokenizer.encode(t) for t in BUNDLED_PROMPTS]
         prompts = [texts[i % len(texts)] for i in range(args.requests)]
+    lengths = output_lengths(len(prompts), 128, args.range_ratio) or 128
     names = list(engines)
     for name, e in engines.items():          # one run each first: prefix caches filled alike
-        run(e, prompts, args.concurrency, f"warm-{name}")
+        run(e, prompts, args.concurrency, f"warm-{name}", lengths)
     if args.freeze:
         gc.collect()
         gc.freeze()
@@ -323,9 +331,10 @@ def main() -> None:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         if args.interleave:
-            rec = run_interleaved({n: engines[n] for n in order}, prompts, args.concurrency, f"r{r}", args.interleave)
+            rec = run_interleaved({n: engines[n] for n in order}, prompts, args.concurrency, f"r{r}", args.interleave,
+                                  lengths)
         else:
-            rec = {name: run(engines[name], prompts, args.concurrency, f"r{r}-{name}") for name in order}
+            rec = {name: run(engines[name], prompts, args.concurrency, f"r{r}-{name}", lengths) for name in order}
         for name in names[1:]:
             rec[name]["vs_k0"] = round(rec[name]["tok_s"] / rec["K=0"]["tok_s"], 4)
         rounds.append({"order": order, **rec})
@@ -349,7 +358,7 @@ def main() -> None:
               f"(min {min(s['ratios']):.3f}, max {max(s['ratios']):.3f})"
               + (f"; median of {s['turns']} turns {s['turns_median_vs_k0']:.3f}x" if "turns" in s else ""), flush=True)
     if args.profile:
-        summary["profile"] = profile_engines(engines, prompts, args.concurrency)
+        summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
     fixed = [n for n in names if n.startswith("K=")]
     if len(fixed) > 1:
         for name in [n for n in names if n.startswith("auto")]:
@@ -362,7 +371,7 @@ def main() -> None:
 def save(args, rounds: list, summary: dict) -> None:
     with open(args.out, "w") as f:
         json.dump({"model": args.model_dir, "concurrency": args.concurrency, "requests": args.requests,
-                   "freeze": args.freeze, "rounds": rounds, "summary": summary}, f, indent=1)
+                   "freeze": args.freeze, "range_ratio": args.range_ratio, "rounds": rounds, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

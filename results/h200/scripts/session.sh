@@ -188,10 +188,13 @@
 #     at C=16 and C=8, 3 rounds each (~200 s).
 # Next (session 22): session 20's auto turns at C=16 alternated ~0.79x / ~1.0x K=0 by half-wave.
 # bp: step_trace.py: every step of auto, never drafting and K=0, interleaved, bundled C=16: which
-#     steps auto loses its time in (prompt steps, steps launched alone, overlapped decode steps).
+#     steps auto loses its time in (prompt steps, steps launched alone, overlapped decode steps),
+#     with one output length for all (waves) and with lengths from 128 x [0.5, 1.5].
+# bq: the same comparisons on a workload without waves (--range-ratio 0.5): auto_ab.py at C=16 / 8,
+#     and bench rounds K=0 / 2 / auto at C=1 / 16.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -818,9 +821,23 @@ bo)          # bundled auto vs K=0 and never drafting, interleaved, C=16 / 8 (~2
   ;;
 bp)          # every step of auto / never drafting / K=0, bundled C=16, interleaved (~120 s)
   bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds"
-  timeout 150 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16.json" --concurrency 16 \
-    --requests 128 --rounds 2 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
+  for r in 0 0.5; do
+    step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio $r"
+    timeout 150 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r$r.json" --concurrency 16 \
+      --requests 128 --rounds 2 --range-ratio $r 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
+  done
+  step done
+  ;;
+bq)          # bo and the bench's rounds on a workload without waves: output lengths from 128 x [0.5, 1.5] (~330 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  for c in 16 8; do
+    step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=$c, 128 requests, 3 rounds (K=0 / auto / never drafts)"
+    timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c$c-r0.5.json" --concurrency $c \
+      --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
+  done
+  step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
+  timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
+    --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)

@@ -1,13 +1,14 @@
 """Every step of auto against an MTP engine that never drafts (and K=0), interleaved: where
 auto's time goes step by step, not only in sum (auto_ab.py's rounds say how much, not where).
 
-    python3 step_trace.py MODEL_DIR OUT.json [--device cuda] [--concurrency 16] [--requests 128] [--rounds 2]
+    python3 step_trace.py MODEL_DIR OUT.json [--device cuda] [--concurrency 16] [--requests 128] [--rounds 2] [--range-ratio 0.5]
 
-The engines take turns of 64 steps (the order swapped each cycle), each a closed loop of C
-greedy requests of 128 tokens over the bundled prompts. Each step's record: its index in the
-run, wall ms, whether overlapped decoding had launched it (``pipelined``), whether it fed a
-prompt, its head forwards and rows, and the draft depth the policy planned for it. The summary
-(the second half of the steps, past the start) splits each engine's time into prompt steps,
+The engines take turns of 64 steps (the order rotated each cycle), each a closed loop of C
+greedy requests of 128 tokens (or lengths from 128 x [1 - R, 1 + R] with --range-ratio R) over the bundled
+prompts. Each step's record: its index in the run, wall ms, whether overlapped decoding had
+launched it (``pipelined``), whether it fed a prompt, its head forwards and rows, and the draft
+depth the policy planned for it. The summary
+(the last round) splits each engine's time into prompt steps,
 steps launched alone and overlapped decode steps, and lists the slowest steps.
 """
 from __future__ import annotations
@@ -22,13 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from auto_ab import ClosedLoop  # noqa: E402
 
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS  # noqa: E402
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.draft_policy import FixedDraftPolicy  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 
 
-def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int = 64) -> dict:
+def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int = 64,
+          lengths: int | list[int] = 128) -> dict:
     """{engine name: [step record, ...]} over ``rounds`` interleaved closed loops."""
     recs = {n: [] for n in engines}
     planned = {n: [] for n in engines}
@@ -41,7 +43,7 @@ def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int
             return depths
         e.draft_policy.step_drafts = step_drafts
     for r in range(rounds):
-        loops = {n: ClosedLoop(e, prompts, concurrency, f"{n}-{r}") for n, e in engines.items()}
+        loops = {n: ClosedLoop(e, prompts, concurrency, f"{n}-{r}", lengths) for n, e in engines.items()}
         index, cycle, names = {n: 0 for n in engines}, 0, list(engines)
         while not all(loop.done for loop in loops.values()):
             for n in names[cycle % len(names):] + names[:cycle % len(names)]:
@@ -86,6 +88,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths from 128 x [1 - R, 1 + R]")
     p.add_argument("--no-k0", action="store_true", help="leave out K=0")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
@@ -96,9 +99,10 @@ def main() -> None:
         engines["K=0"] = Engine(dataclasses.replace(base, spec=SpecConfig(0)))
     texts = [engines["auto"].tokenizer.encode(t) for t in BUNDLED_PROMPTS]
     prompts = [texts[i % len(texts)] for i in range(args.requests)]
-    recs = trace(engines, prompts, args.concurrency, args.rounds)
+    recs = trace(engines, prompts, args.concurrency, args.rounds,
+                 lengths=output_lengths(len(prompts), 128, args.range_ratio) or 128)
     out = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
-           "requests": args.requests, "rounds": args.rounds, "steps": recs,
+           "requests": args.requests, "rounds": args.rounds, "range_ratio": args.range_ratio, "steps": recs,
            "summary": {n: summary([x for x in s if x["round"] == args.rounds - 1]) for n, s in recs.items()}}
     Path(args.out).write_text(json.dumps(out))
     for n, s in out["summary"].items():
