@@ -192,9 +192,11 @@
 #     with one output length for all (waves) and with lengths from 128 x [0.5, 1.5].
 # bq: the same comparisons on a workload without waves (--range-ratio 0.5): auto_ab.py at C=16 / 8,
 #     and bench rounds K=0 / 2 / auto at C=1 / 16.
+# br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
+#     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -838,6 +840,14 @@ bq)          # bo and the bench's rounds on a workload without waves: output len
   step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
   timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
     --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
+  step done
+  ;;
+br)          # what HTTP adds, on output lengths from 128 x [0.5, 1.5] (needs the --serve kit; ~240 s)
+  step "HTTP: 2 API servers vs in process, 4 client processes, bundled, C=1 / 16, 256 prompts, --range-ratio 0.5"
+  timeout 260 "${bench[@]}" --replicas 0,1 --direct-ingress --api-servers 2 --num-threads 1 --client-processes 4 \
+    --concurrency 1,16 --num-prompts 256 --max-tokens 128 --range-ratio 0.5 --draft-tokens 0 --no-plot \
+    --name bundled-http-4-clients-r0.5 2>&1 | grep -v INFO \
+    | grep -E "client CPU|server's mean|stalls|^in-process|^1 replica|serving adds|^HTTP|results:" | tail -18
   step done
   ;;
 bb|be)       # the 1.4 B model at synthetic acceptance 0.7 (bb) or 0.3 (be), C=16 then C=1 (~500 s)
