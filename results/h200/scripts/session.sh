@@ -192,11 +192,12 @@
 #     with one output length for all (waves) and with lengths from 128 x [0.5, 1.5].
 # bq: the same comparisons on a workload without waves (--range-ratio 0.5): auto_ab.py at C=16 / 8,
 #     and bench rounds K=0 / 2 / auto at C=1 / 16.
+# bs: bp and bq's auto_ab.py at C=16 in one call (when device time is short; ~330 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -840,6 +841,14 @@ bq)          # bo and the bench's rounds on a workload without waves: output len
   step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
   timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
     --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
+  step done
+  ;;
+bs)          # bp, then bq's auto_ab.py at C=16 only (~330 s)
+  bash "$0" bp
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
+  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
+  timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
+    --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
   step done
   ;;
 br)          # what HTTP adds, on output lengths from 128 x [0.5, 1.5] (needs the --serve kit; ~240 s)
