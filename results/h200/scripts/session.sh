@@ -826,7 +826,7 @@ bp)          # every step of auto / never drafting / K=0, bundled C=16, interlea
   bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   for r in 0 0.5; do
     step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio $r"
-    timeout 150 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r$r.json" --concurrency 16 \
+    timeout 120 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r$r.json" --concurrency 16 \
       --requests 128 --rounds 2 --range-ratio $r 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
   done
   step done
