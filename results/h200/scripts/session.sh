@@ -194,11 +194,12 @@
 #     and bench rounds K=0 / 2 / auto at C=1 / 16.
 # bs: bp and bq's auto_ab.py at C=16 in one call (when device time is short; ~330 s).
 # bt: the least of bs (device time nearly spent): the trace with waves, auto_ab.py at C=16 without (~200 s).
+# bu: bt's auto_ab.py alone (~85 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -857,6 +858,13 @@ bt)          # step_trace.py with waves, then auto_ab.py at C=16 without (~200 s
   step "step_trace.py, bundled, C=16, 128 requests, 2 rounds"
   timeout 105 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r0.json" --concurrency 16 \
     --requests 128 --rounds 2 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
+  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
+  timeout 85 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
+    --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
+  step done
+  ;;
+bu)          # bt's auto_ab.py alone: auto vs K=0 at C=16 without waves (~85 s)
+  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
   step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
   timeout 85 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
     --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
