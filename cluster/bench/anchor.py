@@ -127,7 +127,8 @@ def shadow_export(model_dir: Path, shadow: Path, k: int, num_blocks: int, max_ba
 
 def og_run_load(og, engine, workload: Workload, load: Load, k: int, sweep: AnchorSweep,
                 max_tokens: int | None = None) -> LoadRun:
-    """Like engine_driver.run_load, for og.Engine: one `engine.run` call is one step."""
+    """Like engine_driver.run_load, for og.Engine: one `engine.run` call is one step (``max_tokens``
+    as there: one length for all, else each request's own from the workload)."""
     import numpy as np
 
     prompts, n = workload.prompt_ids, workload.num_requests

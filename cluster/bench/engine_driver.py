@@ -161,7 +161,9 @@ def _offset_sets(workload: Workload, offset: int) -> Workload:
 def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load, k: int, tag: str,
              max_tokens: int | None = None, timers=None) -> LoadRun:
     """Drive `engine` through every request of `workload` at `load`; returns the timeline (with
-    ``timers``, a ``PhaseTimers`` on the engine: its per-phase step times in ``extra["phases"]``)."""
+    ``timers``, a ``PhaseTimers`` on the engine: its per-phase step times in ``extra["phases"]``).
+    ``max_tokens``: one length for every request (a warm-up's); else each request's own from the
+    workload (``Workload.max_tokens``)."""
     prompts, n = workload.prompt_ids, workload.num_requests
     records: dict[str, RequestRecord] = {}
     requests = []
