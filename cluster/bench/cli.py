@@ -237,6 +237,9 @@ def _log(message: str) -> None:
 def cmd_bench(args) -> int:
     from mtpserve.engine.manifest import ModelLoadError
     if args.serving_overhead is not None:
+        if args.range_ratio:
+            print("mtpserve: error: --serving-overhead sends requests of its own: drop --range-ratio", file=sys.stderr)
+            return 2
         from mtpserve.cluster.bench import serving_overhead
         return serving_overhead.main(["--model", args.model, *args.serving_overhead],
                                      prog="mtpserve bench --serving-overhead")

@@ -53,11 +53,11 @@ NO_OVERLAP = "mtpserve no-overlap"       # ... and with overlapped decoding turn
 
 
 def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_len: int,
-                  num_requests: int, max_output_len: int | None = None) -> EngineConfig:
-    """Pools sized so every load can keep its requests resident (unless told otherwise); k is
-    a fixed draft count, "auto" (the adaptive policy on its fits) or "auto-timed" (on a table
-    of step costs timed at start-up: ``SpecConfig.draft_calibration``)."""
-    max_output_len = max_output_len or sweep.max_tokens
+                  num_requests: int, max_output_len: int) -> EngineConfig:
+    """Pools sized so every load can keep its requests resident (unless told otherwise), each up
+    to ``max_prompt_len`` + ``max_output_len`` tokens; k is a fixed draft count, "auto" (the
+    adaptive policy on its fits) or "auto-timed" (on a table of step costs timed at start-up:
+    ``SpecConfig.draft_calibration``)."""
     peak = max((l.concurrency or num_requests) for l in sweep.loads)
     resident = sweep.max_resident_requests or max(1, min(peak, 256))
     adaptive = isinstance(k, str)

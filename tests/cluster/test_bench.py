@@ -382,6 +382,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
     assert bench(["--range-ratio", "0.5", "--nodes", "3", "--results-dir", str(tmp_path)]) == 2
     assert "drop --range-ratio" in capsys.readouterr().err
+    assert bench(["--range-ratio", "0.5", "--serving-overhead", "--requests", "1", "--results-dir", str(tmp_path)]) == 2
+    assert "--serving-overhead sends requests of its own" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

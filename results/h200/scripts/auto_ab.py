@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import statistics
@@ -43,7 +44,7 @@ import time
 
 import numpy as np
 
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.draft_policy import MAX_NUM_DRAFTS, AdaptiveDraftPolicy, FixedDraftPolicy
 from mtpserve.engine.engine import Engine
@@ -96,11 +97,12 @@ class ClosedLoop:
     """C requests of ``prompts`` in flight on one engine (greedy, ``max_tokens`` each), a finished
     one replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns
     in an interleaved one. ``max_tokens``: one length for all, or request i's (``workload.output_lengths``).
-    ``outputs``: each request's tokens, when ``keep_outputs``."""
+    ``outputs``: each request's tokens, when ``keep_outputs``. ``on_step(loop)``: called after each
+    step (``step_trace.py`` records it)."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str,
-                 max_tokens: int | list[int] = 128, keep_outputs: bool = False):
-        self.engine, self.concurrency, self.tag = engine, concurrency, tag
+                 max_tokens: int | list[int] = 128, keep_outputs: bool = False, on_step=None):
+        self.engine, self.concurrency, self.tag, self.on_step = engine, concurrency, tag, on_step
         lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
         self.outputs: dict[str, list[int]] | None = {} if keep_outputs else None
@@ -133,6 +135,8 @@ class ClosedLoop:
             steps += 1
             if engine.last_step is not None:
                 self.pipelined[str(engine.last_step.pipelined)] += 1
+            if self.on_step is not None:
+                self.on_step(self)
         wall = time.perf_counter() - t0
         self.seconds += wall
         self.forward_seconds += ForwardClock.seconds - f0
@@ -162,12 +166,15 @@ def gc_note(rec: dict) -> str:
 
 
 def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, tag: str, turn_steps: int,
-                    lengths: int | list[int] = 128) -> dict:
+                    lengths: int | list[int] = 128, on_step=None) -> dict:
     """Every engine's run at once, taking turns of ``turn_steps`` steps (the order rotated each
     cycle): the host's speed, which on the H200 host moved 2x between runs a second apart, is
     then shared by all of them. Each engine's time is the sum of its turns; ``turns`` keeps the
-    ratio to K=0 of each cycle in which both ran a whole turn (tokens / seconds of the turn)."""
-    loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}", lengths) for n, e in engines.items()}
+    ratio to K=0 of each cycle in which both ran a whole turn (tokens / seconds of the turn).
+    ``on_step(name, loop)``: called after each step of engine ``name``."""
+    loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}", lengths,
+                           on_step=None if on_step is None else functools.partial(on_step, n))
+             for n, e in engines.items()}
     names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != "K=0"}
     clock = GcClock()
     while not all(loop.done for loop in loops.values()):
@@ -318,8 +325,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = rng.integers(3, e0.manifest.vocab_size, (args.requests, args.random_prompts)).tolist()
     else:
-        texts = [e0.tokenizer.encode(t) for t in BUNDLED_PROMPTS]
-        prompts = [texts[i % len(texts)] for i in range(args.requests)]
+        prompts = text_workload(BUNDLED_PROMPTS, e0.tokenizer.encode, args.requests).prompt_ids
     lengths = output_lengths(len(prompts), 128, args.range_ratio) or 128
     names = list(engines)
     for name, e in engines.items():          # one run each first: prefix caches filled alike

@@ -215,6 +215,18 @@ run_test_cuda() {        # the device tests of this checkout, their summary unde
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
     | tee "$OUT/test-cuda.txt"
 }
+step_trace_c16() {       # $1: --range-ratio, $2: timeout (s); every step of auto / never drafting / K=0 at C=16
+  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio $1"
+  timeout "$2" python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r$1.json" \
+    --concurrency 16 --requests 128 --rounds 2 --range-ratio "$1" 2>&1 | grep -v "No registered plugin\|Warning" \
+    | tail -36 | cut -c1-400
+}
+auto_ab_without_waves() {   # $1: concurrency, $2: timeout (s); K=0 / auto / never drafts on lengths from 128 x [0.5, 1.5]
+  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=$1, 128 requests, 3 rounds (K=0 / auto / never drafts)"
+  timeout "$2" python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c$1-r0.5.json" \
+    --concurrency "$1" --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" \
+    | cut -c1-500
+}
 bundled_mtp_rounds() {   # $1 rounds of K=0 / 2 / 3 / auto at C=1 / 16, phases on
   step bundled K=0/2/3/auto, C=1/16, $1 rounds
   timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds "$1" \
@@ -824,50 +836,32 @@ bo)          # bundled auto vs K=0 and never drafting, interleaved, C=16 / 8 (~2
   done
   step done
   ;;
-bp)          # every step of auto / never drafting / K=0, bundled C=16, interleaved (~120 s)
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  for r in 0 0.5; do
-    step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio $r"
-    timeout 120 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r$r.json" --concurrency 16 \
-      --requests 128 --rounds 2 --range-ratio $r 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
-  done
+bp)          # every step of auto / never drafting / K=0, bundled C=16, interleaved, with waves and without (~240 s)
+  step_trace_c16 0 120
+  step_trace_c16 0.5 120
   step done
   ;;
 bq)          # bo and the bench's rounds on a workload without waves: output lengths from 128 x [0.5, 1.5] (~330 s)
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  for c in 16 8; do
-    step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=$c, 128 requests, 3 rounds (K=0 / auto / never drafts)"
-    timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c$c-r0.5.json" --concurrency $c \
-      --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
-  done
+  auto_ab_without_waves 16 95
+  auto_ab_without_waves 8 95
   step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
   timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
     --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
   step done
   ;;
 bs)          # bp, then bq's auto_ab.py at C=16 only (~330 s)
-  bash "$0" bp
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
-  timeout 95 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
-    --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
+  step_trace_c16 0 120
+  step_trace_c16 0.5 120
+  auto_ab_without_waves 16 95
   step done
   ;;
-bt)          # step_trace.py with waves, then auto_ab.py at C=16 without (~200 s)
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds"
-  timeout 105 python3 results/h200/scripts/step_trace.py $bundled "$OUT/step-trace-c16-r0.json" --concurrency 16 \
-    --requests 128 --rounds 2 2>&1 | grep -v "No registered plugin\|Warning" | tail -36 | cut -c1-400
-  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
-  timeout 85 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
-    --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
+bt)          # the trace with waves, then auto_ab.py at C=16 without (~200 s)
+  step_trace_c16 0 105
+  auto_ab_without_waves 16 85
   step done
   ;;
-bu)          # bt's auto_ab.py alone: auto vs K=0 at C=16 without waves (~85 s)
-  bundled=$(python3 -c 'from mtpserve.engine.bundled import MODEL_DIR; print(MODEL_DIR)')
-  step "auto_ab.py --interleave 64 --range-ratio 0.5, bundled, C=16, 128 requests, 3 rounds (K=0 / auto / never drafts)"
-  timeout 85 python3 results/h200/scripts/auto_ab.py $bundled "$OUT/auto-ab-c16-r0.5.json" --concurrency 16 \
-    --requests 128 --rounds 3 --interleave 64 --range-ratio 0.5 2>&1 | grep "^round\|median" | cut -c1-500
+bu)          # auto vs K=0 at C=16 without waves (~85 s)
+  auto_ab_without_waves 16 85
   step done
   ;;
 br)          # what HTTP adds, on output lengths from 128 x [0.5, 1.5] (needs the --serve kit; ~240 s)

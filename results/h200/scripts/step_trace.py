@@ -3,13 +3,14 @@ auto's time goes step by step, not only in sum (auto_ab.py's rounds say how much
 
     python3 step_trace.py MODEL_DIR OUT.json [--device cuda] [--concurrency 16] [--requests 128] [--rounds 2] [--range-ratio 0.5]
 
-The engines take turns of 64 steps (the order rotated each cycle), each a closed loop of C
-greedy requests of 128 tokens (or lengths from 128 x [1 - R, 1 + R] with --range-ratio R) over the bundled
-prompts. Each step's record: its index in the run, wall ms, whether overlapped decoding had
-launched it (``pipelined``), whether it fed a prompt, its head forwards and rows, and the draft
-depth the policy planned for it. The summary
-(the last round) splits each engine's time into prompt steps,
-steps launched alone and overlapped decode steps, and lists the slowest steps.
+The engines take turns of 64 steps (auto_ab.py's ``run_interleaved``), each a closed loop of C
+greedy requests of 128 tokens (or lengths from 128 x [1 - R, 1 + R] with --range-ratio R) over
+the bundled prompts. Each step's record: its index in the run, wall ms, whether overlapped
+decoding had launched it (``pipelined``), whether it fed a prompt, its head forwards and rows,
+and the draft depths the policy was asked for during the step (``planned``: with overlapped
+decoding the next step's plan is asked while this one runs, so a drafting step's own plan shows
+in the step before it). The summary (the last round) splits each engine's time into prompt
+steps, steps launched alone, overlapped decode steps and drafting steps, and lists the slowest.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from auto_ab import ClosedLoop  # noqa: E402
+from auto_ab import run_interleaved  # noqa: E402
 
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths  # noqa: E402
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.draft_policy import FixedDraftPolicy  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
@@ -31,7 +32,7 @@ from mtpserve.engine.engine import Engine  # noqa: E402
 
 def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int = 64,
           lengths: int | list[int] = 128) -> dict:
-    """{engine name: [step record, ...]} over ``rounds`` interleaved closed loops."""
+    """{engine name: [step record, ...]} over ``rounds`` of auto_ab.py's ``run_interleaved``."""
     recs = {n: [] for n in engines}
     planned = {n: [] for n in engines}
     for n, e in engines.items():
@@ -43,26 +44,17 @@ def trace(engines: dict, prompts: list, concurrency: int, rounds: int, turn: int
             return depths
         e.draft_policy.step_drafts = step_drafts
     for r in range(rounds):
-        loops = {n: ClosedLoop(e, prompts, concurrency, f"{n}-{r}", lengths) for n, e in engines.items()}
-        index, cycle, names = {n: 0 for n in engines}, 0, list(engines)
-        while not all(loop.done for loop in loops.values()):
-            for n in names[cycle % len(names):] + names[:cycle % len(names)]:
-                loop, e = loops[n], engines[n]
-                for _ in range(turn):
-                    if loop.done:
-                        break
-                    before = len(planned[n])
-                    loop.advance(1)
-                    s = e.last_step
-                    recs[n].append({"round": r, "i": index[n], "ms": round(loop.times[-1] * 1e3, 4),
-                                    "pipelined": None if s is None else s.pipelined,
-                                    "prompt": None if s is None else s.has_prefill,
-                                    "head_forwards": 0 if s is None else s.num_head_forwards,
-                                    "head_rows": 0 if s is None else s.num_head_rows,
-                                    "rows": 0 if s is None else s.num_main_tokens,
-                                    "planned": planned[n][before:]})
-                    index[n] += 1
-            cycle += 1
+        def record(name, loop, r=r):
+            s, asked = loop.engine.last_step, planned[name]
+            recs[name].append({"round": r, "i": len(loop.times) - 1, "ms": round(loop.times[-1] * 1e3, 4),
+                               "pipelined": None if s is None else s.pipelined,
+                               "prompt": None if s is None else s.has_prefill,
+                               "head_forwards": 0 if s is None else s.num_head_forwards,
+                               "head_rows": 0 if s is None else s.num_head_rows,
+                               "rows": 0 if s is None else s.num_main_tokens,
+                               "planned": asked[:]})
+            asked.clear()
+        run_interleaved(engines, prompts, concurrency, f"r{r}", turn, lengths, on_step=record)
     return recs
 
 
@@ -89,16 +81,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths from 128 x [1 - R, 1 + R]")
-    p.add_argument("--no-k0", action="store_true", help="leave out K=0")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
-    engines = {"auto": Engine(dataclasses.replace(base, spec=SpecConfig("auto"))),
+    engines = {"K=0": Engine(dataclasses.replace(base, spec=SpecConfig(0))),
+               "auto": Engine(dataclasses.replace(base, spec=SpecConfig("auto"))),
                "never drafts": Engine(dataclasses.replace(base, spec=SpecConfig("auto")),
                                       draft_policy=FixedDraftPolicy(0))}
-    if not args.no_k0:
-        engines["K=0"] = Engine(dataclasses.replace(base, spec=SpecConfig(0)))
-    texts = [engines["auto"].tokenizer.encode(t) for t in BUNDLED_PROMPTS]
-    prompts = [texts[i % len(texts)] for i in range(args.requests)]
+    prompts = text_workload(BUNDLED_PROMPTS, engines["K=0"].tokenizer.encode, args.requests).prompt_ids
     recs = trace(engines, prompts, args.concurrency, args.rounds,
                  lengths=output_lengths(len(prompts), 128, args.range_ratio) or 128)
     out = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
