@@ -236,13 +236,14 @@ def forward(key: str) -> bool:
 
 
 def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int | list[int] = 128) -> dict:
-    """cProfile one run of K=0, the engine that never drafts and auto (those present): each one's
-    host time per step (own time outside the model's forwards), and what the MTP engine that
-    never drafts adds to K=0 and auto adds to it, largest first."""
+    """cProfile one run of K=0, the engine that never drafts, auto and each fixed K (those
+    present): each one's host time per step and per generated token (own time outside the
+    model's forwards), and what each adds to the one before it, largest first."""
     import cProfile
     import pstats
-    own, calls, host = {}, {}, {}
-    names = [n for n in ("K=0", "never drafts", "auto") if n in engines]
+    own, calls, host, per_token = {}, {}, {}, {}
+    names = [n for n in ("K=0", "never drafts", "auto") if n in engines] + \
+        [n for n in engines if n.startswith("K=") and n != "K=0"]
     for name in names:
         pr = cProfile.Profile()
         pr.enable()
@@ -253,9 +254,11 @@ def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int
         own[name] = {k: v[2] / r["steps"] * 1e6 for k, v in key}
         calls[name] = {k: v[1] / r["steps"] for k, v in key}
         host[name] = sum(t for k, t in own[name].items() if not forward(k))
-        print(f"profiled {name}: {r['ms_per_step']:.3f} ms/step, host {host[name]:.1f} us/step "
-              "(own time outside the forwards, under cProfile)", flush=True)
-    out = {"host_us_per_step": {n: round(h, 1) for n, h in host.items()}}
+        per_token[name] = host[name] * r["steps"] / r["tokens"]
+        print(f"profiled {name}: {r['ms_per_step']:.3f} ms/step, host {host[name]:.1f} us/step, "
+              f"{per_token[name]:.1f} us/token (own time outside the forwards, under cProfile)", flush=True)
+    out = {"host_us_per_step": {n: round(h, 1) for n, h in host.items()},
+           "host_us_per_token": {n: round(h, 1) for n, h in per_token.items()}}
     for a, b in zip(names, names[1:]):
         diff = sorted(((own[b].get(k, 0.0) - own[a].get(k, 0.0), k) for k in set(own[a]) | set(own[b])
                        if not forward(k)), reverse=True)

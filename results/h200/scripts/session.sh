@@ -195,11 +195,15 @@
 # bs: bp and bq's auto_ab.py at C=16 in one call (when device time is short; ~330 s).
 # bt: the least of bs (device time nearly spent): the trace with waves, auto_ab.py at C=16 without (~200 s).
 # bu: bt's auto_ab.py alone (~85 s).
+# Session 23:
+# bv: step_costs.py on the bundled model at this code (replays, the commit on the device, the K=2
+#     ceiling at zero host time, cProfile of the K=0 and K=2 loops at B=1 / 16: where a drafting
+#     step's host time goes now; session 9 profiled it last), then bt (~420 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -856,6 +860,14 @@ bs)          # bp, then bq's auto_ab.py at C=16 only (~330 s)
   step done
   ;;
 bt)          # the trace with waves, then auto_ab.py at C=16 without (~200 s)
+  step_trace_c16 0 105
+  auto_ab_without_waves 16 85
+  step done
+  ;;
+bv)          # step costs at this code, then bt (~420 s)
+  step step costs, bundled, B=1 / 16, K=2 at synthetic 0.8
+  timeout 200 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
+    --batches 1,16 2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/step-costs-bundled.txt" | head -24
   step_trace_c16 0 105
   auto_ab_without_waves 16 85
   step done

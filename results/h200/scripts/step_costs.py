@@ -9,8 +9,10 @@ then, with nothing else running:
             (1 row per request) and verify (1 + K), the head's catch-up (1 + K rows) and chained
             (1) forward, at each batch size.
   commit    StateBank.commit_step of B rows keeping 2 of 3 (the partial-keep replay) and 3 of
-            3 (a published present), host ms per call and GPU ms per call.
-  ceiling   the K-draft step's GPU time (catch-up + (K-1) chained + verify + partial commit)
+            3 (a published present), host ms per call and GPU ms per call; and
+            commit_step_on_device, a launched draft step's (in place, the kept counts on the
+            device: the fused replay), which the ceiling counts.
+  ceiling   the K-draft step's GPU time (catch-up + (K-1) chained + verify + partial commit on the device)
             against the decode step's: with zero host time, K=K vs K=0 tokens/s can reach at
             most tokens_per_step * decode / step (tokens_per_step for acceptance a per draft).
   profile   cProfile of the engine's step loop at K and at 0 (the same engine, its draft policy
@@ -82,6 +84,11 @@ def commits(engine: Engine, batches, k: int, n: int) -> dict:
                 present = StepStates(ids, bank.conv[:, 1, :b], bank.recurrent[:, 1, :b])
                 bank.commit_step(rids, present, [1 + k] * b, [kept] * b, captures)
             out[f"B={b} keep {kept} of {1 + k}"] = timed(commit, n, stream)
+            on_device = cp.full(b, kept, cp.int64)
+
+            def commit_on_device():     # a launched draft step's: in place, the kept counts on the device
+                bank.commit_step_on_device(rids, bank.step_buffers(rids).present, 1 + k, on_device, captures)
+            out[f"B={b} keep {kept} of {1 + k} on device"] = timed(commit_on_device, n, stream)
         for r in rids:
             bank.release(r)
     return out
@@ -152,7 +159,7 @@ def main() -> None:
         r, c = result["replays"], result["commit"]
         decode = r[f"main B={b} rows/request=1"]["gpu_ms"]
         step = (r[f"main B={b} rows/request={1 + k}"]["gpu_ms"] + r[f"head B={b} rows/request={1 + k}"]["gpu_ms"]
-                + (k - 1) * r[f"head B={b} rows/request=1"]["gpu_ms"] + c[f"B={b} keep {k} of {1 + k}"]["gpu_ms"])
+                + (k - 1) * r[f"head B={b} rows/request=1"]["gpu_ms"] + c[f"B={b} keep {k} of {1 + k} on device"]["gpu_ms"])
         ceilings[f"B={b}"] = {"decode_gpu_ms": decode, "k_step_gpu_ms": round(step, 4),
                               "tokens_per_step": round(tokens_per_step, 3),
                               "max_speedup_at_zero_host_time": round(tokens_per_step * decode / step, 3)}
