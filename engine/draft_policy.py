@@ -57,12 +57,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
 from mtpserve.engine.acceptance import PRIOR_ACCEPTANCE, AcceptanceEMA, ArrivalRate, PositionAcceptance, expected_tokens
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS
 from mtpserve.engine.step_costs import StepCostEstimator, StepCostTable, batch_class
+
+_request_id = attrgetter("request_id")
 
 # Until a replica has measured its step cost, a draft level is guessed to cost this much of a
 # plain decode step (scaled up with load).
@@ -271,6 +274,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
                                                  # (in the table's key: its position profile and join rate)
         self._judged: tuple | None = None
         self._judged_depth: int | None = None
+        self._same_step: tuple | None = None     # the requests and versions the last answer was given for
         self.set_cost_table(cost_table)
 
     # ---- from the planner (reporting thread) ---------------------------------------------
@@ -288,7 +292,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         for their cost; a step drafts at a depth the table does not judge best only to measure
         acceptance (``step_drafts``)."""
         self.cost_table = table
-        self._judged = None
+        self._judged = self._same_step = None
         # on a table a step at K=0 measures nothing more, so the replica's first trials must
         # move its estimate: a running mean beside the guessed prior (worth 2 trials) until
         # the EMA takes over. (The fits keep exploring neighbours and take the EMA alone; with
@@ -339,7 +343,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self._inputs_version += 1
         self.fits.clear()
         self._fit_by_size.clear()
-        self._judged = None
+        self._judged = self._same_step = None
         self._last_fit = None
         self._step_index = 1
         self._num_calibration.clear()
@@ -408,10 +412,19 @@ class AdaptiveDraftPolicy(DraftPolicy):
         # value (every join while no step drafts) changes nothing (with the settled solves,
         # best_depth ran on 8% of the calls at 16 requests on a 2-core host, 17% before). The
         # table's judgment also reads the acceptance by position and join rate (_inputs_version).
+        # First the same step again: the same requests, no acceptance, plan or prior changed since
+        # (no ``observe_verified``, ``forget`` or ``set_plan``: every step while none drafts),
+        # under the same costs: its answer without reading 16 acceptances (caps follow from the
+        # plan and the requests).
+        same = (self._inputs_version, judge, judge.version, judge.trusted_depth, uniform, top,
+                tuple(map(_request_id, requests)))
+        if same == self._same_step:
+            return self._judged_depth
         alphas = [self._alpha(r) for r in requests]
         table = judge is self.cost_table
         key = (self._inputs_version if table else 0, judge, judge.version, judge.trusted_depth, uniform, top,
                tuple(caps), tuple(alphas))
+        self._same_step = same
         if key != self._judged:
             # on the table, acceptance by position; the fits keep one for all (with the profile
             # they came to 0.935x the best at one request on the moderate costs, against 0.95x)

@@ -39,6 +39,15 @@ class UnsettledPolicy(AdaptiveDraftPolicy):
         return super().fit_for(num_requests)
 
 
+class JudgedOnAcceptances(AdaptiveDraftPolicy):
+    """Auto before session 23: every step reads its requests' acceptances (``_judge``'s
+    acceptance key), with no first check that the step's requests and versions are the last one's."""
+
+    def _judge(self, judge, requests, caps, top, uniform):
+        self._same_step = None
+        return super()._judge(judge, requests, caps, top, uniform)
+
+
 def timed(policy, clock: dict) -> None:
     """Wrap the policy's engine-facing methods so their wall time adds up in ``clock``."""
     for name in METHODS:
@@ -77,7 +86,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     policies = {"never drafts": lambda m: FixedDraftPolicy(0), "auto, solved every 8": UnsettledPolicy,
-                "auto, settled": AdaptiveDraftPolicy}
+                "auto, settled, judged on acceptances": JudgedOnAcceptances, "auto, settled": AdaptiveDraftPolicy}
     engines, clocks = {}, {}
     for name, make in policies.items():
         e = Engine(EngineConfig(MODEL_DIR, device="cpu", spec=SpecConfig("auto")), draft_policy=make(4))

@@ -189,7 +189,8 @@ def test_a_new_request_starts_from_the_replicas_measured_acceptance():
 
 def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh():
     """step_drafts reuses best_depth's answer while the step's acceptances and caps and the
-    costs are the ones it was judged on: over a random history of steps, joins, ends,
+    costs are the ones it was judged on (and, before reading the acceptances, while the step's
+    requests and the versions of acceptance, plan and costs are the last step's): over a random history of steps, joins, ends,
     verifications, plans and refits it answers exactly as a policy that judges every step, on
     the fits (seeds 0-3) and on a timed table (seeds 4-5: its key also holds the acceptance by
     position and the join rate)."""
@@ -222,7 +223,7 @@ def test_the_depth_judged_once_for_unchanged_inputs_is_the_depth_judged_afresh()
             stepping = [r for r in running if r != out]
             reqs = [_request(r) for r in stepping]
             uniform = rnd.random() < 0.7
-            fresh._judged = None                                    # judged afresh, every step
+            fresh._judged = fresh._same_step = None                 # judged afresh, every step
             judged = kept._judged
             answer = kept.step_drafts(reqs, uniform)
             assert answer == fresh.step_drafts(reqs, uniform), f"seed {seed} step {step}"

@@ -199,11 +199,14 @@
 # bv: step_costs.py on the bundled model at this code (replays, the commit on the device, the K=2
 #     ceiling at zero host time, cProfile of the K=0 and K=2 loops at B=1 / 16: where a drafting
 #     step's host time goes now; session 9 profiled it last), then bt (~420 s).
+# bw: live_compiles.py with a fresh kernel cache (bv's K=2 profile at 16 requests caught 3 NVRTC
+#     builds, 0.32 s, on live steps: which kernels, called from where), then bq's C=8 and bench
+#     rounds without waves (~400 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -870,6 +873,16 @@ bv)          # step costs at this code, then bt (~420 s)
     --batches 1,16 2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/step-costs-bundled.txt" | head -24
   step_trace_c16 0 105
   auto_ab_without_waves 16 85
+  step done
+  ;;
+bw)          # NVRTC builds on live steps, then bq's C=8 and bench rounds without waves (~400 s)
+  step "live_compiles.py, bundled, fresh kernel cache"
+  ( fresh_cupy; timeout 180 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
+    2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -80 )
+  auto_ab_without_waves 8 95
+  step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
+  timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
+    --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
   step done
   ;;
 bu)          # auto vs K=0 at C=16 without waves (~85 s)
