@@ -123,7 +123,15 @@ class MTPProposer:
             at += n
         if sum(len(p) for p in parts) != count:
             raise AssertionError(f"{request_id}: pending hidden rows cover {at}, asked {offset}..{offset + count}")
-        return self.xp.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        return self._concat(parts)
+
+    def _concat(self, parts: list) -> Array:
+        """A new array of the row blocks ``parts``, stacked (on the device without CuPy's
+        concatenate, whose kernels are built on their first use: ``cuda_kernels.concat_rows``)."""
+        if self.xp is np:
+            return np.concatenate(parts)
+        from mtpserve.engine.cuda_kernels import concat_rows
+        return concat_rows(parts)
 
     def forget(self, request_id: str) -> None:
         """The request ended or was preempted: its pending rows are of no use any more."""
@@ -167,7 +175,7 @@ class MTPProposer:
                   for arr, start, count in self._pending.pop(s.request.request_id, [])]
         for s in drafting:
             s.request.num_head = s.request.num_computed
-        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden),
+        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden),
                                  constrained)
 
     def _propose_after(self, drafting: list, after) -> dict[str, Drafts]:
@@ -187,7 +195,7 @@ class MTPProposer:
             kept = int(accepted[b, k1])
             rows.append(PackedRows(accepted[b, :kept].tolist(), s.request.num_head, t))
             hidden.append(after.hidden[starts[b]:starts[b] + kept])
-        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden), [])
+        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden), [])
 
     @staticmethod
     def _device_result(drafting: list, tokens) -> dict[str, Drafts]:
@@ -269,7 +277,7 @@ class MTPProposer:
             rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
                                self.head_pool.block_array(r.request_id)) for r, at, n in forward]
             hidden = [self.pending_rows(r.request_id, at, n) for r, at, n in forward]
-            self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self.xp.concatenate(hidden))
+            self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self._concat(hidden))
         for r in long:
             m = r.num_computed - r.num_head - 1
             self._drop_pending(r.request_id, m)

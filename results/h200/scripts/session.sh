@@ -202,11 +202,14 @@
 # bw: live_compiles.py with a fresh kernel cache (bv's K=2 profile at 16 requests caught 3 NVRTC
 #     builds, 0.32 s, on live steps: which kernels, called from where), then bq's C=8 and bench
 #     rounds without waves (~400 s).
+# bx: test_cuda (the head's catch-up stacks rows with device copies, not CuPy's concatenate; the
+#     new test that live steps build no kernel), then live_compiles.py with a fresh cache (~450 s).
+# by: bq's C=8 and the bench's rounds without waves (~230 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw|bx|by}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -879,6 +882,22 @@ bw)          # NVRTC builds on live steps, then bq's C=8 and bench rounds withou
   step "live_compiles.py, bundled, fresh kernel cache"
   ( fresh_cupy; timeout 180 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
     2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -80 )
+  auto_ab_without_waves 8 95
+  step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
+  timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
+    --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
+  step done
+  ;;
+bx)          # test_cuda, then the live builds with a fresh kernel cache (~450 s)
+  step test_cuda
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -12 \
+    | tee "$OUT/test-cuda.txt"
+  step "live_compiles.py, bundled, fresh kernel cache"
+  ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
+    2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -60 )
+  step done
+  ;;
+by)          # bq's C=8 and the bench's rounds without waves (~230 s)
   auto_ab_without_waves 8 95
   step "bench K=0/2/auto, C=1/16, 64 prompts, 3 rounds, --range-ratio 0.5"
   timeout 130 "${bench[@]}" --draft-tokens 0,2,auto --concurrency 1,16 --num-prompts 64 --max-tokens 128 \
