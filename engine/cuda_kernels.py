@@ -113,7 +113,8 @@ class FusedRecurrentReplay:
         if num_parts == 0:
             return
         threads = min(self.THREADS, -(-Dk // 32) * 32)
-        args = [state_flat, capsule] + [cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
+        args = [state_flat, capsule] + [a if a.dtype == np.int64 and a.flags.c_contiguous   # (CommitReplay's are)
+                                        else cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
         self.kernel((L * num_parts * Hv,), (threads,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
                                                  np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
                                                  np.int32(Hk), np.int32(Dk),
@@ -193,6 +194,7 @@ class CommitReplay:
         self._device = cupy.zeros(4 * max_parts, cupy.int64)
         self._sent = cupy.cuda.Event(block=False, disable_timing=True)
         self._sent.record()
+        self._views: dict[int, tuple] = {}      # P -> the index block's [:4P] and its four parts (CuPy views)
 
     def supports(self, conv_flat, conv_value) -> bool:
         """Whether the conv kernel takes these arrays (else the caller replays conv with arrays)."""
@@ -227,10 +229,14 @@ class CommitReplay:
         cp.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, sent * 8,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         self._sent.record(stream)
-        index = self._device[:4 * P]
+        views = self._views.get(P)
+        if views is None:
+            index = self._device[:4 * P]
+            views = self._views[P] = (index, *(index[i * P:(i + 1) * P] for i in range(4)))
+        index = views[0]
         if on_device:
             assert kept.dtype == np.int64 and kept.flags.c_contiguous and kept.size == P, "int64 [P] kept"
-            cp.cuda.runtime.memcpyAsync(index[3 * P:].data.ptr, kept.data.ptr, P * 8,
+            cp.cuda.runtime.memcpyAsync(views[4].data.ptr, kept.data.ptr, P * 8,
                                         cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
         full = self.capacity + 1 if full is None else full
         if conv:
@@ -241,7 +247,7 @@ class CommitReplay:
                 (conv_flat, conv_value, index, np.int64(L), np.int64(P), np.int64(flat_rows),
                  np.int64(conv_value.strides[0] // conv_value.itemsize), np.int32(self.capacity),
                  np.int32(D), np.int32(K1), np.int64(full)))
-        self.recurrent(rec_flat, capsule, index[:P], index[P:2 * P], index[2 * P:3 * P], index[3 * P:], full=full)
+        self.recurrent(rec_flat, capsule, *views[1:], full=full)
 
 
 _ACCEPT_SOURCE = r"""
