@@ -203,7 +203,8 @@
 #     builds, 0.32 s, on live steps: which kernels, called from where), then bq's C=8 and bench
 #     rounds without waves (~400 s).
 # bx: test_cuda (the head's catch-up stacks rows with device copies, not CuPy's concatenate; the
-#     new test that live steps build no kernel), then live_compiles.py with a fresh cache (~450 s).
+#     new test that live steps build no kernel), then, if that test failed, live_compiles.py with a
+#     fresh cache: which builds, from where (~220 s, ~370 s with it).
 # by: bq's C=8 and the bench's rounds without waves (~230 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
@@ -888,13 +889,15 @@ bw)          # NVRTC builds on live steps, then bq's C=8 and bench rounds withou
     --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
   step done
   ;;
-bx)          # test_cuda, then the live builds with a fresh kernel cache (~450 s)
+bx)          # test_cuda, then (if live steps built kernels) which ones (~220-370 s)
   step test_cuda
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -12 \
     | tee "$OUT/test-cuda.txt"
-  step "live_compiles.py, bundled, fresh kernel cache"
-  ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
-    2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -60 )
+  if grep -q "FAILED.*build_no_kernel" "$OUT/test-cuda.txt"; then    # which builds, called from where
+    step "live_compiles.py, bundled, fresh kernel cache"
+    ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
+      2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -60 )
+  fi
   step done
   ;;
 by)          # bq's C=8 and the bench's rounds without waves (~230 s)
