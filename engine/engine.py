@@ -494,8 +494,7 @@ class Engine:
         if why is not None:
             if wanted is not None:
                 s.hold_drafts(requests, wanted)          # the policy's answer is the next schedule's plan
-            key = why.split(" ", 2)[-1] if why.startswith("request ") else why
-            self.overlap_blockers[key] = self.overlap_blockers.get(key, 0) + 1
+            self.overlap_blockers[why] = self.overlap_blockers.get(why, 0) + 1
             return None
         scheduled = [ScheduledRequest(x.request, 1, k) for x in flight.plan.scheduled]
         for x in scheduled:
@@ -524,7 +523,7 @@ class Engine:
             ahead = flight.num_drafts + 1
             for x in flight.plan.scheduled:
                 if x.request.max_output_left <= ahead + k:
-                    return 0, f"request {x.request.request_id} may end within the next draft step"
+                    return 0, "a request may end within the next draft step"
         return k, None
 
     # ------------------------------------------------------------------ draft steps in flight (pipeline.py)

@@ -194,8 +194,8 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
     the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r,
     ahead)``: why request r's logits from its output position ``ahead`` on need the host first
     (penalties, grammar, a min_tokens mask), or None; ``num_drafts``: the most drafts the
-    continuation may carry (its rows must stay inside the context). Host data only: no GPU or
-    pool in here."""
+    continuation may carry (its rows must stay inside the context). The reason names no request:
+    it is a count's key (``Engine.overlap_blockers``). Host data only: no GPU or pool in here."""
     if len(plan.scheduled) != num_running:
         return "a request of the step finished, or a running one is not in it"
     if can_admit:
@@ -204,12 +204,12 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
     for s in plan.scheduled:
         r = s.request
         if not s.samples:              # (only a decode step's requests sample all: no prompt chunk)
-            return f"request {r.request_id} fed a prompt chunk"
+            return "a request fed a prompt chunk"
         why = host_rule(r, 1)          # (the step emits at least one token)
         if why is not None:
             return why
         if len(r.token_ids) + ahead + 1 + num_drafts > context_length:
-            return f"request {r.request_id} reaches the context end"
+            return "a request reaches the context end"
         if ahead == 1 and r.max_output_left <= 1:     # (a saving: a draft step's may end with a dead row)
-            return f"request {r.request_id} ends with the step's token"
+            return "a request ends with the step's token"
     return None

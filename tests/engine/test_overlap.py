@@ -218,6 +218,19 @@ def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
     assert engine.overlap_blockers.get("a waiting request can be admitted", 0) > 0
 
 
+def test_the_reasons_a_step_had_no_continuation_are_counted_by_reason_not_by_request(model_dir):
+    """``overlap_blockers`` (the bench's report) holds one count per reason: requests ending at
+    different lengths, with ids that hold spaces, add to the same few keys."""
+    for k in (0, 2):
+        engine = make(model_dir, True, k=k, synthetic=0.7 if k else None, uniform=bool(k))
+        run(engine, [(f"client {i} turn {i}", p, SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True))
+                     for i, p in enumerate(PROMPTS[:6])])
+        if not k:
+            assert any("ends" in why for why in engine.overlap_blockers), engine.overlap_blockers
+        assert not any("client" in why for why in engine.overlap_blockers), engine.overlap_blockers
+        assert len(engine.overlap_blockers) <= 6, engine.overlap_blockers
+
+
 def test_preemption_and_requests_it_must_not_overlap_keep_every_output(model_dir):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     requests = [

@@ -2,6 +2,7 @@
 auto's time goes step by step, not only in sum (auto_ab.py's rounds say how much, not where).
 
     python3 step_trace.py MODEL_DIR OUT.json [--device cuda] [--concurrency 16] [--requests 128] [--rounds 2] [--range-ratio 0.5]
+        [--fixed 2]
 
 The engines take turns of 64 steps (auto_ab.py's ``run_interleaved``), each a closed loop of C
 greedy requests of 128 tokens (or lengths from 128 x [1 - R, 1 + R] with --range-ratio R) over
@@ -81,22 +82,28 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths from 128 x [1 - R, 1 + R]")
+    p.add_argument("--fixed", default="", help="fixed draft counts traced beside them, e.g. 2 (a K=2 step's wall "
+                   "time at a steady depth against K=0's overlapped steps)")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
     engines = {"K=0": Engine(dataclasses.replace(base, spec=SpecConfig(0))),
                "auto": Engine(dataclasses.replace(base, spec=SpecConfig("auto"))),
                "never drafts": Engine(dataclasses.replace(base, spec=SpecConfig("auto")),
                                       draft_policy=FixedDraftPolicy(0))}
+    for k in filter(None, args.fixed.split(",")):
+        engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=SpecConfig(int(k))))
     prompts = text_workload(BUNDLED_PROMPTS, engines["K=0"].tokenizer.encode, args.requests).prompt_ids
     recs = trace(engines, prompts, args.concurrency, args.rounds,
                  lengths=output_lengths(len(prompts), 128, args.range_ratio) or 128)
     out = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
            "requests": args.requests, "rounds": args.rounds, "range_ratio": args.range_ratio, "steps": recs,
-           "summary": {n: summary([x for x in s if x["round"] == args.rounds - 1]) for n, s in recs.items()}}
+           "summary": {n: summary([x for x in s if x["round"] == args.rounds - 1]) for n, s in recs.items()},
+           "overlap_blockers": {n: dict(e.overlap_blockers) for n, e in engines.items()}}      # whole run
     Path(args.out).write_text(json.dumps(out))
     for n, s in out["summary"].items():
         print(f"{n}: " + "  ".join(f"{k} {v['steps']} steps {v['ms']} ms (mean {v['mean_ms']}, p50 {v['p50_ms']})"
                                    for k, v in s.items() if k != "slowest"), flush=True)
+        print(f"    why a step could not follow the one in flight (whole run): {out['overlap_blockers'][n]}")
         for x in s["slowest"][:10]:
             print("    ", {k: x[k] for k in ("i", "ms", "pipelined", "prompt", "head_forwards", "head_rows", "rows",
                                             "planned")})
