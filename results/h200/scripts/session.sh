@@ -206,11 +206,13 @@
 #     new test that live steps build no kernel), then, if that test failed, live_compiles.py with a
 #     fresh cache: which builds, from where (~220 s, ~370 s with it).
 # by: bq's C=8 and the bench's rounds without waves (~230 s).
+# bz: step_trace.py without waves with K=2 beside K=0 / auto / never drafting, C=16: a steady K=2
+#     step's wall time against K=0's overlapped steps, and why steps could not follow (~150 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw|bx|by}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw|bx|by|bz}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -898,6 +900,13 @@ bx)          # test_cuda, then (if live steps built kernels) which ones (~220-37
     ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
       2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -60 )
   fi
+  step done
+  ;;
+bz)          # the trace without waves, K=2 beside the others (~150 s)
+  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio 0.5 --fixed 2"
+  timeout 170 python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r0.5-k2.json" \
+    --concurrency 16 --requests 128 --rounds 2 --range-ratio 0.5 --fixed 2 2>&1 \
+    | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600
   step done
   ;;
 by)          # bq's C=8 and the bench's rounds without waves (~230 s)
