@@ -112,12 +112,12 @@ def cmd_serve(args) -> int:
             ray.shutdown()
             return 2
     stop = _install_signal_handlers()
+    failed = None
     try:
         try:
             deploy.deploy(options, args.app_name, route_prefix="/")
         except RuntimeError as e:       # a replica's constructor raised (Serve tried it 3 times)
-            print(f"mtpserve: error: the replicas could not start: {deploy.failure_reason(args.app_name) or e}\n"
-                  "  (each attempt's traceback is in the log above)", file=sys.stderr, flush=True)
+            failed = f"the replicas could not start: {deploy.failure_reason(args.app_name) or e}"
             return 1
         if (host, port) != (args.host, args.port):
             print(f"mtpserve: Serve already ran on this cluster with HTTP at {host}:{port}; "
@@ -146,6 +146,9 @@ def cmd_serve(args) -> int:
     finally:
         print("mtpserve: shutting down", flush=True)
         deploy.teardown(args.app_name)
+        if failed is not None:   # after Ray's shutdown: its replica logs, streamed to this stderr, could cut into the line
+            print(f"\nmtpserve: error: {failed}\n  (each attempt's traceback is in the log above)", file=sys.stderr,
+                  flush=True)
     print("mtpserve: stopped", flush=True)
     return 0
 
