@@ -205,6 +205,8 @@
 # bx: test_cuda (the head's catch-up stacks rows with device copies, not CuPy's concatenate; the
 #     new test that live steps build no kernel), then, if that test failed, live_compiles.py with a
 #     fresh cache: which builds, from where (~220 s, ~370 s with it).
+# bxl: bx's tests of what changed only (the live builds, concat_rows, the commit replay, MTP on
+#     == off, prefix hits; ~150 s) when device time is short.
 # by: bq's C=8 and the bench's rounds without waves (~230 s).
 # bz: step_trace.py without waves with K=2 beside K=0 / auto / never drafting, C=16: a steady K=2
 #     step's wall time against K=0's overlapped steps, and why steps could not follow (~150 s).
@@ -212,7 +214,7 @@
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
 set -uo pipefail
-part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw|bx|by|bz}
+part=${1:?usage: session.sh a|b|...|z|aa|ab|ac|ad|ae|af|ag|ah|ai|aj|ak|al|am|an|ao|ap|aq|ar|as|at|av|aw|ax|ay|az|bb|bc|bd|be|bf|bg|bh|bi|bj|bk|bl|bm|bn|bo|bp|bq|br|bs|bt|bu|bv|bw|bx|bxl|by|bz}
 root=$PWD
 mkdir -p /tmp/pkg/mtpserve
 for d in engine actors cluster; do ln -sfn "$root/$d" /tmp/pkg/mtpserve/$d; done
@@ -900,6 +902,13 @@ bx)          # test_cuda, then (if live steps built kernels) which ones (~220-37
     ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
       2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | head -60 )
   fi
+  step done
+  ;;
+bxl)         # what changed, from test_cuda (~150 s)
+  step "test_cuda: live builds, concat_rows, commit replay, MTP on == off, prefix hits"
+  timeout "${BXL_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "live_steps or concat_rows or commit_replay or greedy_mtp_on or prefix_cache_hits" 2>&1 | grep -v Warning \
+    | tail -12 | tee "$OUT/test-cuda-changed.txt"
   step done
   ;;
 bz)          # the trace without waves, K=2 beside the others (~150 s)
