@@ -285,6 +285,14 @@ extern "C" __global__ void follow_verify(const long long* accepted, int K1, int 
     if (ids) ids[(long long)b * n] = row[kept - 1];
 }
 
+// A decode step's tokens [B] as the acceptance of a draft step with no drafts: [token, 1] a request.
+extern "C" __global__ void decode_as_accepted(const long long* tokens, int B, long long* accepted) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= B) return;
+    accepted[2 * (long long)b] = tokens[b];
+    accepted[2 * (long long)b + 1] = 1;
+}
+
 // The head's catch-up on the kept rows: ids of rows b*R .. b*R + K1 - 1 := the emitted tokens
 // (rows past kept are padding), the last real row (and the chained start) moved by kept - K1.
 extern "C" __global__ void follow_catch_up(const long long* accepted, int K1, int B, int R,
@@ -304,7 +312,7 @@ def _accept_kernel(name: str):
     import cupy
     if not _ACCEPT:
         module = cupy.RawModule(code=_ACCEPT_SOURCE, options=("--std=c++14",))
-        for n in ("accept_drafts", "follow_verify", "follow_catch_up"):
+        for n in ("accept_drafts", "follow_verify", "follow_catch_up", "decode_as_accepted"):
             _ACCEPT[n] = module.get_function(n)
     return _ACCEPT[name]
 
@@ -331,6 +339,18 @@ def accept_drafts(target, drafts, synthetic=None):
     return accepted, kept
 
 
+def decode_as_accepted(tokens):
+    """int64 ``[B, 2]`` on the device: a decode step's tokens ``[B]`` as a draft step's
+    acceptance with no drafts (``[token, 1]`` a request), what a draft step after it follows."""
+    import cupy
+    tokens = cupy.ascontiguousarray(tokens)
+    _int64(tokens)
+    B = int(tokens.shape[0])
+    out = cupy.empty((B, 2), cupy.int64)
+    _accept_kernel("decode_as_accepted")((-(-B // 64),), (64,), (tokens, np.int32(B), out))
+    return out
+
+
 def warm_up_accept() -> None:
     """Build and run once the accept and follow kernels (NVRTC compiles a module on its first
     use: ~0.1 s, which would otherwise fall on the first live draft step in flight)."""
@@ -338,6 +358,7 @@ def warm_up_accept() -> None:
     accepted, _ = accept_drafts(cupy.zeros((1, 2), cupy.int64), cupy.zeros((1, 1), cupy.int64))
     follow_verify(accepted, 2, 1, cupy.zeros(1, cupy.int32), cupy.zeros((3, 1), cupy.int64), cupy.zeros(1, cupy.int64))
     follow_catch_up(accepted, 2, 2, cupy.zeros(2, cupy.int64), cupy.zeros(1, cupy.int64), cupy.zeros(1, cupy.int64))
+    decode_as_accepted(cupy.zeros(1, cupy.int64))
 
 
 def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None) -> None:

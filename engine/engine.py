@@ -186,7 +186,12 @@ class Engine:
         self._in_flight: LaunchedStep | None = None     # launched, not landed (overlapped decoding)
         self.num_continuations = 0                       # steps launched before the one they follow landed
         self.num_draft_continuations = 0                 # ... of them draft steps after a draft step
+        self.num_drafts_after_decode = 0                 # ... draft steps after a decode step (draft_after_decode)
         self.overlap_blockers: dict[str, int] = {}       # why a launched step had no continuation, counted
+        # a greedy decode step followed by a draft step in flight (the decode step's token as its one kept
+        # row; pipeline.py): off until run on the device (session 23 wrote it with none lent); on the CPU
+        # the tests turn it on
+        self.draft_after_decode = False
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.last_step: StepTiming | None = None    # the latest step that ran something
@@ -294,6 +299,7 @@ class Engine:
         before any start-up request (the warm-up's, the draft calibration's)."""
         self.draft_policy.forget_start_up()
         self.num_steps, self.last_step, self.num_continuations, self.num_draft_continuations = 0, None, 0, 0
+        self.num_drafts_after_decode = 0
         self.overlap_blockers.clear()
         self.scheduler.stats = SpecDecodeStats()
         self.scheduler.num_preemptions = 0
@@ -439,7 +445,8 @@ class Engine:
         else:
             out = self._verify_continuation(plan, after)
             logits = out.logits
-        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, logits)
+        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, logits,
+                              hidden=out.hidden if self.proposer is not None else None)
         if after is None or all(s.request.params.is_greedy for s in plan.scheduled):
             self._pick_tokens(flight)
         kept = [s.num_tokens for s in plan.scheduled]
@@ -483,7 +490,7 @@ class Engine:
             if flight.num_drafts:
                 k, why = self._next_drafts(flight, wanted)
             elif any(wanted):
-                why = "the draft policy drafts next"
+                k, why = self._drafts_after_decode(flight, wanted)
         if why is None:
             # KV for the rows the continuation feeds, counting every row ``flight`` may keep
             ahead = flight.num_drafts + 1 if flight.num_drafts else 0
@@ -502,10 +509,21 @@ class Engine:
         plan = StepPlan(scheduled=scheduled, layout=StepLayout.of(scheduled), request_ids=list(flight.plan.request_ids))
         self.num_steps += 1
         self.num_continuations += 1
-        if k:
+        if k and not flight.num_drafts:
+            self.num_drafts_after_decode += 1
+        elif k:
             self.num_draft_continuations += 1
             flight.followed = True       # the continuation's head catches up on its rows
         return self._launch(plan, after=flight)
+
+    def _drafts_after_decode(self, flight: LaunchedStep, wanted: list[int]) -> tuple[int, str | None]:
+        """``_next_drafts`` for a draft step after the decode step ``flight`` (``draft_after_decode``;
+        every request greedy: a draft step is accepted on the device), or why there is none."""
+        if not self.draft_after_decode:
+            return 0, "the draft policy drafts next"
+        if not all(x.request.params.is_greedy for x in flight.plan.scheduled):
+            return 0, "the draft policy drafts next, and a request samples"
+        return self._next_drafts(flight, wanted)
 
     def _next_drafts(self, flight: LaunchedStep, wanted: list[int]) -> tuple[int, str | None]:
         """A draft continuation's K from the policy's answer ``wanted``, as the scheduler would
@@ -538,8 +556,8 @@ class Engine:
             head_rows = sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
             drafts = self.proposer.propose(plan.scheduled)
             out = self._verify(plan, drafts)
-        else:
-            head_rows = 0                  # set when ``after`` lands: its kept rows
+        else:   # after a draft step: set when it lands (its kept rows); after a decode step: all known now
+            head_rows = 0 if after.num_drafts else sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
             drafts = self.proposer.propose(plan.scheduled, after=after)
             out = self._verify_after(plan, drafts, after)
         on_device = self._device_drafts(plan, drafts)
@@ -565,24 +583,28 @@ class Engine:
     def _verify_after(self, plan: StepPlan, drafts: dict, after: LaunchedStep):
         """The verify of a draft continuation: a captured step staged as if ``after`` kept all
         its rows and moved to its acceptance on the device; eagerly from the host's copy of that
-        acceptance (a wait) when no graph fits."""
+        acceptance (a wait) when no graph fits. (After a decode step, its one row is committed
+        already: the rows start one position earlier than ``num_computed``, as a draft step's
+        base.)"""
         k1 = after.num_drafts + 1
+        behind = 0 if after.num_drafts else 1
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
         if self.graphs is not None:
             on_device = self._device_drafts(plan, drafts)
             rows = [PackedRows([0] * (1 + s.num_drafts) if on_device is not None else [0] + drafts[rid].tokens,
-                               s.request.num_computed + k1, t)
+                               s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
                                   device_drafts=on_device.array if on_device is not None else None,
-                                  after=(after.tokens, k1))
+                                  after=(after.accepted(), k1))
             if out is not None:
                 return out
-        accepted = after.host_tokens()
+        accepted = after.host_accepted()
         rows = []
         for b, (s, rid, t) in enumerate(zip(plan.scheduled, plan.request_ids, tables)):
             kept = int(accepted[b, k1])
-            rows.append(PackedRows([int(accepted[b, kept - 1])] + drafts[rid].tokens, s.request.num_computed + kept, t))
+            rows.append(PackedRows([int(accepted[b, kept - 1])] + drafts[rid].tokens,
+                                   s.request.num_computed - behind + kept, t))
         io = self.state_bank.step_buffers(plan.request_ids)
         capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
         return self.runner.run_main(rows, io.past, capture, present_into=io.present)

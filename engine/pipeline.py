@@ -125,11 +125,33 @@ class LaunchedStep:
                                     # drawn on the device), once picked; a draft step: ``accepted``
     readback: tuple | None = None   # TokenReadback handle of ``tokens``
     num_drafts: int = 0             # K of a draft step (every request verified K drafts)
-    hidden: object = None           # a draft step's main hidden rows [B * (K + 1), H] (the head's next catch-up)
+    hidden: object = None           # its main hidden rows (MTP on; a draft step's [B * (K + 1), H]): the head's next catch-up
     followed: bool = False          # a draft step's continuation caught the head up on its rows
     num_head_rows: int = 0          # head rows its drafting caught up on (the step's timing)
     source: TokenReadback | None = field(default=None, repr=False)    # where ``tokens`` were sent
     _host: np.ndarray | None = field(default=None, repr=False)
+    _accepted: object = field(default=None, repr=False)
+
+    def accepted(self):
+        """The step's acceptance as a draft step's ``tokens`` are laid out, on the device: a draft
+        step's own; a decode step's as a draft step with no drafts would have it, ``[token, 1]`` a
+        request (so that a draft step can follow it: ``Engine.draft_after_decode``)."""
+        if self.num_drafts:
+            return self.tokens
+        if self._accepted is None:
+            if isinstance(self.tokens, np.ndarray):
+                self._accepted = np.stack([self.tokens.astype(np.int64), np.ones(len(self.tokens), np.int64)], axis=1)
+            else:
+                from mtpserve.engine.cuda_kernels import decode_as_accepted
+                self._accepted = decode_as_accepted(self.tokens)
+        return self._accepted
+
+    def host_accepted(self) -> np.ndarray:
+        """``accepted()`` on the host (the first call waits for the step's copy)."""
+        if self.num_drafts:
+            return self.host_tokens()
+        tokens = self.host_tokens()
+        return np.stack([tokens.astype(np.int64), np.ones(len(tokens), np.int64)], axis=1)
 
     def host_tokens(self) -> np.ndarray:
         """The tokens on the host (the first call waits for the copy); a draft step's ``[B, K + 2]``:

@@ -153,6 +153,8 @@ class MTPProposer:
         if not drafting:
             return {}
         if after is not None:
+            if not after.num_drafts:     # after a decode step: every row but its own first, from the host's ids
+                self._catch_up_long([s.request for s in drafting if s.request.num_computed - s.request.num_head > 1])
             return self._propose_after(drafting, after)
         constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
         graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)
@@ -179,23 +181,37 @@ class MTPProposer:
                                  constrained)
 
     def _propose_after(self, drafting: list, after) -> dict[str, Drafts]:
-        """``propose`` after the launched draft step ``after`` (see there)."""
+        """``propose`` after the launched step ``after`` (see there): a draft step, or a decode
+        step whose rows but the last the head has caught up on (its last row's id is the step's
+        token, on the device; its first row then, as a draft step's with no drafts)."""
         k1 = after.num_drafts + 1
         tables = [self.head_pool.block_array(s.request.request_id) for s in drafting]
-        starts = after.plan.layout.row_start
+        starts = after.plan.layout.target_row     # (a draft step's fed row; a decode step's last)
         if self.graphs is not None:
             rows = [PackedRows([0] * k1, s.request.num_head, t) for s, t in zip(drafting, tables)]
             tokens = self.graphs.draft(rows, [[(after.hidden, start, k1)] for start in starts],
-                                       max(s.num_drafts for s in drafting), after=(after.tokens, k1))
+                                       max(s.num_drafts for s in drafting), after=(after.accepted(), k1))
             if tokens is not None:
+                self._caught_up_on_decode(drafting, after)
                 return self._device_result(drafting, tokens)
-        accepted = after.host_tokens()
+        accepted = after.host_accepted()
         rows, hidden = [], []
         for b, (s, t) in enumerate(zip(drafting, tables)):
             kept = int(accepted[b, k1])
             rows.append(PackedRows(accepted[b, :kept].tolist(), s.request.num_head, t))
             hidden.append(after.hidden[starts[b]:starts[b] + kept])
-        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden), [])
+        result = self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden), [])
+        self._caught_up_on_decode(drafting, after)
+        return result
+
+    def _caught_up_on_decode(self, drafting: list, after) -> None:
+        """After a decode step ``after`` (committed at its launch) the head has every row now:
+        its pending rows go. (After a draft step, ``num_head`` advances when that step lands.)"""
+        if after.num_drafts:
+            return
+        for s in drafting:
+            self._pending.pop(s.request.request_id, None)
+            s.request.num_head = s.request.num_computed
 
     @staticmethod
     def _device_result(drafting: list, tokens) -> dict[str, Drafts]:

@@ -23,17 +23,19 @@ from mtpserve.engine.engine import Engine  # noqa: E402
 def main() -> None:
     out = []
     for ratio in (0.0, 0.5):
-        for k in (0, 2):
+        for k, after_decode in ((0, False), (2, False), (2, True)):
             e = Engine(EngineConfig(MODEL_DIR, device="cpu", overlap_decode=True, spec=SpecConfig(k)))
             e.scheduler.uniform_drafts = True          # one K a step, as with CUDA graphs
+            e.draft_after_decode = after_decode        # a draft step may follow a decode step in flight
             prompts = text_workload(BUNDLED_PROMPTS, e.tokenizer.encode, 96).prompt_ids
             loop = ClosedLoop(e, prompts, 16, f"k{k}", output_lengths(len(prompts), 128, ratio) or 128)
             loop.advance()
-            rec = {"range_ratio": ratio, "k": k, "steps": len(loop.times), "tokens": loop.tokens,
+            rec = {"range_ratio": ratio, "k": k, "draft_after_decode": after_decode, "steps": len(loop.times),
+                   "tokens": loop.tokens,
                    "launched_alone": loop.pipelined["False"], "continuations": e.num_continuations,
                    "blockers": dict(e.overlap_blockers)}
             out.append(rec)
-            print(f"range {ratio} K={k}: {rec['steps']} steps, {rec['tokens']} tokens, launched alone "
+            print(f"range {ratio} K={k}{' after decode' if after_decode else ''}: {rec['steps']} steps, {rec['tokens']} tokens, launched alone "
                   f"{rec['launched_alone']} ({rec['launched_alone'] / rec['steps']:.0%}); why: {rec['blockers']}",
                   flush=True)
     Path(sys.argv[1]).write_text(json.dumps(out, indent=1))

@@ -384,6 +384,30 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
 
 
 @needs_cuda
+@pytest.mark.parametrize("cuda_graphs,k", [(True, 2), (True, "auto"), (False, 3)])
+def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(model_dir, cuda_graphs, k):
+    """``Engine.draft_after_decode`` (off until this passes on the device): the first draft step
+    after a decode step is launched behind it, the head caught up on that step's last row with
+    its token on the device (``decode_as_accepted``, ``follow_catch_up`` / ``follow_verify`` at
+    K1 = 1). MTP off's tokens, up to near-ties, as the overlapped test above."""
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
+    params[4] = dataclasses.replace(greedy, stop=["\n"])
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs,
+                                                   overlap=False),
+                                         [dataclasses.replace(p, logprobs=2) for p in params])
+    engine = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=cuda_graphs)
+    engine.draft_after_decode = True
+    out, reasons, _ = _greedy_run(engine, params)
+    parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
+    print(f"draft after decode (graphs {cuda_graphs}, K={k}): {engine.num_drafts_after_decode} such steps, "
+          f"{engine.num_draft_continuations} after a draft step; {len(parted)} of {len(ref)} part: {parted}; "
+          f"no continuation: {engine.overlap_blockers}")
+    assert engine.num_drafts_after_decode > 0
+    engine.check_integrity()
+
+
+@needs_cuda
 def test_cuda_draft_calibration_times_every_depth_on_graphs_and_leaves_output_exact(model_dir):
     """--draft-calibration on with CUDA graphs and overlapped decoding: every (size, depth) of
     the table timed from steps that replayed graphs, the engine idle, empty and intact

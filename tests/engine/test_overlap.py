@@ -440,3 +440,48 @@ def test_a_full_state_bank_keeps_overlapping_while_requests_wait_for_a_row(model
     plain, overlapped, engine = both(model_dir, requests, max_rows=max_rows)
     assert overlapped == plain
     assert engine.num_continuations > 0
+
+
+@pytest.mark.parametrize("k,uniform", [(2, True), (3, False)])
+def test_a_draft_step_after_a_decode_step_in_flight_keeps_stepping_tokens(model_dir, k, uniform):
+    """``draft_after_decode``: the first draft step after a decode step (a prompt's last chunk, a
+    newcomer's first token, auto's switch to drafting) is launched behind it, its drafts from the
+    head caught up on the decode step's rows (all but the last from the host's ids, the last with
+    the step's token on the device). Tokens and pools are stepping's, through arrivals, prompt
+    chunks, stop strings, stop ids and max_tokens (MTP off's: the next test). (Arrivals come at
+    step indices, which the two engines reach with other batches: their draft counts differ.)"""
+    probe = make(model_dir, False)
+    text = run(probe, [("p", PROMPTS[2], GREEDY)])[2]["p"]
+    ids = probe.tokenizer.encode(text)
+    first = [*((f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=20 + 7 * i)) for i, p in enumerate(PROMPTS[:5])),
+             ("stop-string", PROMPTS[2], dataclasses.replace(GREEDY, stop=[text[20:24]])),
+             ("stop-id", PROMPTS[2], dataclasses.replace(GREEDY, stop_token_ids=[ids[11]]))]
+    later = [(f"late{i}", p, dataclasses.replace(GREEDY, max_tokens=25)) for i, p in enumerate(PROMPTS[5:9])]
+
+    def arrive(e, i):
+        if i in (4, 9, 10, 23):
+            e.add_request(*later[[4, 9, 10, 23].index(i)])
+    plain = run(make(model_dir, False, k=k, uniform=uniform), first, during=arrive)
+    engine = make(model_dir, True, k=k, uniform=uniform)
+    engine.draft_after_decode = True
+    assert run(engine, first, during=arrive) == plain
+    print(f"K={k} uniform={uniform}: {engine.num_drafts_after_decode} draft steps after a decode step, "
+          f"{engine.num_draft_continuations} after a draft step; {engine.overlap_blockers}")
+    assert engine.num_drafts_after_decode > 0
+    assert "the draft policy drafts next" not in engine.overlap_blockers
+
+
+def test_a_draft_step_after_a_decode_step_follows_auto_and_a_policy_switching_depths(model_dir):
+    """With a policy that drafts every third step and auto, each switch to drafting follows the
+    decode step before it, and the tokens stay MTP off's."""
+    requests = [(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=60)) for i, p in enumerate(PROMPTS[:6])]
+    plain = run(make(model_dir, False), requests)
+    policy = EveryThirdStepDrafts()
+    engine = Engine(dataclasses.replace(make(model_dir, True, k=3).config), policy)
+    engine.scheduler.uniform_drafts = True
+    engine.draft_after_decode = True
+    assert run(engine, requests) == plain
+    assert engine.num_drafts_after_decode > 5, engine.overlap_blockers
+    auto = make(model_dir, True, k="auto", uniform=True)
+    auto.draft_after_decode = True
+    assert run(auto, requests) == plain

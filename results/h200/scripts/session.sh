@@ -206,10 +206,11 @@
 #     new test that live steps build no kernel), then, if that test failed, live_compiles.py with a
 #     fresh cache: which builds, from where (~220 s, ~370 s with it).
 # bxl: bx's tests of what changed only (the live builds, concat_rows, the commit replay, MTP on
-#     == off, prefix hits; ~150 s) when device time is short.
+#     == off, prefix hits, a draft step after a decode step; ~180 s) when device time is short.
 # by: bq's C=8 and the bench's rounds without waves (~230 s).
 # bz: step_trace.py without waves with K=2 beside K=0 / auto / never drafting, C=16: a steady K=2
-#     step's wall time against K=0's overlapped steps, and why steps could not follow (~150 s).
+#     step's wall time against K=0's overlapped steps, and why steps could not follow; K=2 and auto
+#     with draft_after_decode on beside them (run after bx passed; ~200 s).
 # br: what HTTP adds (an's method: 2 API servers, 4 client processes) on that workload: in process
 #     a closed loop at C=16 had its 16 prompts arrive in one step a wave, over HTTP they spread out.
 # Everything goes under $OUT (copied back); commit what it shows under results/h200/.
@@ -907,14 +908,15 @@ bx)          # test_cuda, then (if live steps built kernels) which ones (~220-37
 bxl)         # what changed, from test_cuda (~150 s)
   step "test_cuda: live builds, concat_rows, commit replay, MTP on == off, prefix hits"
   timeout "${BXL_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
-    -k "live_steps or concat_rows or commit_replay or greedy_mtp_on or prefix_cache_hits" 2>&1 | grep -v Warning \
+    -k "live_steps or concat_rows or commit_replay or greedy_mtp_on or prefix_cache_hits or after_a_decode" 2>&1 \
+    | grep -v Warning \
     | tail -12 | tee "$OUT/test-cuda-changed.txt"
   step done
   ;;
-bz)          # the trace without waves, K=2 beside the others (~150 s)
+bz)          # the trace without waves, K=2 (and draft_after_decode) beside the others (~200 s)
   step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio 0.5 --fixed 2"
-  timeout 170 python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r0.5-k2.json" \
-    --concurrency 16 --requests 128 --rounds 2 --range-ratio 0.5 --fixed 2 2>&1 \
+  timeout 220 python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r0.5-k2.json" \
+    --concurrency 16 --requests 128 --rounds 2 --range-ratio 0.5 --fixed 2 --after-decode 2>&1 \
     | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600
   step done
   ;;

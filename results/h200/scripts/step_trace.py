@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths from 128 x [1 - R, 1 + R]")
     p.add_argument("--fixed", default="", help="fixed draft counts traced beside them, e.g. 2 (a K=2 step's wall "
                    "time at a steady depth against K=0's overlapped steps)")
+    p.add_argument("--after-decode", action="store_true", help="also auto and each fixed K with "
+                   "Engine.draft_after_decode on (a draft step launched behind a decode step)")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
     engines = {"K=0": Engine(dataclasses.replace(base, spec=SpecConfig(0))),
@@ -92,6 +94,12 @@ def main() -> None:
                                       draft_policy=FixedDraftPolicy(0))}
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=SpecConfig(int(k))))
+        if args.after_decode:
+            e = engines[f"K={k} after decode"] = Engine(dataclasses.replace(base, spec=SpecConfig(int(k))))
+            e.draft_after_decode = True
+    if args.after_decode:
+        e = engines["auto after decode"] = Engine(dataclasses.replace(base, spec=SpecConfig("auto")))
+        e.draft_after_decode = True
     prompts = text_workload(BUNDLED_PROMPTS, engines["K=0"].tokenizer.encode, args.requests).prompt_ids
     recs = trace(engines, prompts, args.concurrency, args.rounds,
                  lengths=output_lengths(len(prompts), 128, args.range_ratio) or 128)
