@@ -528,23 +528,17 @@ def copy_rows(dst, src, num_rows: int) -> None:
 
 def concat_rows(parts: list):
     """``cupy.concatenate(parts)`` of row blocks (each ``[n_i, *W]``, one dtype and row shape)
-    as one device-to-device copy a part into a new array, on the current stream. CuPy's
+    as one device-to-device copy a part into a new array (``copy_rows``), on the current stream. CuPy's
     concatenate (and ``ndarray.copy``) builds a kernel with NVRTC on the first use of each
     arrangement of its arrays, ~0.1 s, which the head's catch-up of new prompts hit on live
     steps (session 23); a copy builds nothing."""
     import cupy
     first = parts[0]
-    row_bytes = int(np.prod(first.shape[1:])) * first.itemsize
     out = cupy.empty((sum(len(p) for p in parts), *first.shape[1:]), first.dtype)
-    stream, at = cupy.cuda.get_current_stream().ptr, 0
-    for part in parts:
-        assert part.dtype == first.dtype and part.shape[1:] == first.shape[1:], "row blocks of one dtype and width"
-        part = cupy.ascontiguousarray(part)           # (a row slice of a step's hidden states already is)
-        nbytes = len(part) * row_bytes
-        if nbytes:
-            cupy.cuda.runtime.memcpyAsync(out.data.ptr + at, part.data.ptr, nbytes,
-                                          cupy.cuda.runtime.memcpyDeviceToDevice, stream)
-        at += nbytes
+    at = 0
+    for part in parts:                     # (a row slice of a step's hidden states is contiguous already)
+        copy_rows(out[at:at + len(part)], cupy.ascontiguousarray(part), len(part))
+        at += len(part)
     return out
 
 

@@ -548,17 +548,17 @@ class Engine:
     def _launch_drafting(self, plan: StepPlan, after: LaunchedStep | None = None) -> LaunchedStep:
         """Queue a draft step (every request greedy, one token and K drafts each) and its accept
         and state commit on the device; the host learns the accepted counts when it lands.
-        ``after``: the launched draft step it continues (its rows are drafted and verified from
-        that step's acceptance on the device)."""
+        ``after``: the launched step it continues, a draft step or (``draft_after_decode``) a
+        decode step (its rows are drafted and verified from that step's acceptance on the device)."""
         xp, B, K = self.xp, len(plan.scheduled), plan.scheduled[0].num_drafts
         replays = self.graphs.num_replays if self.graphs is not None else 0
+        # the head's catch-up rows: known now, but after a draft step (set when it lands: its kept rows)
+        head_rows = 0 if after is not None and after.num_drafts else \
+            sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
+        drafts = self.proposer.propose(plan.scheduled, after=after)
         if after is None:           # (no prefix hit: a step that admits a request carries its prompt, no drafts)
-            head_rows = sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
-            drafts = self.proposer.propose(plan.scheduled)
             out = self._verify(plan, drafts)
-        else:   # after a draft step: set when it lands (its kept rows); after a decode step: all known now
-            head_rows = 0 if after.num_drafts else sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
-            drafts = self.proposer.propose(plan.scheduled, after=after)
+        else:
             out = self._verify_after(plan, drafts, after)
         on_device = self._device_drafts(plan, drafts)
         draft_ids = on_device.array if on_device is not None else xp.asarray(

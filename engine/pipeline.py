@@ -140,7 +140,7 @@ class LaunchedStep:
             return self.tokens
         if self._accepted is None:
             if isinstance(self.tokens, np.ndarray):
-                self._accepted = np.stack([self.tokens.astype(np.int64), np.ones(len(self.tokens), np.int64)], axis=1)
+                self._accepted = _decode_as_accepted(self.tokens)
             else:
                 from mtpserve.engine.cuda_kernels import decode_as_accepted
                 self._accepted = decode_as_accepted(self.tokens)
@@ -148,10 +148,7 @@ class LaunchedStep:
 
     def host_accepted(self) -> np.ndarray:
         """``accepted()`` on the host (the first call waits for the step's copy)."""
-        if self.num_drafts:
-            return self.host_tokens()
-        tokens = self.host_tokens()
-        return np.stack([tokens.astype(np.int64), np.ones(len(tokens), np.int64)], axis=1)
+        return self.host_tokens() if self.num_drafts else _decode_as_accepted(self.host_tokens())
 
     def host_tokens(self) -> np.ndarray:
         """The tokens on the host (the first call waits for the copy); a draft step's ``[B, K + 2]``:
@@ -161,6 +158,12 @@ class LaunchedStep:
             if self.num_drafts:
                 self._host = self._host.reshape(len(self.plan.scheduled), self.num_drafts + 2)
         return self._host
+
+
+def _decode_as_accepted(tokens: np.ndarray) -> np.ndarray:
+    """A decode step's tokens ``[B]`` as a draft step's acceptance with no drafts: ``[token, 1]``
+    a request (``cuda_kernels.decode_as_accepted`` on the device)."""
+    return np.stack([tokens.astype(np.int64), np.ones(len(tokens), np.int64)], axis=1)
 
 
 def accept_drafts(target: np.ndarray, drafts: np.ndarray, synthetic: np.ndarray | None = None):

@@ -98,13 +98,16 @@ class ClosedLoop:
     one replaced at once, stepped ``advance(n)`` steps at a time: one engine's run, or its turns
     in an interleaved one. ``max_tokens``: one length for all, or request i's (``workload.output_lengths``).
     ``outputs``: each request's tokens, when ``keep_outputs``. ``on_step(loop)``: called after each
-    step (``step_trace.py`` records it)."""
+    step (``step_trace.py`` records it). ``params``: request i's sampling is ``params[i % len]``
+    instead (``max_tokens`` is then theirs)."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], concurrency: int, tag: str,
-                 max_tokens: int | list[int] = 128, keep_outputs: bool = False, on_step=None):
+                 max_tokens: int | list[int] = 128, keep_outputs: bool = False, on_step=None,
+                 params: list[SamplingParams] | None = None):
         self.engine, self.concurrency, self.tag, self.on_step = engine, concurrency, tag, on_step
         lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths] if params is None \
+            else [params[i % len(params)] for i in range(len(prompts))]
         self.outputs: dict[str, list[int]] | None = {} if keep_outputs else None
         self.queue, self.in_flight = list(enumerate(prompts)), set()
         self.tokens, self.times, self.seconds, self.forward_seconds = 0, [], 0.0, 0.0

@@ -19,8 +19,12 @@ import re
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from auto_ab import ClosedLoop  # noqa: E402
 
 BUILDS: list[dict] = []
 PHASE = ["start-up"]
@@ -48,20 +52,6 @@ def hook_nvrtc() -> None:
                 print(f"  BUILD in {PHASE[0]}: {names} {BUILDS[-1]['seconds']} s\n    " + "\n    ".join(frames),
                       flush=True)
     compiler._NVRTCProgram.compile = compile
-
-
-def closed_loop(engine, prompts, concurrency: int, params, tag: str) -> int:
-    queue, flying, steps = list(enumerate(prompts)), set(), 0
-    while queue or flying:
-        while queue and len(flying) < concurrency:
-            i, p = queue.pop(0)
-            engine.add_request(f"{tag}-{i}", p, params[i % len(params)])
-            flying.add(f"{tag}-{i}")
-        for ev in engine.step():
-            if ev.finish_reason is not None:
-                flying.discard(ev.request_id)
-        steps += 1
-    return steps
 
 
 def main() -> None:
@@ -106,7 +96,9 @@ def main() -> None:
         engine.draft_policy = engine.scheduler.draft_policy = policy
         n = len(BUILDS)
         t = time.perf_counter()
-        steps = closed_loop(engine, ps, c, params, name.replace(" ", "-"))
+        loop = ClosedLoop(engine, ps, c, name.replace(" ", "-"), params=params)
+        loop.advance()
+        steps = len(loop.times)
         builds = BUILDS[n:]
         print(f"{name}: {steps} steps in {time.perf_counter() - t:.2f} s, {len(builds)} builds "
               f"({sum(b['seconds'] for b in builds):.2f} s)", flush=True)
