@@ -35,7 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, copy_rows, follow_catch_up, follow_verify, gather_rows
+from mtpserve.engine.cuda_kernels import (
+    advance_positions,
+    argmax_rows,
+    copy_columns,
+    copy_rows,
+    follow_catch_up,
+    follow_verify,
+    gather_rows,
+)
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -324,7 +332,7 @@ class StepGraphs(_GraphSet):
         _fill_step(host, rows, n, width)
         graph.inputs.upload()
         if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
-            graph.inputs.device["input_ids"].reshape(batch, n)[:len(rows), 1:] = device_drafts
+            copy_columns(graph.inputs.device["input_ids"].reshape(batch, n), device_drafts, 1)
             self.num_device_drafts += 1
         if input_tokens is not None:
             if n != 1:

@@ -526,6 +526,21 @@ def copy_rows(dst, src, num_rows: int) -> None:
                                       cupy.cuda.get_current_stream().ptr)
 
 
+def copy_columns(dst, src, col: int) -> None:
+    """``dst[:B, col:col + K] = src`` for ``src`` [B, K] and ``dst`` [*, N] (C-contiguous, one
+    dtype) as one 2-D device-to-device copy on the current stream: a verify's draft columns of
+    its input ids, ``[B, 1 + K]``, from the drafts ``[B, K]``. CuPy's assignment to the strided
+    view built a copy kernel on its first live step (``live_compiles.py``, session 24)."""
+    import cupy
+    assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype
+    assert dst.ndim == src.ndim == 2 and len(src) <= len(dst) and col + src.shape[1] <= dst.shape[1]
+    rows, width = int(src.shape[0]), int(src.shape[1]) * src.itemsize
+    if rows and width:
+        cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr + col * dst.itemsize, dst.shape[1] * dst.itemsize,
+                                        src.data.ptr, width, width, rows, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                        cupy.cuda.get_current_stream().ptr)
+
+
 def concat_rows(parts: list):
     """``cupy.concatenate(parts)`` of row blocks (each ``[n_i, *W]``, one dtype and row shape)
     as one device-to-device copy a part into a new array (``copy_rows``), on the current stream. CuPy's

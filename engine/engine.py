@@ -46,7 +46,7 @@ from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import SamplingParams, apply_penalties, draw_tokens, probs, row_argmax, token_logprobs
 from mtpserve.engine.scheduler import ScheduledRequest, Scheduler, StepLayout, StepOutput, StepPlan
-from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step
+from mtpserve.engine.speculative import MAX_NUM_DRAFTS, SpecDecodeStats, accept_step, warm_up_sampled
 from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
 from mtpserve.engine.tokenizer import Tokenizer
 
@@ -219,7 +219,7 @@ class Engine:
         state bank's indexing kernels at every size class a step can need
         (``StateBank.warm_up_kernels``: CuPy builds one on its first use), and with MTP the
         kernels of a draft step in flight (``cuda_kernels.warm_up_accept``: a 0.1 s build seen
-        on the first such live step)."""
+        on the first such live step), and on CUDA the sampled paths' (``speculative.warm_up_sampled``)."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
@@ -233,6 +233,8 @@ class Engine:
         if self.proposer is not None:         # a draft step in flight's accept (no warm-up request reaches it)
             from mtpserve.engine.cuda_kernels import warm_up_accept
             warm_up_accept()
+        if xp is not np:                      # the sampled paths' kernels, at one row and several
+            warm_up_sampled(self.manifest.vocab_size, self.manifest.compute_dtype, xp, max(1, self.max_drafts))
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
 
     def _warm_up_gemms(self) -> None:

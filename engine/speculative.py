@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mtpserve.engine.sampler import draw_tokens, per_row_rngs, probs, row_argmax, sample_from_probs, to_host
+from mtpserve.engine.sampler import SamplingParams, draw_tokens, per_row_rngs, probs, row_argmax, sample_from_probs, sample_keyed, to_host
 
 # The most drafts one request may carry in one step: the paged export captures at most
 # state_update_capacity transitions, and its CUDA kernels are built for at most 8 rows per request.
@@ -125,6 +125,35 @@ def verify_sampled_batch(
         ([int(t) for t in draft_tokens[r][: num_accepted[r]]] + [int(final_tokens[r])], int(num_accepted[r]))
         for r in range(num_requests)
     ]
+
+
+def warm_up_sampled(vocab_size: int, logits_dtype, xp, max_drafts: int = 2) -> None:
+    """Run once, on made-up logits, every array arrangement the sampled paths use at one and at
+    several rows: ``probs`` with each processing kind (temperature, top-k, top-p without top-k,
+    both, min-p, rows of mixed kinds), both draws on the device and to the host, and
+    ``verify_sampled_batch`` with rejections. CuPy builds a kernel with NVRTC on the first use of
+    each (0.1 s; CUB's argmax 1.7 s), which the warm-up requests did not all reach: on the
+    H100 a mixed greedy / top-p / seeded load built 7 on live steps (``live_compiles.py``,
+    session 24). On the CPU (numpy) there is nothing to build."""
+    rng = np.random.default_rng(0)
+    logits = xp.asarray(rng.standard_normal((max(3, max_drafts + 1) * 3, vocab_size)).astype(logits_dtype))
+    kinds = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=50),
+             SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+             SamplingParams(temperature=0.8, min_p=0.05)]
+    for n in (1, 3):
+        rows = logits[:n]
+        for params in kinds:
+            p = probs(rows, params, xp)
+            for on_device in (True, False):
+                sample_from_probs(p, rng.random(n), xp, on_device=on_device)
+                sample_keyed(p, list(range(n)), [0] * n, xp, on_device=on_device)
+        probs(rows, [SamplingParams(temperature=0), kinds[2], kinds[0]][:n], xp)      # rows of mixed kinds
+        k = max_drafts
+        target, q = probs(logits[:n * (k + 1)], kinds[2], xp), probs(logits[-n * k:], kinds[2], xp)
+        q = xp.stack([q[i] for i in range(n * k)])        # (accept_step stacks each draft's q row)
+        drafts = [to_host(row_argmax(q[i * k:(i + 1) * k], xp)).tolist() for i in range(n)]
+        verify_sampled_batch(target, q, drafts, rng, xp)
+        verify_sampled_batch(target, q, [[(t + 1) % vocab_size for t in d] for d in drafts], rng, xp)
 
 
 @dataclass

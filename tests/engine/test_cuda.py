@@ -313,12 +313,20 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert engine.is_idle_and_empty()
 
 
-def _greedy_run(engine, params, prompts=PROMPTS) -> tuple[dict, dict, dict]:
-    """(tokens, finish reasons, per token the top-2 logprobs when asked) of ``prompts``, pools checked."""
+def _greedy_run(engine, params, prompts=PROMPTS, arrivals: dict | None = None) -> tuple[dict, dict, dict]:
+    """(tokens, finish reasons, per token the top-2 logprobs when asked) of ``prompts``, pools
+    checked. ``arrivals``: {step index: request indices} added before that step (the rest at once)."""
+    arrivals = arrivals or {}
+    late = {i for group in arrivals.values() for i in group}
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp)
+        if i not in late:
+            engine.add_request(f"r{i}", p, sp)
     tokens, reasons, tops = {}, {}, {}
-    while engine.has_work:
+    step = 0
+    while engine.has_work or any(k >= step for k in arrivals):
+        for i in arrivals.get(step, ()):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        step += 1
         for ev in engine.step():
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
             tops.setdefault(ev.request_id, []).extend(ev.logprobs or [])
@@ -393,12 +401,15 @@ def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(m
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     params = [dataclasses.replace(greedy, max_tokens=8 + 5 * i) if i % 3 else greedy for i in range(len(PROMPTS))]
     params[4] = dataclasses.replace(greedy, stop=["\n"])
+    # newcomers while the first six decode: each one's prompt step is a decode step of the others,
+    # which a draft step follows (with every request at once, fixed K drafted after none: session 24)
+    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
     ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs,
                                                    overlap=False),
-                                         [dataclasses.replace(p, logprobs=2) for p in params])
+                                         [dataclasses.replace(p, logprobs=2) for p in params], arrivals=arrivals)
     engine = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=cuda_graphs)
     engine.draft_after_decode = True
-    out, reasons, _ = _greedy_run(engine, params)
+    out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
     parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
     print(f"draft after decode (graphs {cuda_graphs}, K={k}): {engine.num_drafts_after_decode} such steps, "
           f"{engine.num_draft_continuations} after a draft step; {len(parted)} of {len(ref)} part: {parted}; "
@@ -689,6 +700,19 @@ def test_concat_rows_stacks_row_blocks_as_cupy_concatenate_does():
     single = concat_rows([whole[4:9]])
     whole[4:9] = 0                                   # a copy, not a view
     assert float(cupy.abs(single).sum()) > 0
+
+
+@needs_cuda
+def test_copy_columns_writes_a_verifys_draft_columns_and_nothing_else():
+    import cupy
+
+    from mtpserve.engine.cuda_kernels import copy_columns
+    ids = cupy.arange(5 * 4, dtype=cupy.int64).reshape(5, 4)
+    drafts = cupy.asarray(np.array([[100, 101, 102], [200, 201, 202], [300, 301, 302]], np.int64))
+    expected = cupy.asnumpy(ids).copy()
+    expected[:3, 1:] = cupy.asnumpy(drafts)
+    copy_columns(ids, drafts, 1)
+    np.testing.assert_array_equal(cupy.asnumpy(ids), expected)     # rows past B and column 0 untouched
 
 
 LIVE_BUILDS_SCRIPT = r"""

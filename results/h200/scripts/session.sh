@@ -927,6 +927,30 @@ by)          # bq's C=8 and the bench's rounds without waves (~230 s)
     --range-ratio 0.5 --rounds 3 --name bundled-mtp-rounds-r0.5 2>&1 | grep -v "prefill:" | tail -12
   step done
   ;;
+cc)          # after the copy_columns / sampler warm-up fixes: the changed tests, then bz's trace (~360 s)
+  step "test_cuda: live builds, copy_columns, concat_rows, draft after decode, sampled, MTP on == off"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "live_steps or copy_columns or concat_rows or after_a_decode or sampl or greedy_mtp_on" 2>&1 | grep -v Warning \
+    > "$OUT/test-cuda-changed.txt"
+  grep -E "^E  |draft after decode|LIVE|passed|failed" "$OUT/test-cuda-changed.txt" | cut -c1-500 | tail -30
+  if grep -q "FAILED.*build_no_kernel" "$OUT/test-cuda-changed.txt"; then
+    step "live_compiles.py, bundled, fresh kernel cache"
+    ( fresh_cupy; timeout 150 python3 results/h200/scripts/live_compiles.py engine/bundled/model "$OUT/live-compiles.json" \
+      2>&1 | grep -v "Warning\|No registered plugin" | tee "$OUT/live-compiles.txt" | grep -E "BUILD|builds" | head -30 )
+  fi
+  step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio 0.5 --fixed 2 --after-decode"
+  timeout 220 python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r0.5-k2.json" \
+    --concurrency 16 --requests 128 --rounds 2 --range-ratio 0.5 --fixed 2 --after-decode 2>&1 \
+    | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600 | tee "$OUT/step-trace.txt" | tail -60
+  step done
+  ;;
+ca)          # host time per step of K=2 against K=0 at C=16 without waves: cProfile, per step and per token (~150 s)
+  step "auto_ab.py --fixed 2 --profile --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
+  timeout 170 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-k2-profile.json" \
+    --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio 0.5 --fixed 2 --no-never --profile 2>&1 \
+    | grep -v "Warning\|onnxruntime" | cut -c1-300 | tail -60 | tee "$OUT/auto-ab-c16-r0.5-k2-profile.txt"
+  step done
+  ;;
 bu)          # auto vs K=0 at C=16 without waves (~85 s)
   auto_ab_without_waves 16 85
   step done
