@@ -700,6 +700,12 @@ def test_concat_rows_stacks_row_blocks_as_cupy_concatenate_does():
     single = concat_rows([whole[4:9]])
     whole[4:9] = 0                                   # a copy, not a view
     assert float(cupy.abs(single).sum()) > 0
+    # a request's rows of a steady batch (one a step, 4 rows apart), then a run broken by a gap,
+    # a part of another size and a part before the run's start: copies of runs and of single parts
+    chunk = cupy.asarray(rng.standard_normal((40, 6)).astype(np.float16))
+    parts = [chunk[1:2], chunk[5:6], chunk[9:10], chunk[13:14], chunk[21:22], chunk[25:27], chunk[29:31],
+             chunk[0:1], chunk[33:34], chunk[37:38]]
+    np.testing.assert_array_equal(cupy.asnumpy(concat_rows(parts)), np.concatenate([cupy.asnumpy(p) for p in parts]))
 
 
 @needs_cuda
