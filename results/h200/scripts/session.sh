@@ -944,6 +944,18 @@ cc)          # after the copy_columns / sampler warm-up fixes: the changed tests
     | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600 | tee "$OUT/step-trace.txt" | tail -60
   step done
   ;;
+cd)          # cc when device time is short: the changed tests, then the trace's one round (~250 s)
+  step "test_cuda: live builds, copy_columns, concat_rows, draft after decode"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "live_steps or copy_columns or concat_rows or after_a_decode" 2>&1 | grep -v Warning > "$OUT/test-cuda-changed.txt"
+  grep -E "^E  |draft after decode|LIVE|passed|failed" "$OUT/test-cuda-changed.txt" | cut -c1-500 | tail -30
+  step "step_trace.py, bundled, C=16, 128 requests, 1 round, --range-ratio 0.5 --fixed 2 --after-decode"
+  timeout "${CD_TRACE_TIMEOUT:-150}" python3 results/h200/scripts/step_trace.py engine/bundled/model \
+    "$OUT/step-trace-c16-r0.5-k2.json" --concurrency 16 --requests 128 --rounds 1 --range-ratio 0.5 --fixed 2 \
+    --after-decode 2>&1 | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600 \
+    | tee "$OUT/step-trace.txt" | tail -60
+  step done
+  ;;
 ca)          # host time per step of K=2 against K=0 at C=16 without waves: cProfile, per step and per token (~150 s)
   step "auto_ab.py --fixed 2 --profile --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
   timeout 170 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-k2-profile.json" \
