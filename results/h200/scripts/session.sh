@@ -949,10 +949,10 @@ cd)          # cc when device time is short: the changed tests, then the trace's
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
     -k "live_steps or copy_columns or concat_rows or after_a_decode" 2>&1 | grep -v Warning > "$OUT/test-cuda-changed.txt"
   grep -E "^E  |draft after decode|LIVE|passed|failed" "$OUT/test-cuda-changed.txt" | cut -c1-500 | tail -30
-  step "step_trace.py, bundled, C=16, 128 requests, 1 round, --range-ratio 0.5 --fixed 2 --after-decode"
+  step "step_trace.py, bundled, C=16, 128 requests, 1 round, --range-ratio 0.5: K=0, K=2, K=2 after decode"
   timeout "${CD_TRACE_TIMEOUT:-150}" python3 results/h200/scripts/step_trace.py engine/bundled/model \
     "$OUT/step-trace-c16-r0.5-k2.json" --concurrency 16 --requests 128 --rounds 1 --range-ratio 0.5 --fixed 2 \
-    --after-decode 2>&1 | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600 \
+    --after-decode --only "K=0,K=2,K=2 after decode" 2>&1 | grep -v "No registered plugin\|Warning" | grep -v "^     {" | cut -c1-600 \
     | tee "$OUT/step-trace.txt" | tail -60
   step done
   ;;

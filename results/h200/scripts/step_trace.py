@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -86,20 +87,27 @@ def main() -> None:
                    "time at a steady depth against K=0's overlapped steps)")
     p.add_argument("--after-decode", action="store_true", help="also auto and each fixed K with "
                    "Engine.draft_after_decode on (a draft step launched behind a decode step)")
+    p.add_argument("--only", default="", help="the engines to trace, by name, K=0 among them (default: all), "
+                   "e.g. 'K=0,K=2,K=2 after decode'")
     args = p.parse_args()
     base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
-    engines = {"K=0": Engine(dataclasses.replace(base, spec=SpecConfig(0))),
-               "auto": Engine(dataclasses.replace(base, spec=SpecConfig("auto"))),
-               "never drafts": Engine(dataclasses.replace(base, spec=SpecConfig("auto")),
-                                      draft_policy=FixedDraftPolicy(0))}
+
+    def engine(k, policy=None, after_decode=False):
+        e = Engine(dataclasses.replace(base, spec=SpecConfig(k)), draft_policy=policy)
+        e.draft_after_decode = after_decode
+        return e
+    make = {"K=0": lambda: engine(0), "auto": lambda: engine("auto"),
+            "never drafts": lambda: engine("auto", FixedDraftPolicy(0))}
     for k in filter(None, args.fixed.split(",")):
-        engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=SpecConfig(int(k))))
+        make[f"K={k}"] = functools.partial(engine, int(k))
         if args.after_decode:
-            e = engines[f"K={k} after decode"] = Engine(dataclasses.replace(base, spec=SpecConfig(int(k))))
-            e.draft_after_decode = True
+            make[f"K={k} after decode"] = functools.partial(engine, int(k), after_decode=True)
     if args.after_decode:
-        e = engines["auto after decode"] = Engine(dataclasses.replace(base, spec=SpecConfig("auto")))
-        e.draft_after_decode = True
+        make["auto after decode"] = functools.partial(engine, "auto", after_decode=True)
+    only = [n.strip() for n in args.only.split(",")] if args.only else list(make)
+    if "K=0" not in only or not set(only) <= set(make):
+        raise SystemExit(f"--only: K=0 and any of {list(make)}")
+    engines = {n: make[n]() for n in only}           # (each builds its captures: ~20 s on the H100)
     prompts = text_workload(BUNDLED_PROMPTS, engines["K=0"].tokenizer.encode, args.requests).prompt_ids
     recs = trace(engines, prompts, args.concurrency, args.rounds,
                  lengths=output_lengths(len(prompts), 128, args.range_ratio) or 128)
