@@ -543,39 +543,17 @@ def copy_columns(dst, src, col: int) -> None:
 
 def concat_rows(parts: list):
     """``cupy.concatenate(parts)`` of row blocks (each ``[n_i, *W]``, one dtype and row shape)
-    into a new array, on the current stream, with one 2-D device-to-device copy per run of
-    equal-sized parts at one pitch (else one copy a part). CuPy's concatenate (and
-    ``ndarray.copy``) builds a kernel with NVRTC on the first use of each arrangement of its
-    arrays, ~0.1 s, which the head's catch-up of new prompts hit on live steps (session 23); a
-    copy builds nothing. The runs: a request's pending hidden rows of a steady batch, one row a
-    step, sit at the step's row count apart in ``_RowCopies``' chunk::
-
-        chunk   | step s: r0 r1 .. r15 | step s+1: r0 r1 .. r15 | ...     request r1's rows:
-        parts   r1@s, r1@s+1, ...  ->  one copy of height n, source pitch 16 rows (session 24:
-                auto's catch-up after a pause made 9.6 copies a step at C=16, one a part)"""
+    as one device-to-device copy a part into a new array (``copy_rows``), on the current stream. CuPy's
+    concatenate (and ``ndarray.copy``) builds a kernel with NVRTC on the first use of each
+    arrangement of its arrays, ~0.1 s, which the head's catch-up of new prompts hit on live
+    steps (session 23); a copy builds nothing."""
     import cupy
     first = parts[0]
     out = cupy.empty((sum(len(p) for p in parts), *first.shape[1:]), first.dtype)
-    runs = []                              # [source ptr, bytes a part, source pitch, parts]
-    for part in parts:
-        if len(part) == 0:
-            continue
-        part = cupy.ascontiguousarray(part)  # (a row slice of a step's hidden states is contiguous already)
-        ptr, nbytes = part.data.ptr, part.nbytes
-        if runs and runs[-1][1] == nbytes:
-            run = runs[-1]
-            if run[3] == 1 and ptr > run[0] and ptr - run[0] >= nbytes:
-                run[2], run[3] = ptr - run[0], 2
-                continue
-            if run[3] > 1 and ptr == run[0] + run[3] * run[2]:
-                run[3] += 1
-                continue
-        runs.append([ptr, nbytes, nbytes, 1, part])  # (the part kept alive until its copy is queued)
-    at, stream = out.data.ptr, cupy.cuda.get_current_stream().ptr
-    for ptr, nbytes, pitch, count, _ in runs:
-        cupy.cuda.runtime.memcpy2DAsync(at, nbytes, ptr, pitch, nbytes, count, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                        stream)
-        at += nbytes * count
+    at = 0
+    for part in parts:                     # (a row slice of a step's hidden states is contiguous already)
+        copy_rows(out[at:at + len(part)], cupy.ascontiguousarray(part), len(part))
+        at += len(part)
     return out
 
 
