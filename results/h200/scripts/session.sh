@@ -956,6 +956,15 @@ cd)          # cc when device time is short: the changed tests, then the trace's
     | tee "$OUT/step-trace.txt" | tail -60
   step done
   ;;
+ce)          # where a steady K=2 step's 1.08 ms goes at C=16: GPU gaps and spans, host launch / wait / other (~120 s)
+  step "step_timeline.py, bundled, C=16, 128 requests, --range-ratio 0.5: K=0, K=2, K=2 after decode"
+  timeout 150 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/step-timeline-c16-r0.5.json" \
+    --fixed 0,2 2>&1 | grep -v "No registered plugin\|Warning" | tee "$OUT/step-timeline.txt" | tail -14
+  timeout 100 python3 results/h200/scripts/step_timeline.py engine/bundled/model \
+    "$OUT/step-timeline-c16-r0.5-after-decode.json" --fixed 2 --after-decode 2>&1 \
+    | grep -v "No registered plugin\|Warning" | tee -a "$OUT/step-timeline.txt" | tail -8
+  step done
+  ;;
 ca)          # host time per step of K=2 against K=0 at C=16 without waves: cProfile, per step and per token (~150 s)
   step "auto_ab.py --fixed 2 --profile --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
   timeout 170 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-k2-profile.json" \

@@ -1,0 +1,188 @@
+"""Where a steady step's time goes: the host's launch, its wait for the step before, its other
+work, and what the GPU did in between, step by step (one engine at a time, a closed loop).
+
+    python3 step_timeline.py MODEL_DIR OUT.json [--fixed 0,2] [--concurrency 16] [--requests 128]
+        [--range-ratio 0.5] [--after-decode] [--device cuda]
+
+Session 24 (H100, bundled, C=16, lengths 64-192): a K=2 step took 1.08 ms (p50) where its
+replays alone take ~0.6, and ``auto_ab.py``'s host figure (wall time outside ORT's launch calls)
+counts the waits for the device with the host's own work, so it could not say which one the
+step waits on. Here each launch (``Engine._launch``, and ``_run_step`` for a step run alone)
+records a CUDA event on the stream when the host starts queueing it and another when it is done
+queueing; after the run:
+
+    GPU gap    event(end of step i-1's queue) -> event(start of step i's): the GPU idle between
+               steps because the host had not started queueing step i (host-bound: > 0)
+    GPU span   event(start of i) -> event(end of i): step i's GPU time, with any idle inside it
+               while the host was still queueing (the replays alone: ``step_costs.py``)
+    launch     host time queueing step i;  wait: host time in ``TokenReadback.receive`` (the
+               wait for a launched step's tokens);  other: the step's wall time less both
+
+Each engine runs the loop once to warm up, then once timed. Steps are classed as step_trace.py
+does: prompt (a step that fed a prompt chunk), drafting (its rows carried drafts), and whether
+it was launched behind the step before (pipelined). On the CPU only the host columns mean
+anything (a dry run of the script).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from auto_ab import ClosedLoop  # noqa: E402
+
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload  # noqa: E402
+from mtpserve.engine import pipeline  # noqa: E402
+from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
+from mtpserve.engine.engine import Engine  # noqa: E402
+
+
+class Timeline:
+    """Wraps one engine's launches and the readback's waits while ``recording``."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.recording = engine, False
+        self.cupy = None
+        if engine.xp.__name__ == "cupy":
+            import cupy
+            self.cupy = cupy
+        self.step: dict = {}
+        self.steps: list[dict] = []
+        for name in ("_launch", "_run_step"):
+            self._wrap(name)
+        original = pipeline.TokenReadback.receive
+        timeline = self
+
+        def receive(readback, handle):
+            t = time.perf_counter()
+            try:
+                return original(readback, handle)
+            finally:
+                if timeline.recording:
+                    timeline.step["wait_us"] = timeline.step.get("wait_us", 0.0) + (time.perf_counter() - t) * 1e6
+        pipeline.TokenReadback.receive = receive
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(self.engine, name)
+        timeline = self
+
+        def wrapped(*args, **kwargs):
+            start = timeline._event()
+            t = time.perf_counter()
+            out = original(*args, **kwargs)
+            if timeline.recording:
+                timeline.step.setdefault("launches", []).append(
+                    {"what": name, "us": (time.perf_counter() - t) * 1e6, "start": start, "end": timeline._event()})
+            return out
+        setattr(self.engine, name, wrapped)
+
+    def _event(self):
+        if self.cupy is None or not self.recording:
+            return None
+        e = self.cupy.cuda.Event()
+        e.record(self.cupy.cuda.get_current_stream())
+        return e
+
+    def on_step(self, loop) -> None:
+        """After each ``Engine.step`` call (``ClosedLoop``'s hook): its record closed. A record
+        is one call: the step that landed in it (its kind: ``last_step``) and the launches made
+        in it, usually of the next step (its continuation); in a steady run the two are alike."""
+        if not self.recording:
+            return
+        timing = self.engine.last_step
+        rec, self.step = self.step, {}
+        rec["wall_us"] = loop.times[-1] * 1e6 if loop.times else None
+        if timing is not None:
+            rec.update(drafts=timing.num_head_forwards, prompt=timing.has_prefill, pipelined=timing.pipelined,
+                       requests=timing.num_requests)
+        self.steps.append(rec)
+
+    def finish(self) -> list[dict]:
+        """Per step: host launch / wait / other (us) and, on CUDA, the GPU gap before it and span."""
+        if self.cupy is not None:
+            self.cupy.cuda.get_current_stream().synchronize()
+        out, last_end = [], None
+        for rec in self.steps:
+            launches = rec.pop("launches", [])
+            launch_us = sum(x["us"] for x in launches)
+            row = dict(rec)
+            row["launch_us"] = round(launch_us, 1)
+            row["wait_us"] = round(rec.get("wait_us", 0.0), 1)
+            if rec.get("wall_us") is not None:
+                row["other_us"] = round(rec["wall_us"] - launch_us - row["wait_us"], 1)
+                row["wall_us"] = round(rec["wall_us"], 1)
+            if self.cupy is not None and launches:
+                first, end = launches[0]["start"], launches[-1]["end"]
+                row["gpu_span_us"] = round(self.cupy.cuda.get_elapsed_time(first, end) * 1e3, 1)
+                if last_end is not None:
+                    row["gpu_gap_us"] = round(self.cupy.cuda.get_elapsed_time(last_end, first) * 1e3, 1)
+                last_end = end
+            out.append(row)
+        return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians (and sums) of each column by kind of step."""
+    kinds = {"prompt": [r for r in rows if r.get("prompt")],
+             "drafting, pipelined": [r for r in rows if not r.get("prompt") and r.get("drafts") and r.get("pipelined")],
+             "drafting, alone": [r for r in rows if not r.get("prompt") and r.get("drafts") and not r.get("pipelined")],
+             "decode, pipelined": [r for r in rows if not r.get("prompt") and not r.get("drafts") and r.get("pipelined")],
+             "decode, alone": [r for r in rows if not r.get("prompt") and not r.get("drafts") and not r.get("pipelined")]}
+    out = {}
+    for kind, rs in kinds.items():
+        if not rs:
+            continue
+        cols = [c for c in ("wall_us", "launch_us", "wait_us", "other_us", "gpu_gap_us", "gpu_span_us")
+                if any(c in r for r in rs)]
+        out[kind] = {"steps": len(rs),
+                     **{f"{c}_p50": round(statistics.median(r[c] for r in rs if c in r), 1) for c in cols},
+                     **{f"{c}_sum_ms": round(sum(r[c] for r in rs if c in r) / 1e3, 2) for c in cols}}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir")
+    p.add_argument("out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--fixed", default="0,2", help="draft counts, one engine each (0: MTP off)")
+    p.add_argument("--after-decode", action="store_true", help="Engine.draft_after_decode on in the MTP engines")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.5, help="output lengths from 128 x [1 - R, 1 + R]")
+    args = p.parse_args()
+    base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
+    result = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
+              "requests": args.requests, "range_ratio": args.range_ratio, "engines": {}}
+    for k in [int(x) for x in args.fixed.split(",")]:
+        name = f"K={k}" + (" after decode" if k and args.after_decode else "")
+        engine = Engine(dataclasses.replace(base, spec=SpecConfig(k)))
+        engine.draft_after_decode = bool(k and args.after_decode)
+        prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, args.requests).prompt_ids
+        lengths = output_lengths(len(prompts), 128, args.range_ratio) or 128
+        timeline = Timeline(engine)
+        ClosedLoop(engine, prompts, args.concurrency, f"warm-{k}", lengths).advance()
+        timeline.recording = True
+        loop = ClosedLoop(engine, prompts, args.concurrency, f"timed-{k}", lengths, on_step=timeline.on_step)
+        loop.advance()
+        timeline.recording = False
+        rows = timeline.finish()
+        r = loop.result()
+        summary = summarize(rows)
+        result["engines"][name] = {"tokens": r["tokens"], "steps": r["steps"], "ms_per_step": r["ms_per_step"],
+                                   "summary": summary, "steps_detail": rows}
+        print(f"{name}: {r['steps']} steps, {r['ms_per_step']:.3f} ms/step, {r['tokens']} tokens", flush=True)
+        for kind, s in summary.items():
+            print(f"  {kind}: " + ", ".join(f"{c} {v}" for c, v in s.items()), flush=True)
+        del engine
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
