@@ -582,8 +582,12 @@ class PrefixCache:
                 if digest not in self.entries:
                     self._add_entry(digest, (k + 1) * self.block_size, table[k])
             chain.num_registered = full
-        if self.head_pool is not None and (chain.num_head_registered + 1) * self.block_size <= num_head:
+        # head block j waits for main block j + 1's entry: most decode steps have nothing to add
+        if (self.head_pool is not None and (chain.num_head_registered + 1) * self.block_size <= num_head
+                and chain.num_head_registered + 1 < len(chain.digests)):
             self._register_head(request_id, chain, num_head)
+        if num_computed >= num_prompt_tokens:      # past every prompt boundary: no snapshot due (decode steps)
+            return
         boundary = self.prompt_boundary(num_prompt_tokens)
         if num_computed and num_computed <= boundary and num_computed in self._planned(chain, num_prompt_tokens):
             entry = self.entries[chain.digests[num_computed // self.block_size - 1]]

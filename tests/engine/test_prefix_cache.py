@@ -3,6 +3,8 @@ blocks, a recurrent-state snapshot, the MTP head caught up) produces exactly the
 produces with the cache off, at K=0 and with MTP, in every way a prefix can be reused or lost."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -59,6 +61,23 @@ def test_an_exact_repeat_hits_and_gives_the_same_tokens(model_dir, k):
     n = len(engine.tokenizer.encode(SYSTEM + PROMPTS[2]))
     assert cached[0] == [0] and cached[1][0] == cached[2][0] == (n - 1) // 16 * 16 > 0
     assert engine.prefix_cache.stats.num_requests_hit == 2
+
+
+def test_with_mtp_every_full_head_block_is_kept_for_the_next_hit(model_dir):
+    """Head block j (the MTP head's KV) is entered under main entry j + 1 once both are full, so
+    a later hit shares the head's blocks too and its head catches up on one block, not its
+    prompt (a head block left out is a stale one for the hit: its drafts, not its tokens, go
+    wrong). Checked after a request with 9 blocks of prompt and output."""
+    from mtpserve.engine.prefix_cache import chain_digests
+    engine = engine_with(model_dir, True, 2)
+    prompt = engine.tokenizer.encode(SYSTEM + PROMPTS[2])
+    out, _ = serve(engine, [[prompt]], dataclasses.replace(GREEDY, max_tokens=9 * 16 - len(prompt) + 5))
+    tokens = prompt + out[0][0]
+    digests = chain_digests(tokens[:len(tokens) - 1], 16, [])      # the blocks the request committed
+    entries = [engine.prefix_cache.entries.get(d) for d in digests]
+    assert all(e is not None for e in entries), "a full main block was not entered"
+    missing = [j for j, e in enumerate(entries[1:]) if e.head_block is None]
+    assert not missing, f"head blocks {missing} (of {len(entries) - 1}) were not kept"
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
