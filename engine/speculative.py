@@ -133,8 +133,8 @@ def warm_up_sampled(vocab_size: int, logits_dtype, xp, max_drafts: int = 2) -> N
     both, min-p, rows of mixed kinds), both draws on the device and to the host, and
     ``verify_sampled_batch`` with rejections. CuPy builds a kernel with NVRTC on the first use of
     each (0.1 s; CUB's argmax 1.7 s), which the warm-up requests did not all reach: on the
-    H100 a mixed greedy / top-p / seeded load built 7 on live steps (``live_compiles.py``,
-    session 24). On the CPU (numpy) there is nothing to build."""
+    H100 a mixed greedy / top-p / seeded load built such kernels on live steps
+    (``live_compiles.py``, session 24). On the CPU (numpy) there is nothing to build."""
     rng = np.random.default_rng(0)
     logits = xp.asarray(rng.standard_normal((max(3, max_drafts + 1) * 3, vocab_size)).astype(logits_dtype))
     kinds = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=50),

@@ -700,8 +700,8 @@ def test_concat_rows_stacks_row_blocks_as_cupy_concatenate_does():
     single = concat_rows([whole[4:9]])
     whole[4:9] = 0                                   # a copy, not a view
     assert float(cupy.abs(single).sum()) > 0
-    # a request's rows of a steady batch (one a step, 4 rows apart), then a run broken by a gap,
-    # a part of another size and a part before the run's start: copies of runs and of single parts
+    # parts spread over one array as a request's pending rows of a steady batch are (one a step,
+    # 4 rows apart), with a gap, parts of another size and a part before the others
     chunk = cupy.asarray(rng.standard_normal((40, 6)).astype(np.float16))
     parts = [chunk[1:2], chunk[5:6], chunk[9:10], chunk[13:14], chunk[21:22], chunk[25:27], chunk[29:31],
              chunk[0:1], chunk[33:34], chunk[37:38]]
