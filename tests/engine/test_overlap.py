@@ -246,10 +246,14 @@ def test_preemption_and_requests_it_must_not_overlap_keep_every_output(model_dir
     assert engine.num_preemptions > 0
 
 
-def test_sampled_requests_overlap_and_draw_what_stepping_one_at_a_time_draws(model_dir):
+@pytest.mark.parametrize("k", [0, 2])
+def test_sampled_requests_overlap_and_draw_what_stepping_one_at_a_time_draws(model_dir, k):
     """Seeded requests draw with their (seed, position) noise, any other at its RNG's next
     uniform: the same draws, in the same order, as stepping one step at a time (each unseeded
-    request's RNG is seeded here, alike in both engines, so its draws can be compared)."""
+    request's RNG is seeded here, alike in both engines, so its draws can be compared). With
+    MTP (one K for all, as under CUDA graphs) a step whose drafts a sampled request verifies is
+    not launched in flight: its accept is rejection sampling on the host, not the device's
+    greedy one."""
     kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
              SamplingParams(temperature=1.0, top_k=20, max_tokens=40, ignore_eos=True),
              SamplingParams(temperature=0.7, min_p=0.05, top_p=0.95, max_tokens=40),
@@ -257,12 +261,31 @@ def test_sampled_requests_overlap_and_draw_what_stepping_one_at_a_time_draws(mod
     requests = [(f"r{i}", p, kinds[i % 4]) for i, p in enumerate(PROMPTS[:12])]
     results = []
     for overlap in (False, True):
-        engine = make(model_dir, overlap)
+        engine = make(model_dir, overlap, k=k, uniform=bool(k))
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params).rng = np.random.default_rng(int(rid[1:]))
         results.append(run(engine, []))
     assert results[1] == results[0]
-    assert engine.num_continuations > 0.5 * engine.num_steps, engine.overlap_blockers
+    if k:
+        assert engine.stats.num_drafts > 0
+    else:
+        assert engine.num_continuations > 0.5 * engine.num_steps, engine.overlap_blockers
+
+
+def test_draft_steps_in_flight_stay_within_the_steps_token_budget(model_dir):
+    """``max_tokens_per_step`` holds for a draft step launched behind another as for a planned
+    one: after a decode step of six requests (6 rows), a draft step of them with 2 drafts each
+    would feed 18, over a budget of 12, so it is not launched behind it (the scheduler then runs
+    the requests that fit)."""
+    requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:6])]
+    plain = run(make(model_dir, False, budget=12, k=2, uniform=True), requests)
+    engine = make(model_dir, True, budget=12, k=2, uniform=True)
+    engine.draft_after_decode = True
+    rows = []
+    assert run(engine, requests, during=lambda e, i: rows.append(e.last_step.num_main_tokens if e.last_step else 0)) \
+        == plain
+    assert max(rows) <= 12, rows
+    assert "the draft step exceeds the step's token budget" in engine.overlap_blockers, engine.overlap_blockers
 
 
 def test_the_cpu_default_is_off(model_dir):
