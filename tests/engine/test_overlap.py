@@ -494,6 +494,31 @@ def test_a_draft_step_after_a_decode_step_in_flight_keeps_stepping_tokens(model_
     assert "the draft policy drafts next" not in engine.overlap_blockers
 
 
+def test_no_draft_step_follows_a_decode_step_in_flight_when_a_request_samples(model_dir):
+    """``draft_after_decode`` is for greedy steps: the device's accept is the argmax, so a
+    sampled request's drafts wait for the host's rejection sampling. Through arrivals (each
+    newcomer's prompt step is a decode step of the others), sampled requests draw what
+    stepping one step at a time draws (their RNGs seeded alike), greedy ones keep their tokens."""
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_k=20, max_tokens=30, ignore_eos=True)]
+    first = [(f"r{i}", p, sampled[i % 2] if i < 2 else GREEDY) for i, p in enumerate(PROMPTS[:5])]
+    later = [(f"late{i}", p, dataclasses.replace(GREEDY, max_tokens=25)) for i, p in enumerate(PROMPTS[5:9])]
+    results = []
+    for overlap in (False, True):
+        engine = make(model_dir, overlap, k=2, uniform=True)
+        engine.draft_after_decode = True
+        for rid, prompt, params in first:
+            engine.add_request(rid, prompt, params).rng = np.random.default_rng(int(rid[1:]))
+
+        def arrive(e, i):
+            if i in (3, 6, 9, 12):
+                e.add_request(*later[[3, 6, 9, 12].index(i)])
+        results.append(run(engine, [], during=arrive))
+        assert "late3" in results[-1][0]
+    assert results[1] == results[0]
+    assert "the draft policy drafts next, and a request samples" in engine.overlap_blockers, engine.overlap_blockers
+
+
 def test_a_draft_step_after_a_decode_step_follows_auto_and_a_policy_switching_depths(model_dir):
     """With a policy that drafts every third step and auto, each switch to drafting follows the
     decode step before it, and the tokens stay MTP off's."""
