@@ -288,6 +288,20 @@ def test_draft_steps_in_flight_stay_within_the_steps_token_budget(model_dir):
     assert "the draft step exceeds the step's token budget" in engine.overlap_blockers, engine.overlap_blockers
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_requests_whose_logits_the_host_processes_keep_their_tokens_beside_overlapped_ones(model_dir, k):
+    """Penalties and a min_tokens mask apply to a request's logits on the host, so its steps
+    are not followed in flight (a continuation's token is picked from the raw logits on the
+    device, a draft step's accept is the raw argmax): with them in the batch, every request's
+    tokens are stepping's. Few requests, all running from the start, so steps would follow."""
+    requests = [("penalties", PROMPTS[10], dataclasses.replace(GREEDY, repetition_penalty=1.3, presence_penalty=0.5)),
+                ("min-tokens", PROMPTS[3], SamplingParams(temperature=0, max_tokens=40, min_tokens=30)),
+                ("frequency", PROMPTS[4], dataclasses.replace(GREEDY, frequency_penalty=0.8))]
+    plain = run(make(model_dir, False, k=k, uniform=bool(k)), requests)
+    engine = make(model_dir, True, k=k, uniform=bool(k))
+    assert run(engine, requests) == plain
+
+
 def test_the_cpu_default_is_off(model_dir):
     assert not make(model_dir, None).overlap
 
