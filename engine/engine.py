@@ -861,10 +861,16 @@ class Engine:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        """Pools consistent, every resident request's KV length equals its state length, and no
+        """Pools consistent, every resident request's KV length equals its state length, no
         per-request state (the proposer's hidden rows, grammar matchers) left behind by finished
-        requests."""
+        requests, and every request of a launched step still holding its state row and KV (a
+        dead row's go when that step lands: a release moves state rows the step still writes)."""
         self.scheduler.check_integrity()
+        if self._in_flight is not None:
+            resident = set(self.state_bank.request_ids)
+            released = [rid for rid in self._in_flight.plan.request_ids if rid not in resident
+                        or rid not in self.kv_pool]
+            assert not released, f"the step in flight writes rows of released requests {released}"
         assert self.grammars.request_ids <= set(self.scheduler.requests), (
             "grammar matchers of finished requests are left")
         if self.proposer is not None:
