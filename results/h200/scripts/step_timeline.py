@@ -56,7 +56,7 @@ class Timeline:
         self.steps: list[dict] = []
         for name in ("_launch", "_run_step"):
             self._wrap(name)
-        original = pipeline.TokenReadback.receive
+        original = self._receive = pipeline.TokenReadback.receive
         timeline = self
 
         def receive(readback, handle):
@@ -105,6 +105,7 @@ class Timeline:
 
     def finish(self) -> list[dict]:
         """Per step: host launch / wait / other (us) and, on CUDA, the GPU gap before it and span."""
+        pipeline.TokenReadback.receive = self._receive
         if self.cupy is not None:
             self.cupy.cuda.get_current_stream().synchronize()
         out, last_end = [], None
@@ -117,7 +118,7 @@ class Timeline:
             if rec.get("wall_us") is not None:
                 row["other_us"] = round(rec["wall_us"] - launch_us - row["wait_us"], 1)
                 row["wall_us"] = round(rec["wall_us"], 1)
-            if self.cupy is not None and launches:
+            if self.cupy is not None and launches and launches[0]["start"] is not None:
                 first, end = launches[0]["start"], launches[-1]["end"]
                 row["gpu_span_us"] = round(self.cupy.cuda.get_elapsed_time(first, end) * 1e3, 1)
                 if last_end is not None:
