@@ -275,6 +275,20 @@ def test_snapshots_that_lose_their_slot_come_back_from_the_host_tier(model_dir):
     assert cached[-1][0] == (n - 1) // 16 * 16 > len(engine_small.tokenizer.encode(SYSTEM))
 
 
+def test_a_full_snapshot_budget_gives_up_the_least_recently_used_snapshot(model_dir):
+    """Two snapshot slots, no host tier, prompts of one block boundary each: A, B, A again (a
+    hit, which makes A's snapshot the newest used), then C needs a slot and takes B's, the one
+    least recently used. A hits once more; B, asked again, starts cold."""
+    a, b, c = ([base + t for t in range(24)] for base in (100, 200, 300))
+    rounds = [[a], [b], [a], [c], [a], [b]]
+    row_bytes = engine_with(model_dir, False).state_bank.spec.bytes_per_row(1)
+    engine = engine_with(model_dir, True, snapshot_gib=2 * row_bytes / 2**30, host_gib=0.0)
+    assert len(engine.state_bank.snapshot_conv) == 2
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds)
+    assert [x[0] for x in cached] == [0, 0, 16, 0, 16, 0]
+
+
 def test_a_hit_restores_one_snapshot_not_every_snapshot_on_its_path(model_dir):
     """A long prompt leaves a snapshot every 16 tokens, more than the two slots hold, so most
     go to the host tier. A repeat starts from the deepest one: the shallower ones on its path
