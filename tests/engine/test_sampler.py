@@ -182,3 +182,16 @@ def test_min_p_drops_tokens_less_likely_than_min_p_times_the_most_likely():
     assert np.allclose(p, np.array([0.5, 0.3, 0.12, 0, 0]) / 0.92, atol=1e-6)
     assert np.allclose(probs(logits, SamplingParams(temperature=1.0, min_p=1.0))[0], [1, 0, 0, 0, 0])
     assert np.allclose(probs(logits, SamplingParams(temperature=1.0))[0], [0.5, 0.3, 0.12, 0.05, 0.03], atol=1e-6)
+
+
+def test_penalties_follow_openais_and_ctrls_formulas():
+    """Frequency and presence (OpenAI's): logit[j] -= count[j] * frequency + (count[j] > 0) *
+    presence, over the output so far. Repetition (CTRL's, as vLLM and transformers apply it):
+    every token seen in the prompt or the output has a positive logit divided by the penalty
+    and a negative one multiplied by it, so both become less likely."""
+    row = np.array([2.0, -2.0, 1.0, 0.5, 3.0], np.float32)
+    got = sampler.apply_penalties(row.copy(), SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
+                                  prompt_ids=[4], output_ids=[0, 0, 0, 3])
+    np.testing.assert_allclose(got, [2.0 - 1.5 - 1.0, -2.0, 1.0, 0.5 - 0.5 - 1.0, 3.0])
+    got = sampler.apply_penalties(row.copy(), SamplingParams(repetition_penalty=2.0), prompt_ids=[1], output_ids=[0])
+    np.testing.assert_allclose(got, [1.0, -4.0, 1.0, 0.5, 3.0])
