@@ -154,7 +154,7 @@ class MTPProposer:
             return {}
         if after is not None:
             if not after.num_drafts:     # after a decode step: every row but its own first, from the host's ids
-                self._catch_up_long([s.request for s in drafting if s.request.num_computed - s.request.num_head > 1])
+                self._catch_up_long([s.request for s in drafting])
             return self._propose_after(drafting, after)
         constrained = [s.request.request_id for s in drafting if self.grammars and s.request.request_id in self.grammars]
         graphed = self.graphs is not None and not constrained and all(s.request.params.is_greedy for s in drafting)

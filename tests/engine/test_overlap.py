@@ -64,6 +64,14 @@ def both(model_dir, requests, **kw):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+def arriving(requests: list, steps: tuple[int, ...]):
+    """A ``run`` hook adding ``requests[j]`` (id, prompt, params) after step ``steps[j]``."""
+    def arrive(e, i):
+        if i in steps:
+            e.add_request(*requests[steps.index(i)])
+    return arrive
+
+
 def test_greedy_tokens_equal_stepping_one_at_a_time_with_chunked_prefill_and_batching(model_dir):
     requests = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
     plain, overlapped, engine = both(model_dir, requests)
@@ -201,18 +209,14 @@ def test_a_session_turn_under_a_reused_id_still_caches_its_prompt_for_the_next_t
     plain = next_turn_cached(False)
     assert plain >= 32 and next_turn_cached(True) == plain
 
+
 def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
     first = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])]
     later = [(f"late{i}", p, GREEDY) for i, p in enumerate(PROMPTS[4:8])]
     results = []
     for overlap in (False, True):
         engine = make(model_dir, overlap)
-
-        def arrive(e, i):
-            if i in (5, 11, 12, 30):
-                rid, prompt, params = later[[5, 11, 12, 30].index(i)]
-                e.add_request(rid, prompt, params)
-        results.append(run(engine, first, during=arrive))
+        results.append(run(engine, first, during=arriving(later, (5, 11, 12, 30))))
     assert results[1] == results[0]
     assert set(results[1][0]) == {r for r, _, _ in first + later}
     assert engine.overlap_blockers.get("a waiting request can be admitted", 0) > 0
@@ -495,9 +499,7 @@ def test_a_draft_step_after_a_decode_step_in_flight_keeps_stepping_tokens(model_
              ("stop-id", PROMPTS[2], dataclasses.replace(GREEDY, stop_token_ids=[ids[11]]))]
     later = [(f"late{i}", p, dataclasses.replace(GREEDY, max_tokens=25)) for i, p in enumerate(PROMPTS[5:9])]
 
-    def arrive(e, i):
-        if i in (4, 9, 10, 23):
-            e.add_request(*later[[4, 9, 10, 23].index(i)])
+    arrive = arriving(later, (4, 9, 10, 23))
     plain = run(make(model_dir, False, k=k, uniform=uniform), first, during=arrive)
     engine = make(model_dir, True, k=k, uniform=uniform)
     engine.draft_after_decode = True
@@ -523,11 +525,7 @@ def test_no_draft_step_follows_a_decode_step_in_flight_when_a_request_samples(mo
         engine.draft_after_decode = True
         for rid, prompt, params in first:
             engine.add_request(rid, prompt, params).rng = np.random.default_rng(int(rid[1:]))
-
-        def arrive(e, i):
-            if i in (3, 6, 9, 12):
-                e.add_request(*later[[3, 6, 9, 12].index(i)])
-        results.append(run(engine, [], during=arrive))
+        results.append(run(engine, [], during=arriving(later, (3, 6, 9, 12))))
         assert "late3" in results[-1][0]
     assert results[1] == results[0]
     assert "the draft policy drafts next, and a request samples" in engine.overlap_blockers, engine.overlap_blockers

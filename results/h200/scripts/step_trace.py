@@ -96,8 +96,8 @@ def main() -> None:
         e = Engine(dataclasses.replace(base, spec=SpecConfig(k)), draft_policy=policy)
         e.draft_after_decode = after_decode
         return e
-    make = {"K=0": lambda: engine(0), "auto": lambda: engine("auto"),
-            "never drafts": lambda: engine("auto", FixedDraftPolicy(0))}
+    make = {"K=0": functools.partial(engine, 0), "auto": functools.partial(engine, "auto"),
+            "never drafts": functools.partial(engine, "auto", FixedDraftPolicy(0))}
     for k in filter(None, args.fixed.split(",")):
         make[f"K={k}"] = functools.partial(engine, int(k))
         if args.after_decode:
