@@ -43,7 +43,9 @@ def test_three_nodes_route_across_proxies_and_survive_a_lost_worker_node(tmp_pat
     results = list(tmp_path.glob("*-nodes.json"))
     assert results, output[-4000:]
     f = json.loads(results[0].read_text())["nodes"]
-    assert proc.returncode == 0 and f["passed"], format_nodes(f)
+    assert f["passed"], format_nodes(f)
+    # the run passed but the process failed on its way out (CI saw this once): show what it printed last
+    assert proc.returncode == 0, f"exit status {proc.returncode} after a passing run; its output ends:\n{output[-3000:]}"
 
     assert sorted(f["placement"]["replica_node"].values()) == [1, 2], "one replica on each worker node"
     assert f["placement"]["planner"]["node"] == 0, "the planner runs on the head node"
