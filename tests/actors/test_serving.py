@@ -311,14 +311,16 @@ def test_a_cached_prefix_yields_to_load_beyond_the_bound(app):
     session = _session_on(app, home)
     stop = threading.Event()
 
-    def busy():
+    def busy():          # one stream after another until stopped (on a slow machine 300 tokens end first)
         body = {"model": app["model"], "prompt": "while True:", "max_tokens": 300, "ignore_eos": True,
                 "temperature": 0, "stream": True}
-        with requests.post(f"{app['base']}/v1/completions", json=body, headers={"x-session-id": session},
-                           stream=True, timeout=60) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    break
+        while not stop.is_set():
+            with requests.post(f"{app['base']}/v1/completions", json=body, headers={"x-session-id": session},
+                               stream=True, timeout=60) as r:
+                assert r.status_code == 200, r.text
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
 
     def running_at_home(n):          # running or waiting for admission: the load the router sees
         _wait_for(lambda: (v := _placement()) is not None and home in v.replicas
