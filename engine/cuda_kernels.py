@@ -29,6 +29,8 @@ The capsule layout is the one ``state_bank.split_capsule`` draws::
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 MAX_CAPACITY = 8            # the recurrent kernel keeps a row's captured decays and keys in registers
@@ -508,7 +510,7 @@ def gather_rows(dst, src, index, lo: int, hi: int) -> None:
             dst[index[j] * width + c] = src[index[stride + j] * width + c];
             """, "mtpserve_gather_rows")
     assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and index.ndim == 2
-    width = int(np.prod(dst.shape[1:]))
+    width = math.prod(dst.shape[1:])
     if hi > lo:
         _GATHER_ROWS(src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), dst,
                      size=(hi - lo) * width)
@@ -520,7 +522,7 @@ def copy_rows(dst, src, num_rows: int) -> None:
     import cupy
     assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype
     assert dst.shape[1:] == src.shape[1:] and num_rows <= min(len(dst), len(src))
-    nbytes = num_rows * int(np.prod(dst.shape[1:])) * dst.itemsize
+    nbytes = num_rows * math.prod(dst.shape[1:]) * dst.itemsize
     if nbytes:
         cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
@@ -543,17 +545,23 @@ def copy_columns(dst, src, col: int) -> None:
 
 def concat_rows(parts: list):
     """``cupy.concatenate(parts)`` of row blocks (each ``[n_i, *W]``, one dtype and row shape)
-    as one device-to-device copy a part into a new array (``copy_rows``), on the current stream. CuPy's
+    as one device-to-device copy a part into a new array, on the current stream. CuPy's
     concatenate (and ``ndarray.copy``) builds a kernel with NVRTC on the first use of each
     arrangement of its arrays, ~0.1 s, which the head's catch-up of new prompts hit on live
     steps (session 23); a copy builds nothing."""
     import cupy
     first = parts[0]
     out = cupy.empty((sum(len(p) for p in parts), *first.shape[1:]), first.dtype)
-    at = 0
-    for part in parts:                     # (a row slice of a step's hidden states is contiguous already)
-        copy_rows(out[at:at + len(part)], cupy.ascontiguousarray(part), len(part))
-        at += len(part)
+    row_bytes = math.prod(first.shape[1:]) * out.itemsize
+    stream, at = cupy.cuda.get_current_stream().ptr, out.data.ptr
+    for part in parts:       # (copy_rows' checks and views cost more than its copy: ~10 parts a catch-up)
+        if not part.flags.c_contiguous:        # (a row slice of a step's hidden states is contiguous already)
+            part = cupy.ascontiguousarray(part)
+        assert part.dtype == out.dtype and part.shape[1:] == out.shape[1:], "one dtype and row shape"
+        nbytes = len(part) * row_bytes
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(at, part.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream)
+        at += nbytes
     return out
 
 

@@ -115,6 +115,10 @@ class MTPProposer:
 
     def pending_rows(self, request_id: str, offset: int, count: int) -> Array:
         """A copy of pending hidden rows ``offset .. offset + count`` (0 = position num_head)."""
+        return self._concat(self._pending_parts(request_id, offset, count))
+
+    def _pending_parts(self, request_id: str, offset: int, count: int) -> list:
+        """Pending hidden rows ``offset .. offset + count`` as views of the arrays that hold them."""
         parts, at = [], 0
         for arr, start, n in self._pending.get(request_id, []):
             lo, hi = max(offset, at), min(offset + count, at + n)
@@ -123,7 +127,7 @@ class MTPProposer:
             at += n
         if sum(len(p) for p in parts) != count:
             raise AssertionError(f"{request_id}: pending hidden rows cover {at}, asked {offset}..{offset + count}")
-        return self._concat(parts)
+        return parts
 
     def _concat(self, parts: list) -> Array:
         """A new array of the row blocks ``parts``, stacked (on the device without CuPy's
@@ -292,8 +296,10 @@ class MTPProposer:
         for forward in forwards:
             rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
                                self.head_pool.block_array(r.request_id)) for r, at, n in forward]
-            hidden = [self.pending_rows(r.request_id, at, n) for r, at, n in forward]
-            self.runner.run_head(rows, hidden[0] if len(hidden) == 1 else self._concat(hidden))
+            # every piece's pending views stacked in one copy (a copy per piece, then one of them
+            # all, copied each row twice)
+            parts = [p for r, at, n in forward for p in self._pending_parts(r.request_id, at, n)]
+            self.runner.run_head(rows, self._concat(parts))
         for r in long:
             m = r.num_computed - r.num_head - 1
             self._drop_pending(r.request_id, m)

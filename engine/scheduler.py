@@ -455,7 +455,7 @@ class Scheduler:
         """Each sampling request's emitted tokens appended (up to a stop id or a limit), its
         counters and the draft policy told; one update per scheduled request. A request that
         finished since the step was launched (a dead row of overlapped decoding) gets none."""
-        updates = []
+        updates, counts = [], []
         for s, kept in zip(plan.scheduled, num_kept):
             r = s.request
             u = RequestUpdate(r, [], kept)
@@ -465,10 +465,12 @@ class Scheduler:
             emitted, num_accepted = sampled[r.request_id]
             if s.num_drafts:
                 self.draft_policy.observe_verified(r.request_id, s.num_drafts, num_accepted)
-            r.stats.record_step(s.num_drafts, num_accepted, len(emitted))
-            self.stats.record_step(s.num_drafts, num_accepted, len(emitted))
+            count = (s.num_drafts, num_accepted, len(emitted))
+            r.stats.record_step(*count)
+            counts.append(count)
             if emitted:
                 u.new_token_ids, u.finish_reason = self._append_until_stop(r, emitted)
+        self.stats.record_steps(counts)
         return updates
 
     def cache_prefixes(self, plan: StepPlan, pending_rows=None) -> None:

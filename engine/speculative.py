@@ -176,21 +176,29 @@ class SpecDecodeStats:
 
     def record_step(self, num_draft_tokens: int, num_accepted_tokens: int, num_emitted_tokens: int) -> None:
         """Count one target forward. num_emitted_tokens may be below accepted + 1 when a stop cut the step."""
-        assert 0 <= num_accepted_tokens <= num_draft_tokens, (
-            f"accepted {num_accepted_tokens} of {num_draft_tokens} drafts"
-        )
-        assert 1 <= num_emitted_tokens <= num_accepted_tokens + 1, (
-            f"emitted {num_emitted_tokens} with {num_accepted_tokens} accepted"
-        )
-        self.num_target_forwards += 1
-        self.num_emitted_tokens += num_emitted_tokens
-        if num_draft_tokens == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        _add_prefix_counts(self.drafted_per_position, num_draft_tokens)
-        _add_prefix_counts(self.accepted_per_position, num_accepted_tokens)
+        self.record_steps(((num_draft_tokens, num_accepted_tokens, num_emitted_tokens),))
+
+    def record_steps(self, steps) -> None:
+        """``record_step`` for each ``(drafts, accepted, emitted)`` of ``steps`` (one call for a
+        whole engine step: it runs for every request of every step)."""
+        drafted, accepted = self.drafted_per_position, self.accepted_per_position
+        for d, a, e in steps:
+            if not (0 <= a <= d and 1 <= e <= a + 1):
+                raise AssertionError(f"emitted {e} with {a} accepted of {d} drafts")
+            self.num_target_forwards += 1
+            self.num_emitted_tokens += e
+            if d:
+                self.num_drafts += 1
+                self.num_draft_tokens += d
+                self.num_accepted_tokens += a
+                if len(drafted) < d:
+                    drafted.extend([0] * (d - len(drafted)))
+                if len(accepted) < a:
+                    accepted.extend([0] * (a - len(accepted)))
+                for i in range(d):
+                    drafted[i] += 1
+                for i in range(a):
+                    accepted[i] += 1
 
     def merged(self, other: SpecDecodeStats) -> SpecDecodeStats:
         """A new instance holding the sums of both."""
@@ -225,12 +233,6 @@ class SpecDecodeStats:
     def acceptance_rate_per_position(self) -> list[float]:
         """[i]: accepted / proposed at draft position i."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-
-def _add_prefix_counts(counts: list[int], num_positions: int) -> None:
-    counts.extend([0] * (num_positions - len(counts)))
-    for i in range(num_positions):
-        counts[i] += 1
 
 
 def _add_counts(counts: list[int], other: list[int]) -> None:

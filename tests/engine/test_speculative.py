@@ -266,7 +266,7 @@ def test_stats_count_steps_and_derive_rates():
     assert (empty.acceptance_rate, empty.acceptance_length, empty.tokens_per_target_forward) == (0.0, 1.0, 0.0)
     with pytest.raises(AssertionError):
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=3, num_emitted_tokens=4)
-    with pytest.raises(AssertionError, match="emitted 3 with 1 accepted"):
+    with pytest.raises(AssertionError, match="emitted 3 with 1 accepted of 2 drafts"):
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=1, num_emitted_tokens=3)
 
 
