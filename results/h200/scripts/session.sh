@@ -956,6 +956,20 @@ cd)          # cc when device time is short: the changed tests, then the trace's
     | tee "$OUT/step-trace.txt" | tail -60
   step done
   ;;
+cf)          # session 25's device-path changes: the whole test_cuda, then the bundled model's step costs (~350 s)
+  step test_cuda
+  timeout 400 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  step "step_costs.py, bundled, B=1 / 16: each graph's GPU time alone, the commit's, K=2's ceiling at zero host time"
+  timeout 180 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
+    --batches 1,16 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | head -40
+  step done
+  ;;
+cg)          # then: where a K=2 step's time goes (ce), and auto vs K=0 at C=16 without waves (bu) (~220 s)
+  bash "$0" ce
+  auto_ab_without_waves 16 85
+  step done
+  ;;
 ce)          # where a steady K=2 step's 1.08 ms goes at C=16: GPU gaps and spans, host launch / wait / other (~120 s)
   step "step_timeline.py, bundled, C=16, 128 requests, --range-ratio 0.5: K=0, K=2, K=2 after decode"
   timeout 150 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/step-timeline-c16-r0.5.json" \
