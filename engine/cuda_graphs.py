@@ -44,6 +44,7 @@ from mtpserve.engine.cuda_kernels import (
     follow_verify,
     gather_rows,
 )
+from mtpserve.engine.row_gather import gather_into, plan_gather
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -574,7 +575,8 @@ class HeadGraphs(_GraphSet):
         host["last_rows"][:] = np.arange(batch) * R
         host["last_rows"][:B] += np.asarray(fed) - 1
         host["chain"][1] = host["last_rows"]
-        sources = _gather_plan(hidden, R, host["gather"])
+        sources = plan_gather(((arr, start, count, b * R + at) for b, segments in enumerate(hidden)
+                               for arr, start, count, at in _placed(segments)), host["gather"])
         catch_up.inputs.upload()
         if num_drafts > 1:
             host = chained.inputs.writable()
@@ -587,7 +589,7 @@ class HeadGraphs(_GraphSet):
             if num_drafts > 1:
                 follow_verify(after[0], after[1], 1, dev["past_sequence_lengths"], dev["position_ids"])
         # catch-up: the rows' hidden states (one gather per source array), one replay, draft 0
-        self._gather_hidden(sources, catch_up.inputs.device["gather"])
+        gather_into(self.hidden_in, sources, catch_up.inputs.device["gather"], self.xp)
         self._replay(catch_up)
         out = self.drafts[:batch * num_drafts]
         argmax_rows(self.logits, rows=catch_up.inputs.device["last_rows"], out=out, out_stride=num_drafts,
@@ -603,34 +605,13 @@ class HeadGraphs(_GraphSet):
                         also=dev["input_ids"] if i + 1 < num_drafts else None)
         return out.reshape(batch, num_drafts)[:B]
 
-    def _gather_hidden(self, sources: list[tuple], index) -> None:
-        """hidden_in row b*R + i := the i-th pending hidden row of request b: one gather per
-        source array, its (destination, source) rows at ``index[:, lo:hi]`` (on the device)."""
-        for arr, lo, hi in sources:
-            if arr.flags.c_contiguous and arr.dtype == self.hidden_in.dtype:
-                gather_rows(self.hidden_in, arr, index, lo, hi)
-            else:
-                self.hidden_in[index[0, lo:hi]] = arr[index[1, lo:hi]]
 
-
-def _gather_plan(hidden: Sequence[Sequence[tuple]], R: int, index: np.ndarray) -> list[tuple]:
-    """Fill ``index`` [2, rows] (staging: destination rows, source rows) with the catch-up's
-    pending hidden rows grouped by source array; returns ``(array, lo, hi)`` per source."""
-    by_source: dict[int, tuple] = {}
-    for b, segments in enumerate(hidden):
-        at = b * R
-        for arr, start, count in segments:
-            _, dst, src = by_source.setdefault(id(arr), (arr, [], []))
-            dst.extend(range(at, at + count))
-            src.extend(range(start, start + count))
-            at += count
-    sources, lo = [], 0
-    for arr, dst, src in by_source.values():
-        hi = lo + len(dst)
-        index[0, lo:hi], index[1, lo:hi] = dst, src
-        sources.append((arr, lo, hi))
-        lo = hi
-    return sources
+def _placed(segments: Sequence[tuple]):
+    """``(array, start, count, offset)``: each segment with the rows before it."""
+    at = 0
+    for arr, start, count in segments:
+        yield arr, start, count, at
+        at += count
 
 
 def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:

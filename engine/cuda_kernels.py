@@ -543,28 +543,6 @@ def copy_columns(dst, src, col: int) -> None:
                                         cupy.cuda.get_current_stream().ptr)
 
 
-def concat_rows(parts: list):
-    """``cupy.concatenate(parts)`` of row blocks (each ``[n_i, *W]``, one dtype and row shape)
-    as one device-to-device copy a part into a new array, on the current stream. CuPy's
-    concatenate (and ``ndarray.copy``) builds a kernel with NVRTC on the first use of each
-    arrangement of its arrays, ~0.1 s, which the head's catch-up of new prompts hit on live
-    steps (session 23); a copy builds nothing."""
-    import cupy
-    first = parts[0]
-    out = cupy.empty((sum(len(p) for p in parts), *first.shape[1:]), first.dtype)
-    row_bytes = math.prod(first.shape[1:]) * out.itemsize
-    stream, at = cupy.cuda.get_current_stream().ptr, out.data.ptr
-    for part in parts:       # (copy_rows' checks and views cost more than its copy: ~10 parts a catch-up)
-        if not part.flags.c_contiguous:        # (a row slice of a step's hidden states is contiguous already)
-            part = cupy.ascontiguousarray(part)
-        assert part.dtype == out.dtype and part.shape[1:] == out.shape[1:], "one dtype and row shape"
-        nbytes = len(part) * row_bytes
-        if nbytes:
-            cupy.cuda.runtime.memcpyAsync(at, part.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream)
-        at += nbytes
-    return out
-
-
 _ADVANCE = None
 
 

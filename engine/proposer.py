@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mtpserve.engine.kv_pool import KVPool
+from mtpserve.engine.row_gather import stack_segments
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import draw_tokens, probs, row_argmax, to_host
 
@@ -115,27 +116,28 @@ class MTPProposer:
 
     def pending_rows(self, request_id: str, offset: int, count: int) -> Array:
         """A copy of pending hidden rows ``offset .. offset + count`` (0 = position num_head)."""
-        return self._concat(self._pending_parts(request_id, offset, count))
+        return stack_segments(self._pending_segments(request_id, offset, count), self.xp)
 
-    def _pending_parts(self, request_id: str, offset: int, count: int) -> list:
-        """Pending hidden rows ``offset .. offset + count`` as views of the arrays that hold them."""
-        parts, at = [], 0
+    def _pending_segments(self, request_id: str, offset: int, count: int) -> list[tuple[Array, int, int]]:
+        """Pending hidden rows ``offset .. offset + count`` as ``(array, start, count)`` segments
+        of the arrays that hold them."""
+        segments, at = [], 0
         for arr, start, n in self._pending.get(request_id, []):
             lo, hi = max(offset, at), min(offset + count, at + n)
             if lo < hi:
-                parts.append(arr[start + lo - at:start + hi - at])
+                segments.append((arr, start + lo - at, hi - lo))
             at += n
-        if sum(len(p) for p in parts) != count:
+        if sum(n for _, _, n in segments) != count:
             raise AssertionError(f"{request_id}: pending hidden rows cover {at}, asked {offset}..{offset + count}")
-        return parts
+        return segments
 
-    def _concat(self, parts: list) -> Array:
-        """A new array of the row blocks ``parts``, stacked (on the device without CuPy's
-        concatenate, whose kernels are built on their first use: ``cuda_kernels.concat_rows``)."""
-        if self.xp is np:
-            return np.concatenate(parts)
-        from mtpserve.engine.cuda_kernels import concat_rows
-        return concat_rows(parts)
+    def _stacked(self, segments: list[tuple[Array, int, int]]) -> Array:
+        """The head's hidden input from ``segments``: the one segment's rows as they are (a view),
+        or all of them stacked."""
+        if len(segments) == 1:
+            arr, start, count = segments[0]
+            return arr[start:start + count]
+        return stack_segments(segments, self.xp)
 
     def forget(self, request_id: str) -> None:
         """The request ended or was preempted: its pending rows are of no use any more."""
@@ -177,12 +179,10 @@ class MTPProposer:
                     self._pending.pop(s.request.request_id, None)
                     s.request.num_head = s.request.num_computed
                 return self._device_result(drafting, tokens)
-        hidden = [arr[start:start + count] for s in drafting
-                  for arr, start, count in self._pending.pop(s.request.request_id, [])]
+        hidden = [segment for s in drafting for segment in self._pending.pop(s.request.request_id, [])]
         for s in drafting:
             s.request.num_head = s.request.num_computed
-        return self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden),
-                                 constrained)
+        return self._draft_eager(drafting, rows, self._stacked(hidden), constrained)
 
     def _propose_after(self, drafting: list, after) -> dict[str, Drafts]:
         """``propose`` after the launched step ``after`` (see there): a draft step, or a decode
@@ -203,8 +203,8 @@ class MTPProposer:
         for b, (s, t) in enumerate(zip(drafting, tables)):
             kept = int(accepted[b, k1])
             rows.append(PackedRows(accepted[b, :kept].tolist(), s.request.num_head, t))
-            hidden.append(after.hidden[starts[b]:starts[b] + kept])
-        result = self._draft_eager(drafting, rows, hidden[0] if len(hidden) == 1 else self._concat(hidden), [])
+            hidden.append((after.hidden, starts[b], kept))
+        result = self._draft_eager(drafting, rows, self._stacked(hidden), [])
         self._caught_up_on_decode(drafting, after)
         return result
 
@@ -296,10 +296,10 @@ class MTPProposer:
         for forward in forwards:
             rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
                                self.head_pool.block_array(r.request_id)) for r, at, n in forward]
-            # every piece's pending views stacked in one copy (a copy per piece, then one of them
-            # all, copied each row twice)
-            parts = [p for r, at, n in forward for p in self._pending_parts(r.request_id, at, n)]
-            self.runner.run_head(rows, self._concat(parts))
+            # every piece's pending rows stacked at once: after a pause, a gather a step's hidden
+            # array (the pieces share them) where a copy a segment cost ~10 launches a step
+            segments = [x for r, at, n in forward for x in self._pending_segments(r.request_id, at, n)]
+            self.runner.run_head(rows, stack_segments(segments, self.xp))
         for r in long:
             m = r.num_computed - r.num_head - 1
             self._drop_pending(r.request_id, m)

@@ -687,25 +687,27 @@ def test_row_copies_keep_each_steps_rows_after_the_buffer_is_written_again():
 
 
 @needs_cuda
-def test_concat_rows_stacks_row_blocks_as_cupy_concatenate_does():
+def test_stack_segments_gathers_pending_rows_as_concatenate_does():
+    """The head's catch-up input from segments of several steps' hidden outputs (a gather kernel
+    a source array): equal to numpy's concatenation of the slices, a copy, also with a
+    non-contiguous source, an empty segment and a source of another dtype."""
     import cupy
 
-    from mtpserve.engine.cuda_kernels import concat_rows
+    from mtpserve.engine.row_gather import stack_segments
     rng = np.random.default_rng(2)
-    whole = cupy.asarray(rng.standard_normal((20, 6)).astype(np.float16))
+    steps = [cupy.asarray(rng.standard_normal((16, 6)).astype(np.float16)) for _ in range(4)]
     strided = cupy.asarray(rng.standard_normal((8, 12)).astype(np.float16))[:, ::2]      # not contiguous
-    parts = [whole[3:7], whole[0:0], whole[10:11], strided[2:5], whole[12:20]]
-    got = concat_rows(parts)
-    np.testing.assert_array_equal(cupy.asnumpy(got), np.concatenate([cupy.asnumpy(p) for p in parts]))
-    single = concat_rows([whole[4:9]])
-    whole[4:9] = 0                                   # a copy, not a view
-    assert float(cupy.abs(single).sum()) > 0
-    # parts spread over one array as a request's pending rows of a steady batch are (one a step,
-    # 4 rows apart), with a gap, parts of another size and a part before the others
-    chunk = cupy.asarray(rng.standard_normal((40, 6)).astype(np.float16))
-    parts = [chunk[1:2], chunk[5:6], chunk[9:10], chunk[13:14], chunk[21:22], chunk[25:27], chunk[29:31],
-             chunk[0:1], chunk[33:34], chunk[37:38]]
-    np.testing.assert_array_equal(cupy.asnumpy(concat_rows(parts)), np.concatenate([cupy.asnumpy(p) for p in parts]))
+    wide = cupy.asarray(rng.standard_normal((5, 6)).astype(np.float32))
+    # three requests' pending rows: a prompt's rows, then one row a step from each step's output
+    segments = [(steps[0], 0, 5), (steps[1], 3, 1), (steps[2], 3, 1), (steps[3], 3, 1),
+                (steps[0], 7, 2), (steps[1], 4, 1), (steps[2], 4, 0), (steps[3], 4, 1),
+                (strided, 2, 3), (steps[1], 9, 1), (wide, 1, 2), (steps[3], 15, 1)]
+    got = stack_segments(segments, cupy)
+    want = np.concatenate([cupy.asnumpy(a[s:s + n]).astype(np.float16) for a, s, n in segments])
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    for a in steps:
+        a[:] = 0                                     # a copy, not a view
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
 
 
 @needs_cuda

@@ -945,9 +945,9 @@ cc)          # after the copy_columns / sampler warm-up fixes: the changed tests
   step done
   ;;
 cd)          # cc when device time is short: the changed tests, then the trace's one round (~250 s)
-  step "test_cuda: live builds, copy_columns, concat_rows, draft after decode"
+  step "test_cuda: live builds, copy_columns, stack_segments, draft after decode"
   timeout 150 python3 -m pytest -q -rP -p no:cacheprovider tests/engine/test_cuda.py \
-    -k "live_steps or copy_columns or concat_rows or after_a_decode" 2>&1 | grep -v Warning > "$OUT/test-cuda-changed.txt"
+    -k "live_steps or copy_columns or stack_segments or after_a_decode" 2>&1 | grep -v Warning > "$OUT/test-cuda-changed.txt"
   grep -E "^E  |draft after decode|LIVE|passed|failed" "$OUT/test-cuda-changed.txt" | cut -c1-500 | tail -30
   step "step_trace.py, bundled, C=16, 128 requests, 1 round, --range-ratio 0.5: K=0, K=2, K=2 after decode"
   timeout "${CD_TRACE_TIMEOUT:-150}" python3 results/h200/scripts/step_trace.py engine/bundled/model \
