@@ -616,17 +616,17 @@ class Engine:
         (lengths; the head's pending rows, or its catch-up if a continuation did it), its
         tokens appended, its events."""
         plan, k1 = flight.plan, flight.num_drafts + 1
-        accepted = flight.host_tokens()
-        kept = [int(n) for n in accepted[:, k1]]
+        accepted = flight.host_tokens().tolist()            # (lists: one conversion, not one a request)
+        kept = [row[k1] for row in accepted]
         live = [self.scheduler.is_live(s.request) for s in plan.scheduled]
         self.scheduler.commit_lengths(plan, kept, head_caught_up=flight.followed)
         if flight.followed and self._in_flight is not None:     # the rows its continuation's head caught up on
             self._in_flight.num_head_rows = sum(kept)
         if not flight.followed:
-            for s, start, n, alive in zip(plan.scheduled, plan.layout.row_start, kept, live):
-                if alive:
-                    self.proposer.keep_hidden(s.request.request_id, flight.hidden, start, n)
-        sampled = {rid: (accepted[b, :kept[b]].tolist(), kept[b] - 1) for b, rid in enumerate(plan.request_ids)}
+            alive = [i for i, x in enumerate(live) if x]
+            self.proposer.keep_step([plan.request_ids[i] for i in alive], flight.hidden,
+                                    [plan.layout.row_start[i] for i in alive], [kept[i] for i in alive])
+        sampled = {rid: (row[:n], n - 1) for rid, row, n in zip(plan.request_ids, accepted, kept)}
         updates = self.scheduler.append_tokens(plan, sampled, kept)
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows)
         return self._events(updates, {})
@@ -650,8 +650,8 @@ class Engine:
         if flight.num_drafts:
             return self._land_drafting(flight)
         plan = flight.plan
-        tokens = flight.host_tokens()
-        sampled = {s.request.request_id: ([int(t)], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
+        tokens = flight.host_tokens().tolist()
+        sampled = {s.request.request_id: ([t], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
         updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
         self._advance_grammars(updates)
         self.scheduler.cache_prefixes(plan, self.proposer.pending_rows if self.proposer is not None else None)
