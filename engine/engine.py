@@ -43,6 +43,7 @@ from mtpserve.engine.output import OutputProcessor
 from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, accept_drafts, continuation_blocker, overlap_blocker
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
+from mtpserve.engine.row_gather import stack_segments
 from mtpserve.engine.runner import PackedRows, Runner
 from mtpserve.engine.sampler import SamplingParams, apply_penalties, draw_tokens, probs, row_argmax, token_logprobs
 from mtpserve.engine.scheduler import ScheduledRequest, Scheduler, StepLayout, StepOutput, StepPlan
@@ -219,7 +220,8 @@ class Engine:
         state bank's indexing kernels at every size class a step can need
         (``StateBank.warm_up_kernels``: CuPy builds one on its first use), and with MTP the
         kernels of a draft step in flight (``cuda_kernels.warm_up_accept``: a 0.1 s build seen
-        on the first such live step), and on CUDA the sampled paths' (``speculative.warm_up_sampled``)."""
+        on the first such live step) and the head catch-up's row gather, and on CUDA the sampled
+        paths' (``speculative.warm_up_sampled``)."""
         started = time.perf_counter()
         xp, spec = self.xp, self.state_bank.spec
         largest = min(self.config.scheduler.max_requests_per_step, self.config.cache.max_resident_requests)
@@ -233,6 +235,9 @@ class Engine:
         if self.proposer is not None:         # a draft step in flight's accept (no warm-up request reaches it)
             from mtpserve.engine.cuda_kernels import warm_up_accept
             warm_up_accept()
+            # the head's eager catch-up stacks pending rows with a gather kernel (also without graphs)
+            rows = xp.zeros((2, self.manifest.hidden_size), self.runner.hidden_dtype)
+            stack_segments([(rows, 1, 1), (rows, 0, 1)], xp)
         if xp is not np:                      # the sampled paths' kernels, at one row and several
             warm_up_sampled(self.manifest.vocab_size, self.manifest.compute_dtype, xp, max(1, self.max_drafts))
         logger.info("engine: warmed up decode batch sizes 1..%d in %.1f s", largest, time.perf_counter() - started)
