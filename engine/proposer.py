@@ -299,7 +299,7 @@ class MTPProposer:
             # every piece's pending rows stacked at once: after a pause, a gather a step's hidden
             # array (the pieces share them) where a copy a segment cost ~10 launches a step
             segments = [x for r, at, n in forward for x in self._pending_segments(r.request_id, at, n)]
-            self.runner.run_head(rows, stack_segments(segments, self.xp))
+            self.runner.run_head(rows, self._stacked(segments))
         for r in long:
             m = r.num_computed - r.num_head - 1
             self._drop_pending(r.request_id, m)
