@@ -56,8 +56,8 @@ APP_NAME = "mtpserve"
 REPLICA_HEADER = "x-mtpserve-replica"
 SESSION_HEADER = "x-session-id"
 OTHER_PROBE_TOKENS = 160          # long enough to be in flight at the kill, short enough to finish
-LOST_PROBE_TOKENS = 1536          # still in flight at the kill: the first of them streams while the
-                                  # others open (512 could finish first on a 2-core machine)
+LOST_PROBE_TOKENS = 1536          # still in flight at the kill: the probes open at once, the kill follows
+                                  # their first tokens (512 could finish first on a 2-core machine)
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "serve-nodes.yaml"
 # a lost node is declared dead after about a second of missed health checks (Ray's default is ~15 s)
 FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
@@ -331,8 +331,8 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
     index = replica_node[victim]
     victim_ip = cluster.nodes[index].ip
     other = next(rid for rid in view.replicas if rid != victim)
-    probes = {"lost replica": _open_probes(urls, model, prompts[0], victim, LOST_PROBE_TOKENS, args.timeout_s),
-              "other replica": _open_probes(urls, model, prompts[1], other, OTHER_PROBE_TOKENS, args.timeout_s)}
+    probes = _open_probes(urls, model, {"lost replica": (prompts[0], victim, LOST_PROBE_TOKENS),
+                                        "other replica": (prompts[1], other, OTHER_PROBE_TOKENS)}, args.timeout_s)
     running = {rid: r.num_running for rid, r in view.replicas.items()}
     pid = cluster.kill_node(index)
     killed_at = time.perf_counter()
@@ -383,26 +383,36 @@ def _node_loss(args, cluster: LocalCluster, urls, model, prompts, replica_node, 
                                  {n.proxy_url: n.index for n in cluster.nodes})}
 
 
-def _open_probes(urls, model, prompt, replica: str, max_tokens: int, timeout_s: float) -> dict:
-    """Before the kill: through every proxy, one stream bound (by session) to ``replica``, each
-    holding its first token; {url: (thread, record)}. On the lost replica, what each ends with
-    shows what a client of that node's proxy sees (the proxy middleware's SSE error event); on
-    another replica, each must complete (but the one through the lost node's own proxy)."""
+def _open_probes(urls, model, groups: dict[str, tuple[str, str, int]], timeout_s: float) -> dict:
+    """Before the kill: through every proxy, one stream a group ``{name: (prompt, replica,
+    max_tokens)}`` bound (by session) to its replica, all opened at once and each holding its
+    first token; {name: {url: (thread, record)}}. On the lost replica, what each ends with shows
+    what a client of that node's proxy sees (the proxy middleware's SSE error event); on another
+    replica, each must complete (but the one through the lost node's own proxy). (Opened one
+    after another, the first lost-replica stream once streamed all its 1,536 tokens before the
+    last had its first, and ended before the kill.)"""
     import ray
 
     from mtpserve.actors.planner import get_planner
     planner = get_planner(APP_NAME)
-    probes = {}
-    for i in range(len(urls)):
-        ray.get(planner.bind_session.remote(f"probe-{replica}-{i}", replica), timeout=10)
+    for _, replica, _ in groups.values():
+        for i in range(len(urls)):
+            ray.get(planner.bind_session.remote(f"probe-{replica}-{i}", replica), timeout=10)
     time.sleep(0.75)                  # every proxy's router has the bindings (0.25 s refresh)
-    for i, url in enumerate(urls):
-        record, first = {}, threading.Event()
-        t = threading.Thread(target=lambda u=url, r=record, f=first, sid=f"probe-{replica}-{i}": r.update(
-            send(u, model, prompt, max_tokens, timeout_s, session_id=sid, first_token=f)), daemon=True)
-        t.start()
-        first.wait(timeout_s)
-        probes[url] = (t, record)
+    probes, firsts = {}, []
+    for name, (prompt, replica, max_tokens) in groups.items():
+        probes[name] = {}
+        for i, url in enumerate(urls):
+            record, first = {}, threading.Event()
+            t = threading.Thread(target=lambda u=url, r=record, f=first, p=prompt, n=max_tokens,
+                                 sid=f"probe-{replica}-{i}": r.update(
+                send(u, model, p, n, timeout_s, session_id=sid, first_token=f)), daemon=True)
+            t.start()
+            probes[name][url] = (t, record)
+            firsts.append(first)
+    deadline = time.monotonic() + timeout_s
+    for first in firsts:
+        first.wait(max(0.0, deadline - time.monotonic()))
     return probes
 
 
