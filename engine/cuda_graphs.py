@@ -450,8 +450,8 @@ def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape,
 
 def _fill_positions(host: dict[str, np.ndarray], n: int) -> None:
     """position_ids of every row from past_sequence_lengths: past_b + i for row i of request b."""
-    past = host["past_sequence_lengths"].astype(np.int64)
-    host["position_ids"][:] = (np.repeat(past, n) + np.tile(np.arange(n), len(past)))[None, :]
+    past = host["past_sequence_lengths"]
+    host["position_ids"][:] = (past[:, None].astype(np.int64) + np.arange(n)).reshape(1, -1)
 
 
 def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:

@@ -136,3 +136,22 @@ def test_the_engines_advice_names_the_settings_it_can_change(model_dir):
     assert "--draft-tokens 0" in mtp and "--cuda-graphs off" in mtp and "--max-model-len below 2048" in mtp
     assert "--draft-tokens" not in advice(0)                     # no verify or head graphs to drop
     assert "--kv-block-size" not in advice(2, block_size=256)    # already one flash takes
+
+
+def test_a_uniform_steps_staging_holds_its_rows_then_padding_on_the_scratch_block():
+    """A captured step's host staging (``_fill_step``): request b's ids, its past length, the
+    positions past + 0..n-1 of its n rows (all three rows of position ids) and its first
+    ``width`` blocks; padding requests after the real ones at position 0 on block 0."""
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    batch, n, width = 4, 3, 4
+    host = {"input_ids": np.full(batch * n, -1, np.int64), "position_ids": np.full((3, batch * n), -1, np.int64),
+            "past_sequence_lengths": np.full(batch, -1, np.int32), "block_table": np.full((batch, width), -1, np.int32)}
+    rows = [PackedRows([5, 6, 7], 10, np.array([1, 2], np.int32)),
+            PackedRows([8, 9, 10], 33, np.array([3, 4, 5, 6, 7], np.int32))]
+    cuda_graphs._fill_step(host, rows, n, width)
+    assert host["input_ids"].tolist() == [5, 6, 7, 8, 9, 10] + [0] * 6
+    assert host["past_sequence_lengths"].tolist() == [10, 33, 0, 0]
+    assert host["position_ids"].tolist() == [[10, 11, 12, 33, 34, 35, 0, 1, 2, 0, 1, 2]] * 3
+    assert host["block_table"].tolist() == [[1, 2, 0, 0], [3, 4, 5, 6], [0, 0, 0, 0], [0, 0, 0, 0]]
