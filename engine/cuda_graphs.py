@@ -44,7 +44,7 @@ from mtpserve.engine.cuda_kernels import (
     follow_verify,
     gather_rows,
 )
-from mtpserve.engine.row_gather import gather_into, plan_gather
+from mtpserve.engine.row_gather import gather_into, plan_gather, segment_destinations
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
@@ -575,8 +575,8 @@ class HeadGraphs(_GraphSet):
         host["last_rows"][:] = np.arange(batch) * R
         host["last_rows"][:B] += np.asarray(fed) - 1
         host["chain"][1] = host["last_rows"]
-        sources = plan_gather(((arr, start, count, b * R + at) for b, segments in enumerate(hidden)
-                               for arr, start, count, at in _placed(segments)), host["gather"])
+        sources = plan_gather((x for b, segments in enumerate(hidden) for x in segment_destinations(segments, b * R)),
+                              host["gather"])
         catch_up.inputs.upload()
         if num_drafts > 1:
             host = chained.inputs.writable()
@@ -604,14 +604,6 @@ class HeadGraphs(_GraphSet):
             argmax_rows(self.logits, num_rows=batch, out=out[i:], out_stride=num_drafts,
                         also=dev["input_ids"] if i + 1 < num_drafts else None)
         return out.reshape(batch, num_drafts)[:B]
-
-
-def _placed(segments: Sequence[tuple]):
-    """``(array, start, count, offset)``: each segment with the rows before it."""
-    at = 0
-    for arr, start, count in segments:
-        yield arr, start, count, at
-        at += count
 
 
 def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:

@@ -43,14 +43,22 @@ def plan_gather(segments: Iterable[tuple[Array, int, int, int]], index: np.ndarr
     return sources
 
 
+def segment_destinations(segments: Iterable[tuple[Array, int, int]], at: int = 0):
+    """``(array, start, count, destination)`` of each segment stacked from row ``at`` on."""
+    for arr, start, count in segments:
+        yield arr, start, count, at
+        at += count
+
+
 def gather_into(out: Array, sources: Sequence[tuple[Array, int, int]], index: Array, xp) -> None:
     """``out[index[0, j]] = array[index[1, j]]`` for each ``(array, lo, hi)`` of ``sources`` and
     j in lo..hi-1 (``index`` on ``out``'s device: int64 ``[2, n]``, C-contiguous): one kernel a
     source array on the device (``cuda_kernels.gather_rows``), CuPy's indexing for a source of
     another dtype or layout."""
+    if xp is not np:
+        from mtpserve.engine.cuda_kernels import gather_rows
     for arr, lo, hi in sources:
         if xp is not np and arr.flags.c_contiguous and arr.dtype == out.dtype:
-            from mtpserve.engine.cuda_kernels import gather_rows
             gather_rows(out, arr, index, lo, hi)
         else:
             out[index[0, lo:hi]] = arr[index[1, lo:hi]]
@@ -66,10 +74,6 @@ def stack_segments(segments: Sequence[tuple[Array, int, int]], xp) -> Array:
     total = sum(count for _, _, count in segments)
     out = xp.empty((total, *first.shape[1:]), first.dtype)
     index = np.empty((2, total), np.int64)
-    at, placed = 0, []
-    for arr, start, count in segments:
-        placed.append((arr, start, count, at))
-        at += count
-    sources = plan_gather(placed, index)
+    sources = plan_gather(segment_destinations(segments), index)
     gather_into(out, sources, index if xp is np else xp.asarray(index), xp)
     return out
