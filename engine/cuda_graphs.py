@@ -51,6 +51,9 @@ from mtpserve.engine.state_bank import StateBank, StepCaptures
 logger = logging.getLogger("mtpserve")
 
 SMALLEST_KV_BUCKET = 256      # tokens: the first block-table bucket; then powers of two up to the context
+# rows a request of the MTP head's captured catch-up fills (HeadGraphs.fill): a new prompt's or a
+# resumed request's rows, padded to the next of these; one forward holds at most the largest
+HEAD_FILL_ROWS = (16, 64, 256)
 
 
 class CaptureOutOfMemory(RuntimeError):
@@ -115,10 +118,12 @@ class GraphCatalog:
     table_widths: tuple[int, ...]
     block_size: int
     banks: tuple[int, ...] = (0, 1)       # the main model's past-state bank; (0,) for the stateless head
+    max_rows: int | None = None           # shapes of more rows (batch x tokens) are not captured
 
     def shapes(self) -> list[GraphShape]:
         return [GraphShape(b, n, w, bank) for n in self.token_counts for w in self.table_widths
-                for b in self.batch_sizes for bank in self.banks]
+                for b in self.batch_sizes for bank in self.banks
+                if self.max_rows is None or b * n <= self.max_rows]
 
     def capture_order(self) -> list[GraphShape]:
         """``shapes()`` largest first: by batch x table width (what sizes a multi-token step's
@@ -133,6 +138,29 @@ class GraphCatalog:
 
     def batch_for(self, num_requests: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_requests), None)
+
+    def fill_groups(self, lengths: Sequence[int], fill_counts: Sequence[int]) -> list[tuple[list[int], int, int]]:
+        """Captured forwards for catch-up pieces of ``lengths`` rows, one piece a request:
+        ``(pieces, batch, tokens)`` each, ``tokens`` the smallest of ``fill_counts`` that holds its
+        longest piece, ``batch x tokens`` within ``max_rows``. Longest pieces first, so pieces of
+        like lengths share a forward; a piece longer than every count is left out (eager)::
+
+            lengths 200, 9, 5, 3   fill counts 16, 64, 256   max_rows 256
+            -> ([0], 1, 256), ([1, 2, 3], 4, 16)
+        """
+        order = sorted((i for i, n in enumerate(lengths) if n <= max(fill_counts, default=0)), key=lambda i: -lengths[i])
+        groups: list[tuple[list[int], int, int]] = []
+        for i in order:
+            if groups:
+                pieces, _, tokens = groups[-1]
+                batch = self.batch_for(len(pieces) + 1)
+                if batch is not None and batch * tokens <= (self.max_rows or batch * tokens):
+                    pieces.append(i)
+                    groups[-1] = (pieces, batch, tokens)
+                    continue
+            tokens = next(t for t in sorted(fill_counts) if t >= lengths[i])
+            groups.append(([i], self.batch_for(1), tokens))
+        return groups
 
     def width_for(self, kv_len: int) -> int | None:
         blocks = -(-kv_len // self.block_size)
@@ -497,20 +525,32 @@ class HeadGraphs(_GraphSet):
     KV it writes there is rewritten by the chained row of that position before any real row reads
     it, and every position stays inside the step's block-table bucket. Sampled requests, prompt
     catch-ups longer than R and shapes not captured draft eagerly (``draft`` returns None).
+
+    Longer catch-ups (a new prompt, a request resuming after a pause: every row but the last,
+    ``MTPProposer._catch_up_long``) go through ``fill``: forwards of ``fill_counts`` rows a request
+    (the head's KV only; outputs unused), padded the same way. The head keeps no recurrent state,
+    so padding rows cost GPU work and nothing else: a padding row's KV lands past the request's
+    committed positions, where the real row of that position rewrites it before anything reads
+    it, or on the scratch block past the request's blocks. An eager head forward cost ~0.8 ms of
+    host time on the H100 (session 26: a drafting step after each arrival), a replay ~0.1.
     """
 
     what = "MTP head"
 
-    def __init__(self, runner: Runner, catalog: GraphCatalog, xp):
+    def __init__(self, runner: Runner, catalog: GraphCatalog, xp, catch_up_rows: int):
+        """``catalog``'s token counts: 1 (chained drafts), ``catch_up_rows`` (R: a drafting
+        step's catch-up) and any larger ones, the fill forwards' (``fill``)."""
         if not runner.cuda_graphs or runner.head_session is None:
             raise AssertionError("the runner's head session was made without enable_cuda_graph")
-        if catalog.banks != (0,) or 1 not in catalog.token_counts or len(catalog.token_counts) > 2:
-            raise AssertionError(f"head graphs are (1 row, catch-up rows) per request, one bank: {catalog}")
+        if catalog.banks != (0,) or not {1, catch_up_rows} <= set(catalog.token_counts):
+            raise AssertionError(f"head graphs are (1 row, catch-up rows, fills) per request, one bank: {catalog}")
         super().__init__(runner.head_session, catalog)
         self.runner, self.xp = runner, xp
-        self.catch_up_rows = max(catalog.token_counts)
+        self.catch_up_rows = catch_up_rows
+        self.fill_counts = tuple(n for n in catalog.token_counts if n > catch_up_rows)
+        self.num_fills = 0
         m = runner.manifest
-        max_rows = max(catalog.batch_sizes) * self.catch_up_rows
+        max_rows = max(s.batch * s.tokens for s in catalog.shapes())
         # zeros: padding rows read finite hidden states (their KV lands on the scratch block)
         self.hidden_in = xp.zeros((max_rows, m.hidden_size), runner.hidden_dtype)
         self.logits = xp.empty((max_rows, m.vocab_size), m.compute_dtype)
@@ -540,6 +580,33 @@ class HeadGraphs(_GraphSet):
         b.bind_at(head.logits_output, self.logits[:T], output=True)
         b.bind_at(head.hidden_output, self.hidden_out[:T], output=True)
         self._add(shape, b, inputs, host_arrays)
+
+    def fill(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]]) -> list[int]:
+        """The head's KV of catch-up ``rows`` (one piece a request, ``hidden[b]`` its hidden rows
+        as ``(array, start, count)`` segments) in captured forwards of ``fill_counts`` rows a
+        request (``GraphCatalog.fill_groups``); the indices of the rows no captured shape fits
+        (longer than every count, or past the largest KV bucket), for an eager forward."""
+        left: list[int] = []
+        for group, batch, n in self.catalog.fill_groups([len(r.token_ids) for r in rows], self.fill_counts):
+            width = self.catalog.width_for(max(rows[i].past_len + n for i in group))
+            graph = self._graphs.get(GraphShape(batch, n, width, 0)) if width is not None else None
+            if graph is None:
+                left += group
+                continue
+            host = graph.inputs.writable()
+            ids = host["input_ids"]
+            ids[:] = 0
+            for b, i in enumerate(group):
+                ids[b * n:b * n + len(rows[i].token_ids)] = rows[i].token_ids
+            _fill_rows(host, [rows[i] for i in group], n, width)
+            sources = plan_gather((x for b, i in enumerate(group) for x in segment_destinations(hidden[i], b * n)),
+                                  host["gather"])
+            graph.inputs.upload()
+            gather_into(self.hidden_in, sources, graph.inputs.device["gather"], self.xp)
+            self._replay(graph)
+            self.num_fills += 1
+        left += [i for i, r in enumerate(rows) if len(r.token_ids) > max(self.fill_counts, default=0)]
+        return sorted(left)
 
     def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int, after=None):
         """Greedy drafts ``[B, num_drafts]`` (int64, on the device: nothing here waits for the

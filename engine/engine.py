@@ -171,11 +171,13 @@ class Engine:
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
         if self.graphs is not None and self.proposer is not None:
-            from mtpserve.engine.cuda_graphs import GraphCatalog, HeadGraphs
+            from mtpserve.engine.cuda_graphs import HEAD_FILL_ROWS, GraphCatalog, HeadGraphs
             c = self.graphs.catalog
+            r = 1 + (self.max_drafts if config.spec.adaptive else config.spec.num_draft_tokens)
+            fills = tuple(n for n in HEAD_FILL_ROWS if r < n <= config.scheduler.max_tokens_per_step)
             self.proposer.graphs = HeadGraphs(self.runner, GraphCatalog(
-                c.batch_sizes, (1, 1 + self.max_drafts if config.spec.adaptive else 1 + config.spec.num_draft_tokens),
-                c.table_widths, c.block_size, banks=(0,)), self.xp)
+                c.batch_sizes, (1, r, *fills), c.table_widths, c.block_size, banks=(0,),
+                max_rows=max(max(c.batch_sizes) * r, *fills)), self.xp, catch_up_rows=r)
         self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.head_pool, self.state_bank,
                                    self.draft_policy, m.capture_capacity, m.context_length, self.prefix_cache)
         self.scheduler.uniform_drafts = self.graphs is not None     # a captured verify has one shape

@@ -266,26 +266,49 @@ class MTPProposer:
 
     def _catch_up_long(self, long: list) -> None:
         """Requests with many head rows to catch up (a new prompt, a prefix hit, drafting resumed
-        after a pause): all their rows but the last, in eager head forwards of at most
-        ``max_rows`` rows (their outputs unused: the rows only fill the head's KV), so
-        this step's drafting still fits a captured shape, or the eager drafting forward the
-        budget. Without it one such request made the whole batch draft eagerly, with a host
-        round trip per draft level.
+        after a pause): all their rows but the last, in head forwards (their outputs unused: the
+        rows only fill the head's KV), so this step's drafting still fits a captured shape, or
+        the eager drafting forward the budget. Without it one such request made the whole batch
+        draft eagerly, with a host round trip per draft level.
 
-        Pieces go into forwards in order, a forward closing when the next piece would not fit;
-        only a request's last piece is shorter than ``max_rows``, so a forward never holds two
-        pieces of one request (the second would not see the first's KV)::
+        With captured head forwards the rows go in pieces of at most the largest fill (round j:
+        every request's piece j, in ``HeadGraphs.fill``'s padded forwards; a piece no captured
+        shape fits runs eagerly after them). Eagerly, pieces of at most ``max_rows`` rows go into
+        forwards in order, a forward closing when the next piece would not fit; only a request's
+        last piece is shorter than ``max_rows``, so a forward never holds two pieces of one
+        request (the second would not see the first's KV)::
 
             max_rows 4:  a: 9 rows, b: 2    pieces a0..3 | a4..7 | a8, b0..1
         """
         long = [r for r in long if r.num_computed - r.num_head > 1]
         if not long:
             return
-        size = self.max_rows or max(r.num_computed - r.num_head for r in long)
+        fills = self.graphs.fill_counts if self.graphs is not None else ()
+        size = max(fills) if fills else self.max_rows or max(r.num_computed - r.num_head for r in long)
         pieces = []                                      # (request, offset, count)
         for r in long:
             m = r.num_computed - r.num_head - 1
-            pieces += [(r, at, min(size, m - at)) for at in range(0, m, size)]
+            pieces.append([(r, at, min(size, m - at)) for at in range(0, m, size)])
+        if fills:
+            for j in range(max(len(p) for p in pieces)):
+                round_j = [p[j] for p in pieces if j < len(p)]
+                left = self.graphs.fill(self._piece_rows(round_j), [self._pending_segments(r.request_id, at, n)
+                                                                    for r, at, n in round_j])
+                self._eager_catch_up([round_j[i] for i in left], size)
+        else:
+            self._eager_catch_up([x for p in pieces for x in p], size)
+        for r in long:
+            m = r.num_computed - r.num_head - 1
+            self._drop_pending(r.request_id, m)
+            r.num_head += m
+
+    def _piece_rows(self, pieces: list) -> list[PackedRows]:
+        """The head rows of catch-up pieces ``(request, offset, count)`` (offset from num_head)."""
+        return [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
+                           self.head_pool.block_array(r.request_id)) for r, at, n in pieces]
+
+    def _eager_catch_up(self, pieces: list, size: int) -> None:
+        """Eager head forwards over catch-up ``pieces`` (in order, at most ``size`` rows a forward)."""
         forwards, rows_in = [[]], 0
         for piece in pieces:
             if rows_in + piece[2] > size:
@@ -294,16 +317,12 @@ class MTPProposer:
             forwards[-1].append(piece)
             rows_in += piece[2]
         for forward in forwards:
-            rows = [PackedRows(r.token_ids[r.num_head + 1 + at:r.num_head + 1 + at + n], r.num_head + at,
-                               self.head_pool.block_array(r.request_id)) for r, at, n in forward]
+            if not forward:
+                continue
             # every piece's pending rows stacked at once: after a pause, a gather a step's hidden
             # array (the pieces share them) where a copy a segment cost ~10 launches a step
             segments = [x for r, at, n in forward for x in self._pending_segments(r.request_id, at, n)]
-            self.runner.run_head(rows, self._stacked(segments))
-        for r in long:
-            m = r.num_computed - r.num_head - 1
-            self._drop_pending(r.request_id, m)
-            r.num_head += m
+            self.runner.run_head(self._piece_rows(forward), self._stacked(segments))
 
     def _drop_pending(self, request_id: str, count: int) -> None:
         """Forget the first ``count`` pending hidden rows of a request (their head rows are in)."""

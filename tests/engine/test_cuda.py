@@ -10,7 +10,7 @@ import pytest
 
 from mtpserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from mtpserve.engine.engine import Engine
-from mtpserve.engine.sampler import SamplingParams
+from mtpserve.engine.sampler import SamplingParams, to_host
 
 from test_engine import PROMPTS, run_all
 
@@ -311,6 +311,41 @@ def test_cuda_graph_steps_are_token_identical_to_eager_steps(model_dir):
     assert [r for r in eager if eager[r] != graphed[r]] == []
     assert g.num_replays > 0.5 * engine.num_steps
     assert engine.is_idle_and_empty()
+
+
+@needs_cuda
+def test_cuda_captured_head_fills_write_the_head_kv_the_eager_catch_up_writes(model_dir):
+    """New prompts' head catch-up in captured, padded forwards (``HeadGraphs.fill``: 150, 40 and
+    9 rows, so two fill sizes and a batch of two) leaves the head's KV of every prompt position
+    as the eager head forward does, and no eager head forward runs. (A head fed the wrong KV keeps
+    the output exact and only loses acceptance, so MTP on == off cannot see this.)"""
+    text = "".join(PROMPTS) * 4
+    kv, eager_forwards = {}, {}
+    for graphs in (False, True):
+        engine = engine_on(model_dir, "cuda", k=2, budget=256, cuda_graphs=graphs, prefix_cache=False, overlap=False)
+        prompts = [engine.tokenizer.encode(text)[:n] for n in (151, 41, 10)]
+        assert [len(p) for p in prompts] == [151, 41, 10]
+        calls = []
+        engine.runner.run_head = lambda rows, hidden, calls=calls, run=engine.runner.run_head: (
+            calls.append(len(rows)) or run(rows, hidden))
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        requests = [engine.scheduler.requests[f"r{i}"] for i in range(3)]
+        while not all(r.num_head >= len(p) for r, p in zip(requests, prompts)):
+            engine.step()
+        engine.check_integrity()
+        eager_forwards[graphs] = len(calls)
+        arrays = [to_host(a).astype(np.float32) for a in engine.runner.head_kv.arrays.values()]
+        block = engine.manifest.block_size
+        kv[graphs] = [[a[np.array(engine.head_pool.block_table(r.request_id))[np.arange(len(p)) // block],
+                         np.arange(len(p)) % block] for a in arrays] for r, p in zip(requests, prompts)]
+        if graphs:
+            assert engine.proposer.graphs.num_fills >= 2
+        del engine
+    assert eager_forwards[True] == 0 and eager_forwards[False] > 0
+    for eager, graphed in zip(kv[False], kv[True]):
+        for a, b in zip(eager, graphed):
+            np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)
 
 
 def _greedy_run(engine, params, prompts=PROMPTS, arrivals: dict | None = None) -> tuple[dict, dict, dict]:

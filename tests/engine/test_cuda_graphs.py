@@ -55,6 +55,31 @@ def test_every_shape_is_captured_for_both_banks():
     assert GraphShape(8, 3, 63, 1) in shapes and GraphShape(8, 3, 63, 0) in shapes
 
 
+HEAD = GraphCatalog(batch_sizes=(1, 2, 4, 8), token_counts=(1, 3, 16, 64), table_widths=(16, 63), block_size=16,
+                    banks=(0,), max_rows=64)
+
+
+def test_head_fill_shapes_stay_within_the_row_limit():
+    """The head's fill shapes (16 and 64 rows a request) are captured only where batch x rows
+    fits ``max_rows``: no [rows, vocab] logits buffer sized for 8 x 64 rows."""
+    shapes = {(s.batch, s.tokens) for s in HEAD.shapes()}
+    assert shapes == {(b, n) for b in (1, 2, 4, 8) for n in (1, 3)} | {(1, 16), (2, 16), (4, 16), (1, 64)}
+
+
+def test_head_fill_groups_pad_like_pieces_together_and_leave_the_too_long_out():
+    fills = (16, 64)
+    assert HEAD.fill_groups([40, 9, 5, 3], fills) == [([0], 1, 64), ([1, 2, 3], 4, 16)]
+    assert HEAD.fill_groups([12] * 6, fills) == [([0, 1, 2, 3], 4, 16), ([4, 5], 2, 16)]
+    assert HEAD.fill_groups([65, 2], fills) == [([1], 1, 16)]           # 65 rows: no count holds them
+    assert HEAD.fill_groups([], fills) == []
+    for lengths in ([1, 64, 17, 16, 3, 30, 30], [7] * 9):
+        groups = HEAD.fill_groups(lengths, fills)
+        assert sorted(i for g, _, _ in groups for i in g) == list(range(len(lengths)))   # each piece once
+        for group, batch, n in groups:
+            assert batch == HEAD.batch_for(len(group)) and batch * n <= 64 and n in fills
+            assert all(lengths[i] <= n for i in group)
+
+
 def test_shapes_are_captured_largest_first_every_one_once():
     """ORT's arena grows in regions it never merges: the shape whose attention buffers are the
     largest (batch x KV bucket, then rows per request) is captured first, so the others can be

@@ -970,6 +970,16 @@ cg)          # then: where a K=2 step's time goes (ce), and auto vs K=0 at C=16 
   auto_ab_without_waves 16 85
   step done
   ;;
+ch)          # session 26's captured head fills: the whole test_cuda, the step timeline with calls, auto vs K=0 (~380 s)
+  step test_cuda
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  step "step_timeline.py, bundled, C=16, 128 requests, --range-ratio 0.5: K=0, K=2 (each launch's calls)"
+  timeout 120 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/step-timeline-c16-r0.5.json" \
+    --fixed 0,2 2>&1 | grep -v "No registered plugin\|Warning" | tee "$OUT/step-timeline.txt" | tail -8
+  auto_ab_without_waves 16 85
+  step done
+  ;;
 ce)          # where a steady K=2 step's 1.08 ms goes at C=16: GPU gaps and spans, host launch / wait / other (~120 s)
   step "step_timeline.py, bundled, C=16, 128 requests, --range-ratio 0.5: K=0, K=2, K=2 after decode"
   timeout 150 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/step-timeline-c16-r0.5.json" \

@@ -56,6 +56,13 @@ class Timeline:
         self.steps: list[dict] = []
         for name in ("_launch", "_run_step"):
             self._wrap(name)
+        # what each launch spent its host time on: eager forwards, replays, the head's drafting
+        self._calls(engine.runner, "run_main", "eager main")
+        self._calls(engine.runner, "run_head", "eager head")
+        if engine.graphs is not None:
+            self._calls(engine.graphs, "run", "main graph", none_is="main graph missed")
+        if engine.proposer is not None and engine.proposer.graphs is not None:
+            self._calls(engine.proposer.graphs, "draft", "head graphs", none_is="head graphs missed")
         original = self._receive = pipeline.TokenReadback.receive
         timeline = self
 
@@ -81,6 +88,23 @@ class Timeline:
                     {"what": name, "us": (time.perf_counter() - t) * 1e6, "start": start, "end": timeline._event()})
             return out
         setattr(self.engine, name, wrapped)
+
+    def _calls(self, owner, name: str, label: str, none_is: str | None = None) -> None:
+        """Count calls of ``owner.name`` and their host time (us) into the step's ``calls``
+        (``none_is``: a call that returned None, e.g. no captured shape fit, counted apart)."""
+        original = getattr(owner, name)
+        timeline = self
+
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            out = original(*args, **kwargs)
+            if timeline.recording:
+                key = none_is if none_is is not None and out is None else label
+                c = timeline.step.setdefault("calls", {}).setdefault(key, [0, 0.0])
+                c[0] += 1
+                c[1] = round(c[1] + (time.perf_counter() - t) * 1e6, 1)
+            return out
+        setattr(owner, name, wrapped)
 
     def _event(self):
         if self.cupy is None or not self.recording:
@@ -141,9 +165,17 @@ def summarize(rows: list[dict]) -> dict:
             continue
         cols = [c for c in ("wall_us", "launch_us", "wait_us", "other_us", "gpu_gap_us", "gpu_span_us")
                 if any(c in r for r in rs)]
+        calls: dict = {}
+        for r in rs:
+            for key, (n, us) in r.get("calls", {}).items():
+                c = calls.setdefault(key, [0, 0.0])
+                c[0] += n
+                c[1] += us
         out[kind] = {"steps": len(rs),
                      **{f"{c}_p50": round(statistics.median(r[c] for r in rs if c in r), 1) for c in cols},
-                     **{f"{c}_sum_ms": round(sum(r[c] for r in rs if c in r) / 1e3, 2) for c in cols}}
+                     **{f"{c}_sum_ms": round(sum(r[c] for r in rs if c in r) / 1e3, 2) for c in cols},
+                     "calls a step (count, host us)": {k: (round(n / len(rs), 2), round(us / len(rs), 1))
+                                                       for k, (n, us) in sorted(calls.items())}}
     return out
 
 
