@@ -296,6 +296,8 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths drawn from 128 x [1 - R, 1 + R], "
                    "the same for every engine (bench's --range-ratio; 0: 128 for all, so a closed loop's requests "
                    "arrive in waves)")
+    p.add_argument("--eager-fills", action="store_true", help="beside each fixed K and auto, the same engine with "
+                   "the head's catch-up of new prompts in eager forwards (no HeadGraphs.fill: session 26's A/B)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
@@ -326,6 +328,12 @@ def main() -> None:
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
         device_memory(f"K={k}", engines[f"K={k}"])
+    if args.eager_fills:      # the same engines with fills off: _catch_up_long then runs eager head forwards
+        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n != "K=0")]:
+            kind = spec("auto") if name == "auto" else spec(int(name[2:]))
+            engine = engines[f"{name} eager fills"] = Engine(dataclasses.replace(base, spec=kind))
+            if engine.proposer is not None and engine.proposer.graphs is not None:
+                engine.proposer.graphs.fill_counts = ()
     e0 = engines["K=0"]
     if args.random_prompts:
         rng = np.random.default_rng(0)
