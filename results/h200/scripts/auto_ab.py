@@ -298,6 +298,8 @@ def main() -> None:
                    "arrive in waves)")
     p.add_argument("--eager-fills", action="store_true", help="beside each fixed K and auto, the same engine with "
                    "the head's catch-up of new prompts in eager forwards (no HeadGraphs.fill: session 26's A/B)")
+    p.add_argument("--after-decode", action="store_true", help="beside each fixed K, the same engine with "
+                   "Engine.draft_after_decode on (a draft step launched behind a decode or prompt step)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
@@ -328,8 +330,12 @@ def main() -> None:
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
         device_memory(f"K={k}", engines[f"K={k}"])
+    if args.after_decode:
+        for k in filter(None, args.fixed.split(",")):
+            engine = engines[f"K={k} after decode"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
+            engine.draft_after_decode = True
     if args.eager_fills:      # the same engines with fills off: _catch_up_long then runs eager head forwards
-        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n != "K=0")]:
+        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n[2:].isdigit() and n != "K=0")]:
             kind = spec("auto") if name == "auto" else spec(int(name[2:]))
             engine = engines[f"{name} eager fills"] = Engine(dataclasses.replace(base, spec=kind))
             if engine.proposer is not None and engine.proposer.graphs is not None:

@@ -970,12 +970,13 @@ cg)          # then: where a K=2 step's time goes (ce), and auto vs K=0 at C=16 
   auto_ab_without_waves 16 85
   step done
   ;;
-ci)          # session 26's fills against eager head catch-ups in one run: K=0 / auto / K=2, with and without (~330 s)
+ci)          # session 26's fills against eager head catch-ups in one run: K=0 / auto / K=2 (and after decode), with and without (~400 s)
   for r in 0.5 0; do
     step "auto_ab.py --fixed 2 --eager-fills --range-ratio $r, bundled, C=16, 128 requests, 3 rounds"
     timeout 240 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r-fills-ab.json" \
       --concurrency 16 --requests 128 --rounds 3 --interleave 64 --range-ratio $r --fixed 2 --no-never --eager-fills \
-      2>&1 | grep "^round\|median\|device memory" | cut -c1-900
+      --after-decode \
+      2>&1 | grep "^round\|median\|device memory" | cut -c1-1400
   done
   step done
   ;;
