@@ -298,7 +298,7 @@ def main() -> None:
                    "arrive in waves)")
     p.add_argument("--eager-fills", action="store_true", help="beside each fixed K and auto, the same engine with "
                    "the head's catch-up of new prompts in eager forwards (no HeadGraphs.fill: session 26's A/B)")
-    p.add_argument("--after-decode", action="store_true", help="beside each fixed K, the same engine with "
+    p.add_argument("--after-decode", action="store_true", help="beside auto and each fixed K, the same engine with "
                    "Engine.draft_after_decode on (a draft step launched behind a decode or prompt step)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
@@ -330,9 +330,10 @@ def main() -> None:
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
         device_memory(f"K={k}", engines[f"K={k}"])
-    if args.after_decode:
-        for k in filter(None, args.fixed.split(",")):
-            engine = engines[f"K={k} after decode"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
+    if args.after_decode:        # auto switching from decode steps to drafting pays a step launched alone without it
+        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n != "K=0")]:
+            kind = spec("auto") if name == "auto" else spec(int(name[2:]))
+            engine = engines[f"{name} after decode"] = Engine(dataclasses.replace(base, spec=kind))
             engine.draft_after_decode = True
     if args.eager_fills:      # the same engines with fills off: _catch_up_long then runs eager head forwards
         for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n[2:].isdigit() and n != "K=0")]:
@@ -385,7 +386,7 @@ def main() -> None:
               + (f"; median of {s['turns']} turns {s['turns_median_vs_k0']:.3f}x" if "turns" in s else ""), flush=True)
     if args.profile:
         summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
-    fixed = [n for n in names if n.startswith("K=")]
+    fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")]   # (the old catch-up)
     if len(fixed) > 1:
         for name in [n for n in names if n.startswith("auto")]:
             vs_best = [r[name]["tok_s"] / max(r[n]["tok_s"] for n in fixed) for r in rounds]
