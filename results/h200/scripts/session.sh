@@ -976,7 +976,7 @@ ci)          # session 26's fills against eager head catch-ups in one run: K=0 /
     timeout 240 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r-fills-ab.json" \
       --concurrency 16 --requests 128 --rounds 3 --interleave 64 --range-ratio $r --fixed 2 --no-never --eager-fills \
       --after-decode \
-      2>&1 | grep "^round\|median\|device memory" | cut -c1-1400
+      2>&1 | grep "^round\|median\|device memory" | cut -c1-2000
   done
   step done
   ;;
