@@ -154,7 +154,7 @@ class GraphCatalog:
             if groups:
                 pieces, _, tokens = groups[-1]
                 batch = self.batch_for(len(pieces) + 1)
-                if batch is not None and batch * tokens <= (self.max_rows or batch * tokens):
+                if batch is not None and (self.max_rows is None or batch * tokens <= self.max_rows):
                     pieces.append(i)
                     groups[-1] = (pieces, batch, tokens)
                     continue
