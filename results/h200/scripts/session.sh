@@ -970,6 +970,12 @@ cg)          # then: where a K=2 step's time goes (ce), and auto vs K=0 at C=16 
   auto_ab_without_waves 16 85
   step done
   ;;
+cj)          # can our own CUDA graph record ORT's eager run (a whole step in one launch)? (eager_capture_probe.py, ~60 s)
+  step "eager_capture_probe.py, bundled, K=2 engine: ORT's eager decode run (and the head's) captured by CuPy"
+  timeout 150 python3 results/h200/scripts/eager_capture_probe.py "$OUT/eager-capture-probe.json" engine/bundled/model 2>&1 \
+    | grep -v "Warning\|No registered" | tail -30 | cut -c1-600
+  step done
+  ;;
 ci)          # session 26's fills against eager head catch-ups in one run: K=0 / auto / K=2 (and after decode), with and without (~400 s)
   for r in 0.5 0; do
     step "auto_ab.py --fixed 2 --eager-fills --range-ratio $r, bundled, C=16, 128 requests, 3 rounds"
