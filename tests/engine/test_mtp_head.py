@@ -165,3 +165,69 @@ def test_the_eager_drafting_forward_catches_up_apart_only_what_its_budget_needs(
     assert _longest_past([*short, long], 200) == [], "148 rows fit"
     assert len(_longest_past([*short, long], 20)) == 1 + 15, "148 rows - 99 - 15 x 2 = 19"
     assert _longest_past([R(1) for _ in range(30)], 10) == [], "rows of 1 cannot shrink"
+
+
+class PaddedEagerFills:
+    """``HeadGraphs``' catch-up fills as the CPU can run them: each group of pieces that
+    ``GraphCatalog.fill_groups`` forms goes into one eager head forward, every piece padded to the
+    group's row count as a captured fill pads it (rows past the piece: random ids and hidden
+    rows, at the positions after the piece, on the scratch block past the request's blocks).
+    ``draft`` finds no captured shape, so drafting itself stays eager."""
+
+    catch_up_rows = 1 + K
+
+    def __init__(self, runner, catalog, fill_counts, seed=0):
+        self.runner, self.catalog, self.fill_counts = runner, catalog, fill_counts
+        self.rng = np.random.default_rng(seed)
+        self.padded_rows, self.group_sizes, self.longest = 0, [], 0
+
+    def fill(self, rows, hidden):
+        from mtpserve.engine.row_gather import stack_segments
+        bs = self.runner.manifest.block_size
+        self.longest = max([self.longest] + [len(r.token_ids) for r in rows])
+        for group, _, n in self.catalog.fill_groups([len(r.token_ids) for r in rows], self.fill_counts):
+            self.group_sizes.append(len(group))
+            padded, states = [], []
+            for i in group:
+                r, pad = rows[i], n - len(rows[i].token_ids)
+                table = list(r.block_table) + [0] * max(0, -(-(r.past_len + n) // bs) - len(r.block_table))
+                padded.append(PackedRows(list(r.token_ids) + self.rng.integers(3, 1000, pad).tolist(), r.past_len, table))
+                real = stack_segments(hidden[i], np)
+                states.append(np.concatenate([real, self.rng.standard_normal((pad, real.shape[1])).astype(real.dtype)]))
+                self.padded_rows += pad
+            self.runner.run_head(padded, np.concatenate(states))
+        return [i for i, r in enumerate(rows) if len(r.token_ids) > max(self.fill_counts)]
+
+    def draft(self, *args, **kwargs):
+        return None
+
+
+def test_padded_catch_up_fills_leave_every_draft_as_the_reference(model_dir):
+    """The rule ``HeadGraphs.fill`` rests on: a request's catch-up padded with garbage rows after
+    it (their head KV past its committed positions, or on the scratch block) changes no draft,
+    since the real row of each such position rewrites its KV before any row reads it. Emulated
+    on the CPU (``PaddedEagerFills``: the same pieces, rounds and groups, each forward padded)
+    with a new prompt and every request's catch-up of 2 or more rows forced through it: the
+    drafts equal the non-incremental reference. (Padding placed one position earlier, over the
+    last real row, fails this.)"""
+    from mtpserve.engine.cuda_graphs import GraphCatalog
+    engine = make_engine(model_dir, k=K, budget=48)
+    proposer, propose = engine.proposer, engine.proposer.propose
+    catalog = GraphCatalog((1, 2, 4, 8), (1, 1 + K, 8, 32), (64,), engine.manifest.block_size, banks=(0,), max_rows=64)
+    proposer.graphs = fills = PaddedEagerFills(engine.runner, catalog, (8, 32))
+
+    def catching_up(drafting):
+        proposer._catch_up_long([s.request for s in drafting])
+        return propose(drafting)
+
+    proposer.propose = catching_up
+    seen = record_drafts(engine)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    run_all(engine, [PROMPTS[0], PROMPTS[2], PROMPTS[13] * 3], [params] * 3)
+    assert fills.padded_rows > 50 and max(fills.group_sizes) > 1     # padding, and pieces of several requests
+    assert fills.longest == 32                                       # a 60-token prompt's catch-up in two rounds
+    runner = Runner(engine.manifest, num_blocks=64)
+    zero = engine.state_bank.spec.zero_states(1)
+    for tokens, num_drafts, drafts in seen:
+        assert drafts == reference_drafts(runner, zero, tokens, num_drafts), f"drafts after {len(tokens)} tokens"
+    engine.check_integrity()
