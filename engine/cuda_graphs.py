@@ -586,8 +586,10 @@ class HeadGraphs(_GraphSet):
         as ``(array, start, count)`` segments) in captured forwards of ``fill_counts`` rows a
         request (``GraphCatalog.fill_groups``); the indices of the rows no captured shape fits
         (longer than every count, or past the largest KV bucket), for an eager forward."""
-        left: list[int] = []
-        for group, batch, n in self.catalog.fill_groups([len(r.token_ids) for r in rows], self.fill_counts):
+        groups = self.catalog.fill_groups([len(r.token_ids) for r in rows], self.fill_counts)
+        grouped = {i for group, _, _ in groups for i in group}
+        left = [i for i in range(len(rows)) if i not in grouped]        # longer than every fill
+        for group, batch, n in groups:
             width = self.catalog.width_for(max(rows[i].past_len + n for i in group))
             graph = self._graphs.get(GraphShape(batch, n, width, 0)) if width is not None else None
             if graph is None:
@@ -605,7 +607,6 @@ class HeadGraphs(_GraphSet):
             gather_into(self.hidden_in, sources, graph.inputs.device["gather"], self.xp)
             self._replay(graph)
             self.num_fills += 1
-        left += [i for i, r in enumerate(rows) if len(r.token_ids) > max(self.fill_counts, default=0)]
         return sorted(left)
 
     def draft(self, rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]], num_drafts: int, after=None):

@@ -283,12 +283,11 @@ class MTPProposer:
         long = [r for r in long if r.num_computed - r.num_head > 1]
         if not long:
             return
+        counts = [r.num_computed - r.num_head - 1 for r in long]      # every row but the last
         fills = self.graphs.fill_counts if self.graphs is not None else ()
-        size = max(fills) if fills else self.max_rows or max(r.num_computed - r.num_head for r in long)
-        pieces = []                                      # (request, offset, count)
-        for r in long:
-            m = r.num_computed - r.num_head - 1
-            pieces.append([(r, at, min(size, m - at)) for at in range(0, m, size)])
+        size = max(fills) if fills else self.max_rows or max(counts) + 1
+        # per request, its pieces (request, offset, count)
+        pieces = [[(r, at, min(size, m - at)) for at in range(0, m, size)] for r, m in zip(long, counts)]
         if fills:
             for j in range(max(len(p) for p in pieces)):
                 round_j = [p[j] for p in pieces if j < len(p)]
@@ -297,8 +296,7 @@ class MTPProposer:
                 self._eager_catch_up([round_j[i] for i in left], size)
         else:
             self._eager_catch_up([x for p in pieces for x in p], size)
-        for r in long:
-            m = r.num_computed - r.num_head - 1
+        for r, m in zip(long, counts):
             self._drop_pending(r.request_id, m)
             r.num_head += m
 
@@ -309,6 +307,8 @@ class MTPProposer:
 
     def _eager_catch_up(self, pieces: list, size: int) -> None:
         """Eager head forwards over catch-up ``pieces`` (in order, at most ``size`` rows a forward)."""
+        if not pieces:
+            return
         forwards, rows_in = [[]], 0
         for piece in pieces:
             if rows_in + piece[2] > size:
@@ -317,8 +317,6 @@ class MTPProposer:
             forwards[-1].append(piece)
             rows_in += piece[2]
         for forward in forwards:
-            if not forward:
-                continue
             # every piece's pending rows stacked at once: after a pause, a gather a step's hidden
             # array (the pieces share them) where a copy a segment cost ~10 launches a step
             segments = [x for r, at, n in forward for x in self._pending_segments(r.request_id, at, n)]

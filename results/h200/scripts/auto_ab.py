@@ -330,14 +330,14 @@ def main() -> None:
     for k in filter(None, args.fixed.split(",")):
         engines[f"K={k}"] = Engine(dataclasses.replace(base, spec=spec(int(k))))
         device_memory(f"K={k}", engines[f"K={k}"])
-    if args.after_decode:        # auto switching from decode steps to drafting pays a step launched alone without it
-        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n != "K=0")]:
-            kind = spec("auto") if name == "auto" else spec(int(name[2:]))
+    # the MTP engines on the fit and at fixed K, each built again for the A/B variants below
+    mtp = {n: spec("auto") if n == "auto" else spec(int(n[2:]))
+           for n in engines if n == "auto" or (n.startswith("K=") and n != "K=0")}
+    for name, kind in mtp.items():
+        if args.after_decode:     # auto switching from decode steps to drafting pays a step launched alone without it
             engine = engines[f"{name} after decode"] = Engine(dataclasses.replace(base, spec=kind))
             engine.draft_after_decode = True
-    if args.eager_fills:      # the same engines with fills off: _catch_up_long then runs eager head forwards
-        for name in [n for n in engines if n == "auto" or (n.startswith("K=") and n[2:].isdigit() and n != "K=0")]:
-            kind = spec("auto") if name == "auto" else spec(int(name[2:]))
+        if args.eager_fills:      # fills off: _catch_up_long then runs eager head forwards
             engine = engines[f"{name} eager fills"] = Engine(dataclasses.replace(base, spec=kind))
             if engine.proposer is not None and engine.proposer.graphs is not None:
                 engine.proposer.graphs.fill_counts = ()
