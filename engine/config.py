@@ -17,6 +17,10 @@ from mtpserve.engine.bundled import MODEL_DIR
 from mtpserve.engine.draft_policy import DEFAULT_DRAFT_COST
 from mtpserve.engine.speculative import MAX_NUM_DRAFTS as MAX_DRAFT_TOKENS
 
+# The steps a new request may be held on CUDA so that arrivals share a prompt step
+# (``SchedulerConfig.admission_hold_steps``).
+CUDA_ADMISSION_HOLD_STEPS = 8
+
 
 def setting(default, help: str, **kwargs):
     """A config field with its help text (what ``--help`` and the docs show)."""
@@ -91,15 +95,29 @@ class SchedulerConfig:
     max_tokens_per_step: int | None = setting(None, "the step's token budget (prefill chunks + decodes + drafts; "
                                                     "default 512 on the CPU, 2048 on CUDA)")
     max_requests_per_step: int = setting(64, "the most requests one step runs")
+    admission_hold_steps: int | None = setting(None, "while requests decode, the most steps a new request waits "
+                                                     "so that arrivals share one prompt step (0: admitted at once; "
+                                                     f"default 0 on the CPU, {CUDA_ADMISSION_HOLD_STEPS} on CUDA)")
+    admission_group: float = setting(0.25, "held requests are admitted together once this many per decoding "
+                                           "request wait (0.25: 4 beside 16 decoding)")
 
     def for_device(self, device: str) -> SchedulerConfig:
-        """This config with the device's default token budget filled in where none was given: a
-        CPU step's cost grows with its tokens, while on the H200 a 2048-token prompt chunk runs
-        far more tokens per second than 512-token ones (1.4 B, 64 prompts at once: 2.5x the
-        output throughput) and costs a decode step sharing it about 40 ms."""
-        if self.max_tokens_per_step is not None:
-            return self
-        return dataclasses.replace(self, max_tokens_per_step=2048 if device == "cuda" else 512)
+        """This config with the device's defaults filled in where none was given.
+
+        Token budget: a CPU step's cost grows with its tokens, while on the H200 a 2048-token
+        prompt chunk runs far more tokens per second than 512-token ones (1.4 B, 64 prompts at
+        once: 2.5x the output throughput) and costs a decode step sharing it about 40 ms.
+
+        Admission holds: on CUDA a prompt step runs eagerly and costs about the same for one
+        prompt as for several (ORT's per-node launches, and a recurrent prefill kernel that
+        follows the longest prompt): ``CUDA_ADMISSION_HOLD_STEPS``. On the CPU a prompt step's cost grows with its
+        tokens, so holding only delays: 0."""
+        budget = self.max_tokens_per_step
+        hold = self.admission_hold_steps
+        return dataclasses.replace(self, max_tokens_per_step=budget if budget is not None else
+                                   2048 if device == "cuda" else 512,
+                                   admission_hold_steps=hold if hold is not None else
+                                   CUDA_ADMISSION_HOLD_STEPS if device == "cuda" else 0)
 
     def validate(self) -> None:
         if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1 + MAX_DRAFT_TOKENS:
@@ -107,6 +125,10 @@ class SchedulerConfig:
                              f"got {self.max_tokens_per_step}")
         if self.max_requests_per_step < 1:
             raise ValueError(f"max_requests_per_step must be >= 1, got {self.max_requests_per_step}")
+        if self.admission_hold_steps is not None and self.admission_hold_steps < 0:
+            raise ValueError(f"admission_hold_steps must be >= 0, got {self.admission_hold_steps}")
+        if not 0 < self.admission_group <= 1:
+            raise ValueError(f"admission_group must be in (0, 1], got {self.admission_group}")
 
 
 @dataclass(frozen=True)

@@ -490,7 +490,7 @@ class Engine:
         its acceptance on the device (``_launch_drafting``)."""
         s = self.scheduler
         requests = [x.request for x in flight.plan.scheduled]
-        why = continuation_blocker(flight.plan, len(s.running), bool(s.waiting) and self.state_bank.can_admit(),
+        why = continuation_blocker(flight.plan, len(s.running), s.admission_due(),
                                    self._host_rule, self.manifest.context_length,
                                    self.max_drafts if flight.num_drafts else 0)
         k, wanted = 0, None

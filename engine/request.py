@@ -66,6 +66,7 @@ class Request:
     num_head: int = 0
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    waiting_since: int = 0          # the scheduler's landed steps when it last started waiting (admission holds)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     rng: np.random.Generator | None = None
     stop_token_ids: frozenset[int] = frozenset()   # ids that end it: params.stop_token_ids, and EOS unless ignored

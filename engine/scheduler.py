@@ -24,7 +24,12 @@ drafts:
    than cut, which would make the whole step eager); a running request still in its prompt
    feeds the next chunk of it.
 2. Then waiting requests, oldest first, are admitted while a state row, KV blocks, budget and
-   batch slots remain; each feeds the first chunk of its prompt (chunked prefill).
+   batch slots remain; each feeds the first chunk of its prompt (chunked prefill). While every
+   running request decodes, new requests may be held (``admission_due``): they are admitted
+   together once ``admission_group`` per decoding request wait, or when the oldest has waited
+   ``admission_hold_steps`` landed steps. On CUDA a prompt step costs about as much for one
+   prompt as for several; under MTP, requests of one length end on different steps (their
+   acceptance differs), so without the hold each arrival paid a prompt step of its own.
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back. (The
    CPU path's converted graph captures every token, so breaking this rule changes no CPU
@@ -45,6 +50,7 @@ everything, requeues it for recompute) instead of failing anyone. Admissions nev
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -152,6 +158,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.releasing: dict[str, Request] = {}  # finished, pool space held for a step in flight
         self.num_preemptions = 0
+        self.num_landed = 0                     # steps whose tokens were appended (the holds' clock)
         self.stats = SpecDecodeStats()          # every request's verified steps, summed
 
     # ------------------------------------------------------------------ requests
@@ -159,6 +166,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        req.waiting_since = self.num_landed
         self.waiting.append(req)
 
     def is_live(self, req: Request) -> bool:
@@ -201,6 +209,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
+    def admission_due(self) -> bool:
+        """Whether the next step admits a waiting request (rule 2): one waits, a state row is
+        free, and admissions are not held (``holds_admissions``)."""
+        return bool(self.waiting) and self.state_bank.can_admit() and not self.holds_admissions()
+
+    def holds_admissions(self) -> bool:
+        """Whether waiting requests are held back (rule 2): ``admission_hold_steps`` is set, every
+        running request decodes (at least one), fewer than ``admission_group`` per decoding
+        request wait (at least one; at most the step's free slots), and the oldest has waited
+        fewer than ``admission_hold_steps`` landed steps."""
+        hold = self.config.admission_hold_steps
+        if not hold or not self.waiting:
+            return False
+        decoding = sum(1 for r in self.running if r.is_decoding)
+        if decoding == 0 or decoding < len(self.running):    # nothing to wait behind, or a prompt step runs anyway
+            return False
+        group = min(max(1, math.ceil(self.config.admission_group * decoding)),
+                    max(1, self.config.max_requests_per_step - decoding))
+        if len(self.waiting) >= group:
+            return False
+        return self.num_landed - min(r.waiting_since for r in self.waiting) < hold
+
     def schedule(self) -> StepPlan:
         """Plan one step and move the queues; pool space is reserved for everything scheduled."""
         plan = self._plan(self.running, list(self.waiting))
@@ -208,6 +238,8 @@ class Scheduler:
             self.running.remove(req)
         if plan.preempted:
             self.num_preemptions += len(plan.preempted)
+            for req in plan.preempted:
+                req.waiting_since = self.num_landed
             self.waiting.extend(plan.preempted)
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_index))
         for req in plan.admitted:
@@ -224,8 +256,9 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_tokens_per_step
         slots = self.config.max_requests_per_step
+        held = bool(waiting) and self.holds_admissions()
         has_prefill = any(not r.is_decoding for r in running) or (
-            bool(waiting) and self.state_bank.can_admit())
+            bool(waiting) and self.state_bank.can_admit() and not held)
         queue = list(running)
         wanted = self._wanted_drafts(running) if self.max_drafts and not has_prefill else {}
         while queue and budget > 0 and slots > 0:
@@ -248,7 +281,7 @@ class Scheduler:
         # rule 3 again: a preemption above can free the state row a waiting request needed, but
         # a step whose decodes already carry drafts admits no prompt chunk: it waits for one without
         drafting = any(s.num_drafts for s in plan.scheduled)
-        for req in waiting:
+        for req in waiting if not held else ():
             if drafting or budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
                 break
             if req.continues and self.prefix_cache is not None:   # before its lookup plans its snapshots
@@ -455,6 +488,7 @@ class Scheduler:
         """Each sampling request's emitted tokens appended (up to a stop id or a limit), its
         counters and the draft policy told; one update per scheduled request. A request that
         finished since the step was launched (a dead row of overlapped decoding) gets none."""
+        self.num_landed += 1
         updates, counts = [], []
         for s, kept in zip(plan.scheduled, num_kept):
             r = s.request

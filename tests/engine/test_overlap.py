@@ -22,11 +22,13 @@ from test_engine import PROMPTS
 
 
 def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0,
-         max_model_len=None, synthetic=None, uniform=False) -> Engine:
-    """``uniform``: the scheduler plans one K for every request of a step, as with CUDA graphs."""
+         max_model_len=None, synthetic=None, uniform=False, hold=0) -> Engine:
+    """``uniform``: the scheduler plans one K for every request of a step, as with CUDA graphs;
+    ``hold``: admission_hold_steps (CUDA's default holds arrivals; the CPU's does not)."""
     engine = Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
-                               scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch),
+                               scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch,
+                                                         admission_hold_steps=hold),
                                spec=SpecConfig(draft_tokens=k, synthetic_acceptance=synthetic)))
     engine.scheduler.uniform_drafts = engine.scheduler.uniform_drafts or uniform
     return engine
@@ -220,6 +222,59 @@ def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
     assert results[1] == results[0]
     assert set(results[1][0]) == {r for r, _, _ in first + later}
     assert engine.overlap_blockers.get("a waiting request can be admitted", 0) > 0
+
+
+def closed_loop(engine: Engine, requests: list, concurrency: int) -> tuple[dict, list[int], int]:
+    """``requests`` run ``concurrency`` at a time, the next one added as one finishes (a client
+    each), pools checked after every step: (tokens by id, each request's engine steps from its
+    arrival to its first token, the steps that admitted a prompt)."""
+    queue, tokens, arrived, waits, prompt_steps, i = list(requests), {}, {}, [], 0, 0
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal prompt_steps
+        plan = schedule()
+        prompt_steps += bool(plan.admitted)
+        return plan
+    engine.scheduler.schedule = counting_schedule
+    while queue or engine.has_work:
+        while queue and len(arrived) - len([r for r in arrived if r in done_ids(tokens, arrived)]) < concurrency:
+            rid, prompt, params = queue.pop(0)
+            engine.add_request(rid, prompt, params)
+            arrived[rid] = i
+        for ev in engine.step():
+            if ev.request_id not in tokens:
+                waits.append(i + 1 - arrived[ev.request_id])
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                tokens[ev.request_id].append(str(ev.finish_reason))
+        engine.check_integrity()
+        i += 1
+    assert engine.is_idle_and_empty()
+    return tokens, waits, prompt_steps
+
+
+def done_ids(tokens: dict, arrived: dict) -> set:
+    return {r for r in arrived if tokens.get(r) and isinstance(tokens[r][-1], str)}
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_held_arrivals_share_prompt_steps_within_the_hold_and_change_no_output(model_dir, k):
+    """Admission holds (CUDA's default): clients sending a request as theirs ends, over requests
+    of staggered lengths; held arrivals go in together, in fewer prompt steps, each within the
+    hold, and every token is the one admitting at once gives (and, at K=2, MTP off's)."""
+    requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13,
+                                                                    ignore_eos=True)) for i in range(24)]
+    # 9 clients: beside 8 decoding, arrivals are held until 2 wait (the default group, 0.25 a request)
+    at_once = closed_loop(make(model_dir, True, k=k, uniform=bool(k)), requests, 9)
+    held = closed_loop(make(model_dir, True, k=k, uniform=bool(k), hold=6), requests, 9)
+    assert held[0] == at_once[0]
+    if k:
+        assert held[0] == closed_loop(make(model_dir, True), requests, 9)[0], "MTP on != MTP off"
+    print(f"K={k}: prompt steps {at_once[2]} at once, {held[2]} held; steps to the first token "
+          f"{sorted(at_once[1])} / {sorted(held[1])}")
+    assert held[2] < at_once[2], "held arrivals did not share prompt steps"
+    assert max(held[1]) <= 6 + max(at_once[1]), "a request waited past its hold"
 
 
 def test_the_reasons_a_step_had_no_continuation_are_counted_by_reason_not_by_request(model_dir):

@@ -28,11 +28,12 @@ class RecordingPolicy(FixedDraftPolicy):
         self.verified.append((request_id, num_drafts, num_accepted))
 
 
-def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096, head_blocks=None):
+def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096, head_blocks=None, hold=0, group=0.25):
     kv = KVPool(num_blocks, BS)
     head = KVPool(head_blocks or num_blocks, BS) if mtp else None
     bank = StateBank(SPEC, rows)
-    sched = Scheduler(SchedulerConfig(budget, batch), kv, head, bank, RecordingPolicy(k),
+    config = SchedulerConfig(budget, batch, admission_hold_steps=hold, admission_group=group)
+    sched = Scheduler(config, kv, head, bank, RecordingPolicy(k),
                       capture_capacity=4, context_length=context)
     return sched, kv, head, bank
 
@@ -292,3 +293,39 @@ def test_a_row_freed_by_preemption_admits_no_prompt_beside_drafts():
         if not sched.running and not sched.waiting:
             break
     assert admitted[:2] == [b, c]
+
+
+def test_held_arrivals_join_one_prompt_step_within_the_hold():
+    """Rule 2's hold: while 4 requests decode, one arrival waits (their steps keep drafting) until
+    a second joins it (group 0.5 x 4 = 2), then both feed their prompts in one step."""
+    sched, kv, head, bank = make(budget=64, hold=5, group=0.5, k=2)
+    decoding(sched, *(req(f"r{i}", 3, arrival=i) for i in range(4)))
+    e = req("e", 5, arrival=4)
+    sched.add(e)
+    for _ in range(2):
+        assert not sched.admission_due()
+        plan, _ = step(sched)
+        assert not plan.admitted and all(s.num_drafts == 2 for s in plan.scheduled), "held: a drafting step"
+    f = req("f", 6, arrival=5)
+    sched.add(f)
+    assert sched.admission_due()
+    plan, _ = step(sched)
+    assert plan.admitted == [e, f] and not any(s.num_drafts for s in plan.scheduled)
+
+
+def test_a_held_arrival_is_admitted_after_the_hold_and_at_once_when_nothing_decodes():
+    sched, kv, head, bank = make(budget=64, hold=3, group=0.5)
+    a = req("a", 3)
+    sched.add(a)
+    assert sched.admission_due(), "nothing decodes: no hold"
+    decoding(sched, req("b", 3, arrival=1), req("c", 3, arrival=2))      # (a went in with them)
+    d = req("d", 3, arrival=3)
+    sched.add(d)                          # alone beside 3 decoding (group 2): held for 3 landed steps
+    steps = 0
+    while d.status is RequestStatus.WAITING:
+        plan, _ = step(sched)
+        steps += 1
+        assert steps <= 4, "held past its hold"
+    assert steps == 4 and plan.admitted == [d], "held for 3 landed steps, admitted in the 4th"
+    for pool in (kv, head, bank):
+        pool.check_integrity()

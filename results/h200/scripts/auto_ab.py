@@ -111,6 +111,9 @@ class ClosedLoop:
         self.outputs: dict[str, list[int]] | None = {} if keep_outputs else None
         self.queue, self.in_flight = list(enumerate(prompts)), set()
         self.tokens, self.times, self.seconds, self.forward_seconds = 0, [], 0.0, 0.0
+        # time to first token on this engine's own clock (its steps' wall time: with engines
+        # interleaved, the others' turns are not in it)
+        self.clock, self.added, self.ttfts = 0.0, {}, []
         self.pipelined = {"True": 0, "False": 0, "None": 0}
         self.before = dataclasses.asdict(engine.scheduler.stats)
 
@@ -127,8 +130,13 @@ class ClosedLoop:
                 i, p = self.queue.pop(0)
                 engine.add_request(f"{self.tag}-{i}", p, self.params[i])
                 self.in_flight.add(f"{self.tag}-{i}")
+                self.added[f"{self.tag}-{i}"] = self.clock
             s0 = time.perf_counter()
-            for ev in engine.step():
+            events = engine.step()
+            self.clock += time.perf_counter() - s0
+            for ev in events:
+                if ev.token_ids and ev.request_id in self.added:
+                    self.ttfts.append(self.clock - self.added.pop(ev.request_id))
                 self.tokens += len(ev.token_ids)
                 if outputs is not None:
                     outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
@@ -154,7 +162,16 @@ class ClosedLoop:
                 "step_p90_ms": round(q[8] * 1e3, 4),
                 "host_us_per_step": round((self.seconds - self.forward_seconds) / len(self.times) * 1e6, 2),
                 "pipelined": self.pipelined, "fits": fits(self.engine.draft_policy),
+                **ttft_quantiles(self.ttfts),
                 "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
+
+
+def ttft_quantiles(ttfts: list[float]) -> dict:
+    if len(ttfts) < 2:
+        return {}
+    q = statistics.quantiles(ttfts, n=100)
+    return {"ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 3), "ttft_p90_ms": round(q[89] * 1e3, 3),
+            "ttft_p99_ms": round(q[98] * 1e3, 3)}
 
 
 def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str, lengths: int | list[int] = 128) -> dict:
@@ -300,6 +317,9 @@ def main() -> None:
                    "the head's catch-up of new prompts in eager forwards (no HeadGraphs.fill: session 26's A/B)")
     p.add_argument("--after-decode", action="store_true", help="beside auto and each fixed K, the same engine with "
                    "Engine.draft_after_decode on (a draft step launched behind a decode or prompt step)")
+    p.add_argument("--hold-ab", type=int, default=None, metavar="STEPS",
+                   help="beside each engine, the same engine with admission_hold_steps=STEPS (0: arrivals "
+                        "admitted at once; the others keep the device's default)")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
@@ -341,6 +361,13 @@ def main() -> None:
             engine = engines[f"{name} eager fills"] = Engine(dataclasses.replace(base, spec=kind))
             if engine.proposer is not None and engine.proposer.graphs is not None:
                 engine.proposer.graphs.fill_counts = ()
+    if args.hold_ab is not None:
+        for name in [n for n in engines if " " not in n]:       # K=0, auto, each fixed K (not the variants)
+            e = engines[name]
+            hold = dataclasses.replace(e.config.scheduler, admission_hold_steps=args.hold_ab)
+            engines[f"{name} hold {args.hold_ab}"] = Engine(dataclasses.replace(e.config, scheduler=hold),
+                                                            draft_policy=None if name != "never drafts" else
+                                                            FixedDraftPolicy(0))
     e0 = engines["K=0"]
     if args.random_prompts:
         rng = np.random.default_rng(0)
@@ -368,6 +395,8 @@ def main() -> None:
         print(f"round {r}: " + "  ".join(f"{n} {rec[n]['tok_s']:.0f} tok/s {rec[n]['ms_per_step']:.3f} ms/step "
                                          f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}, "
                                          f"host {rec[n]['host_us_per_step']:.1f} us"
+                                         + (f", TTFT p50 {rec[n]['ttft_p50_ms']:.2f} p99 {rec[n]['ttft_p99_ms']:.2f} ms"
+                                            if "ttft_p50_ms" in rec[n] else "")
                                          + gc_note(rec[n]) + ")"
                                          + (f" ({rec[n]['vs_k0']:.3f}x)" if n != "K=0" else "") for n in names),
               flush=True)
@@ -386,9 +415,11 @@ def main() -> None:
               + (f"; median of {s['turns']} turns {s['turns_median_vs_k0']:.3f}x" if "turns" in s else ""), flush=True)
     if args.profile:
         summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
-    fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")]   # (the old catch-up)
-    if len(fixed) > 1:
-        for name in [n for n in names if n.startswith("auto")]:
+    for name in [n for n in names if n.startswith("auto")]:
+        hold = name[name.index(" hold "):] if " hold " in name else ""          # like with like
+        fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")      # (the old catch-up)
+                 and (n.endswith(hold) if hold else " hold " not in n)]
+        if len(fixed) > 1:
             vs_best = [r[name]["tok_s"] / max(r[n]["tok_s"] for n in fixed) for r in rounds]
             summary[f"{name}_vs_best_fixed"] = {"median": statistics.median(vs_best), "ratios": [round(x, 4) for x in vs_best]}
             print(f"{name}: median {statistics.median(vs_best):.3f}x the round's best fixed K ({', '.join(fixed)})", flush=True)

@@ -161,6 +161,7 @@ def main(out_path: str, model_dir: str) -> None:
                 main_then_head()
             stream.synchronize()
             head_reference = hg.logits[:B].copy()
+            main_reference = g.logits[:B].copy()
             composed = capture(stream, [("main eager, copy, head eager", main_then_head)], result, "composed_capture")
             if composed is not None:
                 try:
@@ -168,6 +169,21 @@ def main(out_path: str, model_dir: str) -> None:
                     composed.launch(stream)
                     stream.synchronize()
                     result["composed_head_logits_maxerr"] = maxerr(hg.logits[:B], head_reference)
+                    # why they part, if they do: per row, the copy, and eager / captured runs against themselves
+                    # (the probe stages no rows: every row may be padding on the scratch block, where rows race)
+                    first = hg.logits[:B].copy()
+                    result["composed_rows_maxerr"] = [maxerr(first[i], head_reference[i]) for i in range(B)]
+                    result["composed_main_logits_maxerr"] = maxerr(g.logits[:B], main_reference)
+                    result["composed_copy_equal"] = bool((hidden_in == g.hidden[:B]).all())
+                    result["head_past_lengths"] = cp.asnumpy(head_graph.inputs.device["past_sequence_lengths"]).tolist()
+                    result["head_block_table_row0"] = cp.asnumpy(head_graph.inputs.device["block_table"][0]).tolist()[:8]
+                    composed.launch(stream)
+                    stream.synchronize()
+                    result["composed_again_maxerr"] = maxerr(hg.logits[:B], first)
+                    main_then_head()
+                    stream.synchronize()
+                    result["eager_again_vs_reference_maxerr"] = maxerr(hg.logits[:B], head_reference)
+                    result["eager_again_vs_composed_maxerr"] = maxerr(hg.logits[:B], first)
                     result["composed_host_us"], result["composed_gpu_us"] = timed(lambda: composed.launch(stream), stream)
                     result["two_replays_host_us"], result["two_replays_gpu_us"] = timed(
                         lambda: (g._replay(graph), hidden_in.__setitem__(Ellipsis, g.hidden[:B]), hg._replay(head_graph)),

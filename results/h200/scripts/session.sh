@@ -976,6 +976,16 @@ cj)          # can our own CUDA graph record ORT's eager run (a whole step in on
     | grep -v "Warning\|No registered" | tail -30 | cut -c1-600
   step done
   ;;
+ck)          # admission holds (CUDA's default, 8 steps) against admitting at once: K=0 / auto / K=2 (and after decode), C=16 with and without waves, C=8 (~400 s)
+  for run in "16 0.5 3" "16 0 3" "8 0.5 2"; do
+    set -- $run
+    step "auto_ab.py --fixed 2 --hold-ab 0 --after-decode --range-ratio $2, bundled, C=$1, 128 requests, $3 rounds"
+    timeout 200 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c$1-r$2-holds.json" \
+      --concurrency $1 --requests 128 --rounds $3 --interleave 64 --range-ratio $2 --fixed 2 --no-never --hold-ab 0 \
+      --after-decode 2>&1 | tee "$OUT/auto-ab-c$1-r$2-holds.txt" | grep "^round\|median\|device memory\|Error" | cut -c1-2400
+  done
+  step done
+  ;;
 ci)          # session 26's fills against eager head catch-ups in one run: K=0 / auto / K=2 (and after decode), with and without (~400 s)
   for r in 0.5 0; do
     step "auto_ab.py --fixed 2 --eager-fills --range-ratio $r, bundled, C=16, 128 requests, 3 rounds"
