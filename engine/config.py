@@ -95,8 +95,9 @@ class SchedulerConfig:
     max_tokens_per_step: int | None = setting(None, "the step's token budget (prefill chunks + decodes + drafts; "
                                                     "default 512 on the CPU, 2048 on CUDA)")
     max_requests_per_step: int = setting(64, "the most requests one step runs")
-    admission_hold_steps: int | None = setting(None, "while requests decode, the most steps a new request waits "
-                                                     "so that arrivals share one prompt step (0: admitted at once; "
+    admission_hold_steps: int | None = setting(None, "with MTP on, while requests decode, the most steps a new "
+                                                     "request waits so that arrivals share one prompt step (0: "
+                                                     "admitted at once; "
                                                      f"default 0 on the CPU, {CUDA_ADMISSION_HOLD_STEPS} on CUDA)")
     admission_group: float = setting(0.25, "held requests are admitted together once this many per decoding "
                                            "request wait (0.25: 4 beside 16 decoding)")
@@ -108,10 +109,11 @@ class SchedulerConfig:
         prompt chunk runs far more tokens per second than 512-token ones (1.4 B, 64 prompts at
         once: 2.5x the output throughput) and costs a decode step sharing it about 40 ms.
 
-        Admission holds: on CUDA a prompt step runs eagerly and costs about the same for one
-        prompt as for several (ORT's per-node launches, and a recurrent prefill kernel that
-        follows the longest prompt): ``CUDA_ADMISSION_HOLD_STEPS``. On the CPU a prompt step's cost grows with its
-        tokens, so holding only delays: 0."""
+        Admission holds (MTP engines): on CUDA a prompt step runs eagerly and costs about the
+        same for one prompt as for several (ORT's per-node launches, and a recurrent prefill
+        kernel that follows the longest prompt), and breaks the draft steps' pipeline:
+        ``CUDA_ADMISSION_HOLD_STEPS`` (scheduler rule 2 has the measurements). On the CPU a
+        prompt step's cost grows with its tokens, so holding only delays: 0."""
         budget = self.max_tokens_per_step
         hold = self.admission_hold_steps
         return dataclasses.replace(self, max_tokens_per_step=budget if budget is not None else

@@ -429,7 +429,7 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs,k", [(True, 2), (True, "auto"), (False, 3)])
 def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(model_dir, cuda_graphs, k):
-    """``Engine.draft_after_decode`` (off until this passes on the device): the first draft step
+    """``Engine.draft_after_decode`` (on by default with overlapped decoding on CUDA): the first draft step
     after a decode step is launched behind it, the head caught up on that step's last row with
     its token on the device (``decode_as_accepted``, ``follow_catch_up`` / ``follow_verify`` at
     K1 = 1). MTP off's tokens, up to near-ties, as the overlapped test above."""
@@ -443,7 +443,7 @@ def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(m
                                                    overlap=False),
                                          [dataclasses.replace(p, logprobs=2) for p in params], arrivals=arrivals)
     engine = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=cuda_graphs)
-    engine.draft_after_decode = True
+    assert engine.draft_after_decode, "CUDA's default"
     out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
     parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
     print(f"draft after decode (graphs {cuda_graphs}, K={k}): {engine.num_drafts_after_decode} such steps, "

@@ -260,9 +260,10 @@ def done_ids(tokens: dict, arrived: dict) -> set:
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_held_arrivals_share_prompt_steps_within_the_hold_and_change_no_output(model_dir, k):
-    """Admission holds (CUDA's default): clients sending a request as theirs ends, over requests
-    of staggered lengths; held arrivals go in together, in fewer prompt steps, each within the
-    hold, and every token is the one admitting at once gives (and, at K=2, MTP off's)."""
+    """Admission holds (CUDA's default, MTP engines): clients sending a request as theirs ends,
+    over requests of staggered lengths; held arrivals go in together, in fewer prompt steps,
+    each within the hold, and every token is the one admitting at once gives (and MTP off's).
+    With MTP off nothing is held (K=0 lost 5% to holds at C=8 on the H100, gaining nothing)."""
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13,
                                                                     ignore_eos=True)) for i in range(24)]
     # 9 clients: beside 8 decoding, arrivals are held until 2 wait (the default group, 0.25 a request)
@@ -273,6 +274,9 @@ def test_held_arrivals_share_prompt_steps_within_the_hold_and_change_no_output(m
         assert held[0] == closed_loop(make(model_dir, True), requests, 9)[0], "MTP on != MTP off"
     print(f"K={k}: prompt steps {at_once[2]} at once, {held[2]} held; steps to the first token "
           f"{sorted(at_once[1])} / {sorted(held[1])}")
+    if not k:
+        assert held[1:] == at_once[1:], "MTP off held arrivals"
+        return
     assert held[2] < at_once[2], "held arrivals did not share prompt steps"
     assert max(held[1]) <= 6 + max(at_once[1]), "a request waited past its hold"
 

@@ -976,6 +976,12 @@ cj)          # can our own CUDA graph record ORT's eager run (a whole step in on
     | grep -v "Warning\|No registered" | tail -30 | cut -c1-600
   step done
   ;;
+cl)          # the whole test_cuda alone (~220 s)
+  step test_cuda
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  step done
+  ;;
 ck)          # admission holds (CUDA's default, 8 steps) against admitting at once: K=0 / auto / K=2 (and after decode), C=16 with and without waves, C=8 (~400 s)
   for run in "16 0.5 3" "16 0 3" "8 0.5 2"; do
     set -- $run
