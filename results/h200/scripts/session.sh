@@ -976,6 +976,13 @@ cj)          # can our own CUDA graph record ORT's eager run (a whole step in on
     | grep -v "Warning\|No registered" | tail -30 | cut -c1-600
   step done
   ;;
+cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
+  step "auto_ab.py --fixed 2 --hold-ab 0 --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
+  timeout 200 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-shipped.json" \
+    --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio 0.5 --fixed 2 --no-never --hold-ab 0 \
+    2>&1 | tee "$OUT/auto-ab-c16-r0.5-shipped.txt" | grep "^round\|median\|Error" | cut -c1-2400
+  step done
+  ;;
 cl)          # the whole test_cuda alone (~220 s)
   step test_cuda
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
