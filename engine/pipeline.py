@@ -19,8 +19,9 @@ A continuation Q of the launched step P is taken (``continuation_blocker`` says 
 - every request of P sampled in P (no prompt chunk left), needs nothing the host must compute
   from P's token first (penalties, a grammar, a min_tokens mask, logprobs), and can take one more
   token after P's (max_tokens, the context);
-- P's requests are all the running ones and no waiting request could be admitted now (else the
-  scheduler decides the next step, after P lands);
+- P's requests are all the running ones and no waiting request could be admitted now (a free
+  state row and no admission hold: ``Scheduler.admission_due``; else the scheduler decides the
+  next step, after P lands);
 - no request of P finished or was cancelled since P was launched (a **dead row**: its tokens are
   dropped when P lands, and its pool space is released then, not before: a release moves a state
   row, under a step that still writes it);
