@@ -532,7 +532,8 @@ class HeadGraphs(_GraphSet):
     so padding rows cost GPU work and nothing else: a padding row's KV lands past the request's
     committed positions, where the real row of that position rewrites it before anything reads
     it, or on the scratch block past the request's blocks. An eager head forward cost ~0.8 ms of
-    host time on the H100 (session 26: a drafting step after each arrival), a replay ~0.1.
+    host time on the H100 (session 26: a drafting step after each arrival); ORT's replay call
+    itself ~4 us (session 27), the rest of a fill being its staging and gather.
     """
 
     what = "MTP head"

@@ -194,7 +194,7 @@ class Engine:
         # a greedy decode step followed by a draft step in flight (the decode step's token as its one kept
         # row; pipeline.py): on with overlapped decoding on CUDA. On the H100 (bundled model, lengths
         # 64-192) auto with it ran 1.42x / 1.36x K=0 at C=16 / 8 against 1.25x / 1.25x without, K=2
-        # 1.03-1.04x its own without; with waves (every request 128 tokens) auto 0.88x against 0.90x.
+        # 1.00-1.03x its own without; with waves (every request 128 tokens) auto 0.88x against 0.90x.
         # On the CPU the tests turn it on
         self.draft_after_decode = self.overlap and config.device == "cuda"
         self._arrivals = itertools.count()

@@ -31,8 +31,9 @@ drafts:
    as much for one prompt as for several, and in an MTP engine it also breaks the pipeline of
    draft steps (the next one is launched alone); requests end on steps their acceptance sets,
    so without the hold each arrival paid both of its own. Measured on the H100 (bundled model,
-   C=16, lengths 64-192): K=2 1.15x -> 1.32x K=0, K=0 itself unchanged by a hold (1.00x; at
-   C=8 0.95x, so it does not hold), time to first token p50 +3 ms, p99 +10-15 ms.
+   C=16, lengths 64-192, session 27): K=2 1.10x -> 1.31x K=0, time to first token p50 4.8 ->
+   8.0 ms, p99 +8-12 ms; K=0 gains nothing from a hold (1.00x; at C=8 it lost 5%), so an engine
+   without MTP does not hold.
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back. (The
    CPU path's converted graph captures every token, so breaking this rule changes no CPU
@@ -219,14 +220,14 @@ class Scheduler:
 
     def holds_admissions(self) -> bool:
         """Whether waiting requests are held back (rule 2): MTP is on, ``admission_hold_steps`` is
-        set, every running request decodes (at least one), fewer than ``admission_group`` per
+        set, every running request decodes, fewer than ``admission_group`` per
         decoding request wait (at least one; at most the step's free slots), and the oldest has
         waited fewer than ``admission_hold_steps`` landed steps."""
         hold = self.config.admission_hold_steps
         if not hold or not self.max_drafts or not self.waiting:
             return False
         decoding = sum(1 for r in self.running if r.is_decoding)
-        if decoding == 0 or decoding < len(self.running):    # nothing to wait behind, or a prompt step runs anyway
+        if decoding < len(self.running):         # a prompt step runs anyway (nothing running: the group is 1)
             return False
         group = min(max(1, math.ceil(self.config.admission_group * decoding)),
                     max(1, self.config.max_requests_per_step - decoding))
@@ -259,7 +260,7 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_tokens_per_step
         slots = self.config.max_requests_per_step
-        held = bool(waiting) and self.holds_admissions()
+        held = self.holds_admissions()
         has_prefill = any(not r.is_decoding for r in running) or (
             bool(waiting) and self.state_bank.can_admit() and not held)
         queue = list(running)

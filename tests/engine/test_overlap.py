@@ -226,9 +226,10 @@ def test_arrivals_during_decoding_are_admitted_and_change_no_output(model_dir):
 
 def closed_loop(engine: Engine, requests: list, concurrency: int) -> tuple[dict, list[int], int]:
     """``requests`` run ``concurrency`` at a time, the next one added as one finishes (a client
-    each), pools checked after every step: (tokens by id, each request's engine steps from its
-    arrival to its first token, the steps that admitted a prompt)."""
-    queue, tokens, arrived, waits, prompt_steps, i = list(requests), {}, {}, [], 0, 0
+    each), pools checked after every step: ((tokens, finish reason) by id, each request's engine
+    steps from its arrival to its first event, the steps that admitted a prompt)."""
+    queue, tokens, reasons, arrived, waits, prompt_steps = list(requests), {}, {}, {}, [], 0
+    in_flight, i = set(), 0
     schedule = engine.scheduler.schedule
 
     def counting_schedule():
@@ -238,24 +239,22 @@ def closed_loop(engine: Engine, requests: list, concurrency: int) -> tuple[dict,
         return plan
     engine.scheduler.schedule = counting_schedule
     while queue or engine.has_work:
-        while queue and len(arrived) - len([r for r in arrived if r in done_ids(tokens, arrived)]) < concurrency:
+        while queue and len(in_flight) < concurrency:
             rid, prompt, params = queue.pop(0)
             engine.add_request(rid, prompt, params)
             arrived[rid] = i
+            in_flight.add(rid)
         for ev in engine.step():
             if ev.request_id not in tokens:
                 waits.append(i + 1 - arrived[ev.request_id])
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
             if ev.finish_reason is not None:
-                tokens[ev.request_id].append(str(ev.finish_reason))
+                reasons[ev.request_id] = ev.finish_reason
+                in_flight.discard(ev.request_id)
         engine.check_integrity()
         i += 1
     assert engine.is_idle_and_empty()
-    return tokens, waits, prompt_steps
-
-
-def done_ids(tokens: dict, arrived: dict) -> set:
-    return {r for r in arrived if tokens.get(r) and isinstance(tokens[r][-1], str)}
+    return {rid: (tokens[rid], reasons[rid]) for rid in tokens}, waits, prompt_steps
 
 
 @pytest.mark.parametrize("k", [0, 2])

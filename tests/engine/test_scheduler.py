@@ -329,3 +329,17 @@ def test_a_held_arrival_is_admitted_after_the_hold_and_at_once_when_nothing_deco
     assert steps == 4 and plan.admitted == [d], "held for 3 landed steps, admitted in the 4th"
     for pool in (kv, head, bank):
         pool.check_integrity()
+
+
+def test_an_arrival_beside_a_prompt_still_feeding_is_not_held():
+    """Rule 2: while a running request still feeds its prompt, the step is a prompt step anyway,
+    so an arrival joins it at once (group 1.0: it would be held beside 2 decoding requests)."""
+    sched, kv, head, bank = make(budget=32, hold=8, group=1.0)
+    for r in (req("b", 3), req("c", 3, arrival=1), req("long", 40, arrival=2)):
+        sched.add(r)
+    step(sched)                          # b and c decode next; long has 14 prompt tokens left
+    d = req("d", 3, arrival=3)
+    sched.add(d)
+    assert sched.admission_due()
+    plan, _ = step(sched)
+    assert d in plan.admitted

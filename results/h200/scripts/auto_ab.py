@@ -365,9 +365,7 @@ def main() -> None:
         for name in [n for n in engines if " " not in n]:       # K=0, auto, each fixed K (not the variants)
             e = engines[name]
             hold = dataclasses.replace(e.config.scheduler, admission_hold_steps=args.hold_ab)
-            engines[f"{name} hold {args.hold_ab}"] = Engine(dataclasses.replace(e.config, scheduler=hold),
-                                                            draft_policy=None if name != "never drafts" else
-                                                            FixedDraftPolicy(0))
+            engines[f"{name} hold {args.hold_ab}"] = Engine(dataclasses.replace(e.config, scheduler=hold))
     e0 = engines["K=0"]
     if args.random_prompts:
         rng = np.random.default_rng(0)

@@ -8,7 +8,8 @@ of ours: its ``cudaGraphLaunch`` failed with CUDA error 900 (its replay synchron
 capturing ORT's eager ``Run`` (``gpu_graph_id`` -1, ``disable_synchronize_execution_providers``)
 the way ORT captures its own graphs, after two warm-up runs of the shape so its arena holds every
 buffer the run takes (a capture must not allocate). If that works, a step's three ORT replays
-(~0.1 ms of host time each on the H100, session 26) and its ~10 CuPy launches become one
+(session 24 put them at ~0.1 ms of host time each; this probe's first run, session 27, at
+~4 us for the call itself) and its ~10 CuPy launches become one
 ``cudaGraphLaunch`` of ~10 us: at C=16 a K=2 step's launch was 0.64 ms of host time against its
 ~0.67 ms of GPU work, so the step would turn GPU-bound.
 
