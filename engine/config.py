@@ -101,6 +101,10 @@ class SchedulerConfig:
                                                      f"default 0 on the CPU, {CUDA_ADMISSION_HOLD_STEPS} on CUDA)")
     admission_group: float = setting(0.25, "held requests are admitted together once this many per decoding "
                                            "request wait (0.25: 4 beside 16 decoding)")
+    admission_lookahead: int = setting(0, "with a hold's group gathered, admissions still wait (within the hold) "
+                                          "while a running request is expected to end within this many steps, "
+                                          "at its own tokens per step, so that the arrivals its end brings "
+                                          "share the prompt step (0: admitted once the group gathers)")
 
     def for_device(self, device: str) -> SchedulerConfig:
         """This config with the device's defaults filled in where none was given.
@@ -129,6 +133,8 @@ class SchedulerConfig:
             raise ValueError(f"max_requests_per_step must be >= 1, got {self.max_requests_per_step}")
         if self.admission_hold_steps is not None and self.admission_hold_steps < 0:
             raise ValueError(f"admission_hold_steps must be >= 0, got {self.admission_hold_steps}")
+        if self.admission_lookahead < 0:
+            raise ValueError(f"admission_lookahead must be >= 0, got {self.admission_lookahead}")
         if not 0 < self.admission_group <= 1:
             raise ValueError(f"admission_group must be in (0, 1], got {self.admission_group}")
 

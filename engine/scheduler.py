@@ -33,7 +33,11 @@ drafts:
    so without the hold each arrival paid both of its own. Measured on the H100 (bundled model,
    C=16, lengths 64-192, session 27): K=2 1.10x -> 1.31x K=0, time to first token p50 4.8 ->
    8.0 ms, p99 +8-12 ms; K=0 gains nothing from a hold (1.00x; at C=8 it lost 5%), so an engine
-   without MTP does not hold.
+   without MTP does not hold. With ``admission_lookahead``, a gathered group still waits
+   (within the hold) while a running request is expected to reach its max_tokens within that
+   many steps: when requests of one length run together (waves), their ends come a few steps
+   apart and each end brings an arrival (a closed loop) or frees a slot, so the whole wave's
+   arrivals share one prompt step rather than a group's worth each.
 3. Drafts are deferred (K = 0) in a step that carries any prefill chunk: such a step's state
    captures do not cover every fed token, so a partial keep could not be rolled back. (The
    CPU path's converted graph captures every token, so breaking this rule changes no CPU
@@ -220,20 +224,26 @@ class Scheduler:
 
     def holds_admissions(self) -> bool:
         """Whether waiting requests are held back (rule 2): MTP is on, ``admission_hold_steps`` is
-        set, every running request decodes, fewer than ``admission_group`` per
-        decoding request wait (at least one; at most the step's free slots), and the oldest has
-        waited fewer than ``admission_hold_steps`` landed steps."""
+        set, every running request decodes, the oldest has waited fewer than
+        ``admission_hold_steps`` landed steps, and either fewer than ``admission_group`` per
+        decoding request wait (at least one; at most the step's free slots), or
+        (``admission_lookahead``) a running request is expected to end within that many steps
+        while the step has slots free beyond those waiting."""
         hold = self.config.admission_hold_steps
         if not hold or not self.max_drafts or not self.waiting:
             return False
         decoding = sum(1 for r in self.running if r.is_decoding)
         if decoding < len(self.running):         # a prompt step runs anyway (nothing running: the group is 1)
             return False
-        group = min(max(1, math.ceil(self.config.admission_group * decoding)),
-                    max(1, self.config.max_requests_per_step - decoding))
-        if len(self.waiting) >= group:
+        if self.num_landed - min(r.waiting_since for r in self.waiting) >= hold:
             return False
-        return self.num_landed - min(r.waiting_since for r in self.waiting) < hold
+        free = max(1, self.config.max_requests_per_step - decoding)
+        group = min(max(1, math.ceil(self.config.admission_group * decoding)), free)
+        if len(self.waiting) < group:
+            return True
+        lookahead = self.config.admission_lookahead
+        return bool(lookahead) and len(self.waiting) < free and any(
+            _ends_within(r, lookahead) for r in self.running)
 
     def schedule(self) -> StepPlan:
         """Plan one step and move the queues; pool space is reserved for everything scheduled."""
@@ -570,3 +580,11 @@ class Scheduler:
         return (not self.has_work and not self.releasing and self.state_bank.num_resident_rows == 0
                 and self.kv_pool.num_free_blocks == self.kv_pool.num_usable_blocks
                 and (self.head_pool is None or self.head_pool.num_free_blocks == self.head_pool.num_usable_blocks))
+
+
+def _ends_within(r: Request, steps: int) -> bool:
+    """Whether request r is expected to reach its ``max_tokens`` within ``steps`` steps, at the
+    tokens per step it has had so far (an end by a stop id cannot be foreseen)."""
+    s = r.stats
+    per_step = s.num_emitted_tokens / s.num_target_forwards if s.num_target_forwards else 1.0
+    return r.max_output_left <= steps * max(1.0, per_step)

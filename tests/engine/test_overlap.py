@@ -22,13 +22,15 @@ from test_engine import PROMPTS
 
 
 def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0,
-         max_model_len=None, synthetic=None, uniform=False, hold=0) -> Engine:
+         max_model_len=None, synthetic=None, uniform=False, hold=0, lookahead=0) -> Engine:
     """``uniform``: the scheduler plans one K for every request of a step, as with CUDA graphs;
-    ``hold``: admission_hold_steps (CUDA's default holds arrivals; the CPU's does not)."""
+    ``hold``: admission_hold_steps (CUDA's default holds arrivals; the CPU's does not);
+    ``lookahead``: admission_lookahead."""
     engine = Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch,
-                                                         admission_hold_steps=hold),
+                                                         admission_hold_steps=hold,
+                                                         admission_lookahead=lookahead),
                                spec=SpecConfig(draft_tokens=k, synthetic_acceptance=synthetic)))
     engine.scheduler.uniform_drafts = engine.scheduler.uniform_drafts or uniform
     return engine
@@ -603,3 +605,20 @@ def test_a_draft_step_after_a_decode_step_follows_auto_and_a_policy_switching_de
     auto = make(model_dir, True, k="auto", uniform=True)
     auto.draft_after_decode = True
     assert run(auto, requests) == plain
+
+
+def test_the_lookahead_gathers_a_waves_arrivals_into_fewer_prompt_steps(model_dir):
+    """Every request the same length (waves), K=2, clients sending a request as theirs ends: with
+    the admission lookahead a gathered group waits for the requests about to end, so the
+    arrivals of a wave share fewer prompt steps than with the group alone, every wait within
+    the hold, and the tokens are the ones admitting at once gives."""
+    requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                for i in range(32)]
+    at_once = closed_loop(make(model_dir, True, k=2, uniform=True), requests, 8)
+    group = closed_loop(make(model_dir, True, k=2, uniform=True, hold=6), requests, 8)
+    ahead = closed_loop(make(model_dir, True, k=2, uniform=True, hold=6, lookahead=2), requests, 8)
+    print(f"prompt steps: {at_once[2]} at once, {group[2]} held, {ahead[2]} with the lookahead; steps to the "
+          f"first token {sorted(group[1])} / {sorted(ahead[1])}")
+    assert ahead[0] == group[0] == at_once[0]
+    assert ahead[2] < group[2], "the lookahead did not gather arrivals"
+    assert max(ahead[1]) <= 6 + max(at_once[1]), "a request waited past its hold"

@@ -28,11 +28,13 @@ class RecordingPolicy(FixedDraftPolicy):
         self.verified.append((request_id, num_drafts, num_accepted))
 
 
-def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096, head_blocks=None, hold=0, group=0.25):
+def make(num_blocks=64, rows=8, budget=16, batch=8, k=3, mtp=True, context=4096, head_blocks=None, hold=0, group=0.25,
+         lookahead=0):
     kv = KVPool(num_blocks, BS)
     head = KVPool(head_blocks or num_blocks, BS) if mtp else None
     bank = StateBank(SPEC, rows)
-    config = SchedulerConfig(budget, batch, admission_hold_steps=hold, admission_group=group)
+    config = SchedulerConfig(budget, batch, admission_hold_steps=hold, admission_group=group,
+                             admission_lookahead=lookahead)
     sched = Scheduler(config, kv, head, bank, RecordingPolicy(k),
                       capture_capacity=4, context_length=context)
     return sched, kv, head, bank
@@ -329,6 +331,31 @@ def test_a_held_arrival_is_admitted_after_the_hold_and_at_once_when_nothing_deco
     assert steps == 4 and plan.admitted == [d], "held for 3 landed steps, admitted in the 4th"
     for pool in (kv, head, bank):
         pool.check_integrity()
+
+
+def test_a_gathered_group_waits_for_a_request_about_to_end_within_the_hold():
+    """Rule 2's lookahead: 2 arrivals beside 4 decoding requests make a group (0.5 x 4), but d
+    reaches its max_tokens within 2 steps (one token a step so far), so they wait for d's end
+    and the arrival it brings, and all three feed their prompts in one step. Without the
+    lookahead the group goes in at once; with a hold of 1 step the lookahead waits 1 step; with
+    6 slots a step, the 2 waiting fill the step already, and waiting would not grow it."""
+    for lookahead, hold, batch, expect_held in ((2, 6, 8, 2), (0, 6, 8, 0), (2, 1, 8, 1), (2, 6, 6, 0)):
+        sched, kv, head, bank = make(budget=64, batch=batch, hold=hold, group=0.5, k=2, lookahead=lookahead)
+        decoding(sched, *(req(f"r{i}", 3, arrival=i) for i in range(3)), req("d", 3, max_tokens=3, arrival=3))
+        e, f = req("e", 4, arrival=4), req("f", 5, arrival=5)
+        sched.add(e), sched.add(f)
+        held = 0
+        while not sched.admission_due():
+            plan, updates = step(sched)
+            assert not plan.admitted
+            held += 1
+            if any(u.request.request_id == "d" and u.finish_reason is not None for u in updates):
+                sched.add(req("g", 6, arrival=6))        # d's client comes back
+        assert held == expect_held, (lookahead, hold, held)
+        plan, _ = step(sched)
+        assert [r.request_id for r in plan.admitted] == (["e", "f", "g"] if held == 2 else ["e", "f"])
+        for pool in (kv, head, bank):
+            pool.check_integrity()
 
 
 def test_an_arrival_beside_a_prompt_still_feeding_is_not_held():

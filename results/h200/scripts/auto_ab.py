@@ -115,6 +115,7 @@ class ClosedLoop:
         # interleaved, the others' turns are not in it)
         self.clock, self.added, self.ttfts = 0.0, {}, []
         self.pipelined = {"True": 0, "False": 0, "None": 0}
+        self.prompt_steps = 0
         self.before = dataclasses.asdict(engine.scheduler.stats)
 
     @property
@@ -146,6 +147,7 @@ class ClosedLoop:
             steps += 1
             if engine.last_step is not None:
                 self.pipelined[str(engine.last_step.pipelined)] += 1
+                self.prompt_steps += engine.last_step.has_prefill
             if self.on_step is not None:
                 self.on_step(self)
         wall = time.perf_counter() - t0
@@ -161,7 +163,7 @@ class ClosedLoop:
                 "ms_per_step": round(self.seconds / len(self.times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
                 "step_p90_ms": round(q[8] * 1e3, 4),
                 "host_us_per_step": round((self.seconds - self.forward_seconds) / len(self.times) * 1e6, 2),
-                "pipelined": self.pipelined, "fits": fits(self.engine.draft_policy),
+                "pipelined": self.pipelined, "prompt_steps": self.prompt_steps, "fits": fits(self.engine.draft_policy),
                 **ttft_quantiles(self.ttfts),
                 "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
 
@@ -320,6 +322,10 @@ def main() -> None:
     p.add_argument("--hold-ab", type=int, default=None, metavar="STEPS",
                    help="beside each engine, the same engine with admission_hold_steps=STEPS (0: arrivals "
                         "admitted at once; the others keep the device's default)")
+    p.add_argument("--lookahead-ab", default="", metavar="STEPS",
+                   help="beside auto and each fixed K, the same engine with admission_lookahead=STEPS (a gathered "
+                        "group of arrivals waits, within the hold, for requests expected to end within STEPS "
+                        "steps); a comma-separated list gives one engine each")
     p.add_argument("--profile", action="store_true", help="after the rounds, cProfile one run of K=0, the engine "
                    "that never drafts and auto: each one's host time per step, and the differences, largest first")
     args = p.parse_args()
@@ -366,6 +372,12 @@ def main() -> None:
             e = engines[name]
             hold = dataclasses.replace(e.config.scheduler, admission_hold_steps=args.hold_ab)
             engines[f"{name} hold {args.hold_ab}"] = Engine(dataclasses.replace(e.config, scheduler=hold))
+    for steps in [int(x) for x in filter(None, args.lookahead_ab.split(","))]:
+        for name in mtp:
+            e = engines[name]
+            ahead = dataclasses.replace(e.config.scheduler, admission_lookahead=steps)
+            engines[f"{name} lookahead {steps}"] = Engine(dataclasses.replace(e.config, scheduler=ahead))
+            device_memory(f"{name} lookahead {steps}", engines[f"{name} lookahead {steps}"])
     e0 = engines["K=0"]
     if args.random_prompts:
         rng = np.random.default_rng(0)
@@ -393,6 +405,7 @@ def main() -> None:
         print(f"round {r}: " + "  ".join(f"{n} {rec[n]['tok_s']:.0f} tok/s {rec[n]['ms_per_step']:.3f} ms/step "
                                          f"(p50 {rec[n]['step_p50_ms']:.3f} p90 {rec[n]['step_p90_ms']:.3f}, "
                                          f"host {rec[n]['host_us_per_step']:.1f} us"
+                                         + f", {rec[n].get('prompt_steps', 0)} prompt steps"
                                          + (f", TTFT p50 {rec[n]['ttft_p50_ms']:.2f} p99 {rec[n]['ttft_p99_ms']:.2f} ms"
                                             if "ttft_p50_ms" in rec[n] else "")
                                          + gc_note(rec[n]) + ")"
@@ -414,9 +427,11 @@ def main() -> None:
     if args.profile:
         summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
     for name in [n for n in names if n.startswith("auto")]:
-        hold = name[name.index(" hold "):] if " hold " in name else ""          # like with like
+        variant = next((name[name.index(v):] for v in (" hold ", " lookahead ") if v in name), "")  # like with like
         fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")      # (the old catch-up)
-                 and (n.endswith(hold) if hold else " hold " not in n)]
+                 and (n.endswith(variant) if variant else " hold " not in n and " lookahead " not in n)]
+        if variant.startswith(" lookahead "):         # (K=0 never holds: it has no lookahead variant)
+            fixed.insert(0, "K=0")
         if len(fixed) > 1:
             vs_best = [r[name]["tok_s"] / max(r[n]["tok_s"] for n in fixed) for r in rounds]
             summary[f"{name}_vs_best_fixed"] = {"median": statistics.median(vs_best), "ratios": [round(x, 4) for x in vs_best]}

@@ -248,8 +248,8 @@ bundled_mtp_rounds() {   # $1 rounds of K=0 / 2 / 3 / auto at C=1 / 16, phases o
   timeout 200 "${bench[@]}" --draft-tokens 0,2,3,auto --concurrency 1,16 --num-prompts 32 --max-tokens 128 --rounds "$1" \
     --phases on --name bundled-mtp-rounds 2>&1 | grep -v "prefill:" | tail -22
 }
-mid_synthetic_rounds() { # the 1.4 B model at synthetic 0.7 and 0.3, K=0 / 2 / auto, C=1 / 16, 2 rounds; $1 s each
-  for a in 0.7 0.3; do
+mid_synthetic_rounds() { # the 1.4 B model at synthetic 0.7 and 0.3 (or $2), K=0 / 2 / auto, C=1 / 16, 2 rounds; $1 s each
+  for a in ${2:-0.7 0.3}; do
     step 1.4 B synthetic $a K=0/2/auto, C=1/16, 2 rounds
     timeout "$1" "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 32 \
       --concurrency 1,16 --draft-tokens 0,2,auto --synthetic-acceptance $a --rounds 2 --phases on \
@@ -974,6 +974,36 @@ cj)          # can our own CUDA graph record ORT's eager run (a whole step in on
   step "eager_capture_probe.py, bundled, K=2 engine: ORT's eager decode run (and the head's) captured by CuPy"
   timeout 150 python3 results/h200/scripts/eager_capture_probe.py "$OUT/eager-capture-probe.json" engine/bundled/model 2>&1 \
     | grep -v "Warning\|No registered" | tail -30 | cut -c1-600
+  step done
+  ;;
+da)          # session 28: test_cuda at session 27's device-path defaults, then the 1.4 B model at synthetic 0.7 as shipped (~450 s)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  mid_synthetic_rounds 220 0.7
+  step done
+  ;;
+dc)          # session 28: the 1.4 B model at synthetic 0.3 as shipped (after da, on the same machine: /tmp/mid) (~230 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  mid_synthetic_rounds 220 0.3
+  step done
+  ;;
+db)          # session 28: the admission lookahead with waves (C=16, all 128 tokens) and without, then auto at C=1 (~480 s)
+  step "auto_ab.py --fixed 2 --lookahead-ab 2,4 --range-ratio 0, bundled, C=16, 128 requests, 3 rounds"
+  timeout 230 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0-lookahead.json" \
+    --concurrency 16 --requests 128 --rounds 3 --interleave 64 --range-ratio 0 --fixed 2 --no-never --lookahead-ab 2,4 \
+    2>&1 | tee "$OUT/auto-ab-c16-r0-lookahead.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step "auto_ab.py --fixed 2 --lookahead-ab 2 --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
+  timeout 150 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-lookahead.json" \
+    --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio 0.5 --fixed 2 --no-never --lookahead-ab 2 \
+    2>&1 | tee "$OUT/auto-ab-c16-r0.5-lookahead.txt" | grep "^round\|median\|Error" | cut -c1-2400
+  step "auto_ab.py --fixed 2,3, bundled, C=1, 32 requests, 2 rounds (the shipped defaults)"
+  timeout 90 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1.json" \
+    --concurrency 1 --requests 32 --rounds 2 --range-ratio 0 --fixed 2,3 --no-never \
+    2>&1 | tee "$OUT/auto-ab-c1.txt" | grep "^round\|median\|Error" | cut -c1-2400
   step done
   ;;
 cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
