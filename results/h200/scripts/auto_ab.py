@@ -253,6 +253,11 @@ def fits(policy) -> dict:
 FORWARDS = ("pybind11_state.run_with_iobinding>", "pybind11_state.run>")
 
 
+ENGINE_FILES = {f"{m}.py" for m in ("engine", "pipeline", "scheduler", "proposer", "cuda_graphs", "cuda_kernels",
+                                     "state_bank", "kv_pool", "prefix_cache", "output", "tokenizer", "speculative",
+                                     "runner", "sampler", "draft_policy", "row_gather")}
+
+
 def forward(key: str) -> bool:
     return any(f in key for f in FORWARDS)
 
@@ -263,7 +268,7 @@ def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int
     model's forwards), and what each adds to the one before it, largest first."""
     import cProfile
     import pstats
-    own, calls, host, per_token = {}, {}, {}, {}
+    own, calls, host, per_token, cum = {}, {}, {}, {}, {}
     names = [n for n in ("K=0", "never drafts", "auto") if n in engines] + \
         [n for n in engines if n.startswith("K=") and n != "K=0"]
     for name in names:
@@ -274,6 +279,7 @@ def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int
         st = pstats.Stats(pr).stats
         key = [(f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}", v) for k, v in st.items()]
         own[name] = {k: v[2] / r["steps"] * 1e6 for k, v in key}
+        cum[name] = {k: v[3] / r["steps"] * 1e6 for k, v in key}
         calls[name] = {k: v[1] / r["steps"] for k, v in key}
         host[name] = sum(t for k, t in own[name].items() if not forward(k))
         per_token[name] = host[name] * r["steps"] / r["tokens"]
@@ -281,6 +287,17 @@ def profile_engines(engines: dict, prompts: list, concurrency: int, lengths: int
               f"{per_token[name]:.1f} us/token (own time outside the forwards, under cProfile)", flush=True)
     out = {"host_us_per_step": {n: round(h, 1) for n, h in host.items()},
            "host_us_per_token": {n: round(h, 1) for n, h in per_token.items()}}
+    for name in names:          # where each engine's host time goes: own time, and the engine's calls' cumulative
+        top = sorted(((t, k) for k, t in own[name].items() if not forward(k)), reverse=True)[:40]
+        inside = sorted(((t, k) for k, t in cum[name].items() if k.split(":")[0] in ENGINE_FILES), reverse=True)[:40]
+        print(f"{name}: own time per step (us), largest first:")
+        for t, k in top:
+            print(f"  {t:7.1f}  {k}  calls/step {calls[name].get(k, 0):.2f}")
+        print(f"{name}: cumulative time per step (us) in the engine's files, largest first:")
+        for t, k in inside:
+            print(f"  {t:7.1f}  {k}  calls/step {calls[name].get(k, 0):.2f}")
+        out[f"{name}_own_us"] = [(k, round(t, 2), round(calls[name].get(k, 0), 3)) for t, k in top]
+        out[f"{name}_cumulative_us"] = [(k, round(t, 2), round(calls[name].get(k, 0), 3)) for t, k in inside]
     for a, b in zip(names, names[1:]):
         diff = sorted(((own[b].get(k, 0.0) - own[a].get(k, 0.0), k) for k in set(own[a]) | set(own[b])
                        if not forward(k)), reverse=True)

@@ -1006,6 +1006,14 @@ db)          # session 28: the admission lookahead with waves (C=16, all 128 tok
     2>&1 | tee "$OUT/auto-ab-c1.txt" | grep "^round\|median\|Error" | cut -c1-2400
   step done
   ;;
+dd)          # session 28: where a K=2 step's host time goes at C=16 (cProfile: own time and the engine's cumulative) (~60 s)
+  step "auto_ab.py --fixed 2 --no-fit --profile --range-ratio 0.5, bundled, C=16, 128 requests, 1 round"
+  timeout 150 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-k2-profile.json" \
+    --concurrency 16 --requests 128 --rounds 1 --interleave 64 --range-ratio 0.5 --fixed 2 --no-never --no-fit --profile \
+    2>&1 | grep -v "Warning\|No registered" > "$OUT/auto-ab-c16-r0.5-k2-profile.txt"
+  grep "^round\|^profiled" "$OUT/auto-ab-c16-r0.5-k2-profile.txt" | cut -c1-600
+  step done
+  ;;
 cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
   step "auto_ab.py --fixed 2 --hold-ab 0 --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
   timeout 200 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-shipped.json" \
