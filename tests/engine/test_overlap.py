@@ -366,6 +366,29 @@ def test_requests_whose_logits_the_host_processes_keep_their_tokens_beside_overl
     assert run(engine, requests) == plain
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_mask(model_dir, k):
+    """A step that fed a prompt lands and its first token goes out before its continuation is
+    launched, at the start of the next step call (``land_prompts_first``): its landing finds
+    nothing in flight, the next one does. The continuation's output position is then the one
+    after the token already appended: with min_tokens 2 and the token plain decoding would emit
+    second as a stop id, that position is still masked (its step is not launched in flight),
+    and the tokens are stepping's."""
+    probe = [("probe", PROMPTS[5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+    plain = run(make(model_dir, False), probe)[0]["probe"]
+    engine = make(model_dir, True)
+    in_flight = []                     # at each landing, whether a step was in flight
+    land = engine._land
+    engine._land = lambda flight: in_flight.append(engine._in_flight is not None) or land(flight)
+    assert run(engine, probe)[0]["probe"] == plain
+    assert in_flight[0] is False and in_flight[1] is True, f"the prompt step landed behind its continuation: {in_flight}"
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=2, stop_token_ids=[plain[1]])
+    requests = [("masked", PROMPTS[5], params)]
+    expected = run(make(model_dir, False, k=k, uniform=bool(k)), requests)
+    assert run(make(model_dir, True, k=k, uniform=bool(k)), requests) == expected
+    assert len(expected[0]["masked"]) >= 2 and plain[1] not in expected[0]["masked"][:2]
+
+
 def test_the_cpu_default_is_off(model_dir):
     assert not make(model_dir, None).overlap
 

@@ -339,6 +339,9 @@ def main() -> None:
     p.add_argument("--hold-ab", type=int, default=None, metavar="STEPS",
                    help="beside each engine, the same engine with admission_hold_steps=STEPS (0: arrivals "
                         "admitted at once; the others keep the device's default)")
+    p.add_argument("--land-ab", action="store_true", help="beside K=0, auto and each fixed K, the same engine with "
+                   "Engine.land_prompts_first off (a prompt step lands after its continuation's launch, as before "
+                   "session 28)")
     p.add_argument("--lookahead-ab", default="", metavar="STEPS",
                    help="beside auto and each fixed K, the same engine with admission_lookahead=STEPS (a gathered "
                         "group of arrivals waits, within the hold, for requests expected to end within STEPS "
@@ -389,6 +392,11 @@ def main() -> None:
             e = engines[name]
             hold = dataclasses.replace(e.config.scheduler, admission_hold_steps=args.hold_ab)
             engines[f"{name} hold {args.hold_ab}"] = Engine(dataclasses.replace(e.config, scheduler=hold))
+    if args.land_ab:
+        for name in [n for n in engines if " " not in n]:
+            engine = engines[f"{name} behind"] = Engine(engines[name].config)
+            engine.land_prompts_first = False
+            device_memory(f"{name} behind", engine)
     for steps in [int(x) for x in filter(None, args.lookahead_ab.split(","))]:
         for name in mtp:
             e = engines[name]
@@ -444,9 +452,9 @@ def main() -> None:
     if args.profile:
         summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
     for name in [n for n in names if n.startswith("auto")]:
-        variant = next((name[name.index(v):] for v in (" hold ", " lookahead ") if v in name), "")  # like with like
+        variant = next((name[name.index(v):] for v in (" hold ", " lookahead ", " behind") if v in name), "")  # like with like
         fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")      # (the old catch-up)
-                 and (n.endswith(variant) if variant else " hold " not in n and " lookahead " not in n)]
+                 and (n.endswith(variant) if variant else all(v not in n for v in (" hold ", " lookahead ", " behind")))]
         if variant.startswith(" lookahead "):         # (K=0 never holds: it has no lookahead variant)
             fixed.insert(0, "K=0")
         if len(fixed) > 1:
