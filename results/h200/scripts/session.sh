@@ -1014,6 +1014,30 @@ dd)          # session 28: where a K=2 step's host time goes at C=16 (cProfile: 
   grep "^round\|^profiled" "$OUT/auto-ab-c16-r0.5-k2-profile.txt" | cut -c1-600
   step done
   ;;
+de)          # session 28: test_cuda after land_prompts_first, then its A/B on the bundled model at C=1 (~360 s)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  step "auto_ab.py --fixed 2 --land-ab, bundled, C=1, 32 requests, 2 rounds"
+  timeout 150 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-land.json" \
+    --concurrency 1 --requests 32 --rounds 2 --range-ratio 0 --fixed 2 --no-never --land-ab \
+    2>&1 | tee "$OUT/auto-ab-c1-land.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step waiting for the 1.4 B model; wait
+  step done
+  ;;
+df)          # session 28: land_prompts_first A/B, the 1.4 B model at synthetic 0.7 at C=1, then bundled C=16 (~300 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "auto_ab.py --fixed 2 --no-fit --land-ab --synthetic 0.7 --random-prompts 128, 1.4 B, C=1, 16 requests, 2 rounds"
+  timeout 200 python3 results/h200/scripts/auto_ab.py $mid "$OUT/auto-ab-mid-c1-land.json" \
+    --concurrency 1 --requests 16 --rounds 2 --range-ratio 0 --fixed 2 --no-never --no-fit --land-ab --synthetic 0.7 \
+    --random-prompts 128 2>&1 | tee "$OUT/auto-ab-mid-c1-land.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step "auto_ab.py --fixed 2 --land-ab --range-ratio 0.5, bundled, C=16, 96 requests, 2 rounds"
+  timeout 150 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-land.json" \
+    --concurrency 16 --requests 96 --rounds 2 --interleave 64 --range-ratio 0.5 --fixed 2 --no-never --land-ab \
+    2>&1 | tee "$OUT/auto-ab-c16-r0.5-land.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
 cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
   step "auto_ab.py --fixed 2 --hold-ab 0 --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
   timeout 200 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-shipped.json" \
