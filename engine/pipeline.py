@@ -47,7 +47,10 @@ wait for the device, e.g. top-p's candidate check, and then waits on Q's forward
 work already done); an all-greedy one picks them at its launch.
 
 A request that finishes when P lands (a stop id, a stop string, max_tokens) is a dead row of Q:
-its event goes out at once, its release waits until Q lands, and Q has no continuation.
+its event goes out at once, its release waits until Q lands, and Q has no continuation. A draft
+step P whose tokens may end every one of its requests (each has at most 1 + K tokens left) gets
+no continuation: Q could run on dead rows alone, a whole step a waiting request would queue
+behind (at one request, every request's last step; with waves, every wave's).
 Greedy output is the same token for token with and without overlap: Q computes exactly the step
 the scheduler would have planned next, from the same state.
 
@@ -247,4 +250,8 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
             return "a request reaches the context end"
         if ahead == 1 and r.max_output_left <= 1:     # (a saving: a draft step's may end with a dead row)
             return "a request ends with the step's token"
+    if ahead > 1 and all(s.request.max_output_left <= ahead for s in plan.scheduled):
+        # the draft step may end every request: its continuation could run on dead rows alone, a
+        # whole step of GPU time that a waiting request's prompt would queue behind
+        return "every request may end with the step's tokens"
     return None

@@ -389,6 +389,24 @@ def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_
     assert len(expected[0]["masked"]) >= 2 and plain[1] not in expected[0]["masked"][:2]
 
 
+def test_no_draft_step_is_launched_on_requests_that_may_all_have_ended(model_dir):
+    """A draft step in flight whose tokens may end every one of its requests (max_tokens within
+    its 1 + K) gets no continuation: such a continuation could run on dead rows alone, a step of
+    GPU time that the next request's prompt queues behind. One request at a time, K=3: no
+    step lands with every row dead, and the tokens are stepping's."""
+    requests = [("r0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))]
+    plain = run(make(model_dir, False, k=3, uniform=True), requests)
+    engine = make(model_dir, True, k=3, uniform=True)
+    dead = []
+    land = engine._land
+    engine._land = lambda flight: dead.append(all(s.request.finish_reason is not None
+                                                  for s in flight.plan.scheduled)) or land(flight)
+    assert run(engine, requests) == plain
+    assert engine.num_draft_continuations > 0
+    assert not any(dead), f"{sum(dead)} steps landed on dead rows alone"
+    assert engine.overlap_blockers.get("every request may end with the step's tokens"), engine.overlap_blockers
+
+
 def test_the_cpu_default_is_off(model_dir):
     assert not make(model_dir, None).overlap
 
