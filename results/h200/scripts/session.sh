@@ -1038,6 +1038,17 @@ df)          # session 28: land_prompts_first A/B, the 1.4 B model at synthetic 
     2>&1 | tee "$OUT/auto-ab-c16-r0.5-land.txt" | grep "^round\|median\|Error" | cut -c1-3000
   step done
   ;;
+dg)          # session 28, last: test_cuda's pipeline tests after the dead-continuation rule, then bundled C=1 / 16 waves as shipped (~200 s)
+  step "test_cuda -k overlapped, after_a_decode, mtp_on_equals, graph_steps"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "overlapped or after_a_decode or mtp_on_equals or graph_steps" 2>&1 | grep -v Warning > "$OUT/test-cuda-pipeline.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda-pipeline.txt" | cut -c1-400 | tail -20
+  step "auto_ab.py --fixed 2, bundled, C=1, 24 requests, 1 round (shipped: land_prompts_first, no dead continuations)"
+  timeout 60 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-shipped.json" \
+    --concurrency 1 --requests 24 --rounds 1 --range-ratio 0 --fixed 2 --no-never \
+    2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
 cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
   step "auto_ab.py --fixed 2 --hold-ab 0 --range-ratio 0.5, bundled, C=16, 128 requests, 2 rounds"
   timeout 200 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r0.5-shipped.json" \
