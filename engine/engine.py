@@ -197,12 +197,13 @@ class Engine:
         # 1.00-1.03x its own without; with waves (every request 128 tokens) auto 0.88x against 0.90x.
         # On the CPU the tests turn it on
         self.draft_after_decode = self.overlap and config.device == "cuda"
-        # a launched step that fed a prompt lands and its events go out before its continuation is
-        # launched (at the start of the next step call), rather than after that launch: a prompt
-        # step runs eagerly, so the GPU has little left of it, and the first token no longer waits
-        # for the next step's launch (the 1.4 B model at C=1, session 28: time to first token
-        # 8.2 ms with K=0, ~12 ms with MTP, whose next step catches the head up on the prompt)
-        self.land_prompts_first = True
+        # with MTP on, a launched step that fed a prompt lands and its events go out before its
+        # continuation is launched (at the start of the next step call), rather than after that
+        # launch, which catches the head up on the prompts: a prompt step runs eagerly, so the GPU
+        # has little of it left. On the H100 (bundled model, session 28) K=2's and auto's time to
+        # first token p50 fell 1-2 ms at C=1 and C=16, throughput unchanged; K=0, whose next
+        # launch is one replay, gained ~0.3 ms and lost 1.5-3% (a GPU gap per prompt step)
+        self.land_prompts_first = self.proposer is not None
         self._landed_prompt: LaunchedStep | None = None     # such a step, its continuation not yet launched
         self._arrivals = itertools.count()
         self.num_steps = 0

@@ -369,14 +369,16 @@ def test_requests_whose_logits_the_host_processes_keep_their_tokens_beside_overl
 @pytest.mark.parametrize("k", [0, 2])
 def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_mask(model_dir, k):
     """A step that fed a prompt lands and its first token goes out before its continuation is
-    launched, at the start of the next step call (``land_prompts_first``): its landing finds
-    nothing in flight, the next one does. The continuation's output position is then the one
-    after the token already appended: with min_tokens 2 and the token plain decoding would emit
-    second as a stop id, that position is still masked (its step is not launched in flight),
-    and the tokens are stepping's."""
+    launched, at the start of the next step call (``land_prompts_first``, on with MTP): its
+    landing finds nothing in flight, the next one does. The continuation's output position is
+    then the one after the token already appended: with min_tokens 2 and the token plain
+    decoding would emit second as a stop id, that position is still masked (its step is not
+    launched in flight), and the tokens are stepping's."""
+    assert make(model_dir, True, k=2).land_prompts_first and not make(model_dir, True).land_prompts_first
     probe = [("probe", PROMPTS[5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
     plain = run(make(model_dir, False), probe)[0]["probe"]
     engine = make(model_dir, True)
+    engine.land_prompts_first = True
     in_flight = []                     # at each landing, whether a step was in flight
     land = engine._land
     engine._land = lambda flight: in_flight.append(engine._in_flight is not None) or land(flight)
@@ -385,7 +387,9 @@ def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=2, stop_token_ids=[plain[1]])
     requests = [("masked", PROMPTS[5], params)]
     expected = run(make(model_dir, False, k=k, uniform=bool(k)), requests)
-    assert run(make(model_dir, True, k=k, uniform=bool(k)), requests) == expected
+    engine = make(model_dir, True, k=k, uniform=bool(k))
+    engine.land_prompts_first = True
+    assert run(engine, requests) == expected
     assert len(expected[0]["masked"]) >= 2 and plain[1] not in expected[0]["masked"][:2]
 
 
