@@ -35,9 +35,10 @@ DEFAULT_MAX_IMBALANCE = 4.0          # requests: how much busier a cache match m
 
 
 # ---------------------------------------------------------------------------- the proxy's part
-def prompt_head(body: bytes, chat: bool) -> dict | None:
+def prompt_head(body: bytes | dict, chat: bool) -> dict | None:
     """``_prompt_head`` when the head can travel in the request's scope (valid UTF-8 text: a lone
-    surrogate in the body would make the proxy fail the request with a 500), else None."""
+    surrogate in the body would make the proxy fail the request with a 500), else None.
+    ``body``: the request's bytes, or its JSON already parsed."""
     try:
         head = _prompt_head(body, chat)
         if head is not None:
@@ -47,13 +48,13 @@ def prompt_head(body: bytes, chat: bool) -> dict | None:
         return None
 
 
-def _prompt_head(body: bytes, chat: bool) -> dict | None:
+def _prompt_head(body: bytes | dict, chat: bool) -> dict | None:
     """What routing needs of a /v1/completions (``chat`` False) or /v1/chat/completions body:
     ``{"prompt": text or ids, "cut": bool}`` (a batch of prompts: the first) or ``{"messages":
     [...], "tools"?, "tool_choice"?, "cut": bool}`` (messages kept whole within HEAD_CHARS of
     content; the one crossing it cut and ended with CUT_MARK; later ones dropped). None for a
     body that is not such a request (the replica answers it with its own error)."""
-    request = json.loads(body)            # a body that does not parse: prompt_head says None
+    request = json.loads(body) if isinstance(body, (bytes, str)) else body   # (one that does not parse: None)
     if not isinstance(request, dict):
         return None
     if not chat:

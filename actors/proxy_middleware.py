@@ -14,6 +14,14 @@ an incomplete chunked read). In the proxy, this middleware turns both into OpenA
 A 503 before the first token is safe to retry (the OpenAI clients do): the request ran nowhere
 else. Only the generation routes (paths ending in ``/completions``) are touched.
 
+A streamed request whose response has not started within ``stream_start_timeout_s`` (30 s;
+``MTPSERVE_STREAM_START_TIMEOUT_S``, 0 turns it off) is cancelled and answered the same 503:
+a replica starts a stream's response as soon as it has taken the request (before its first
+token), so such a request is waiting on a replica that stopped, or in the proxy's queue with
+every replica full. (Twice in CI a request routed to a replica 0.1 s before its node was marked
+dead got no answer from Serve at all; the test gave up after 120 s.) Whether a request streams
+is read from the body the prompt-head middleware parses (bodies up to ``MAX_HEAD_BODY_BYTES``).
+
 ``ViaProxyMiddleware`` marks the generation requests it forwards, so their replica paces the
 stream's chunks (each one a Ray message from replica to proxy).
 
@@ -34,6 +42,7 @@ mtpserve is installed (``ray start``, the RayService pods), or call ``install()`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -43,6 +52,9 @@ from mtpserve.actors.protocol import SSE_DONE, APIError
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "mtpserve.actors.proxy_middleware:middlewares"
 MAX_HEAD_BODY_BYTES = 1 << 20       # bodies the prompt-head middleware reads (larger ones: routed by load)
+STREAM_START_TIMEOUT_ENV = "MTPSERVE_STREAM_START_TIMEOUT_S"
+DEFAULT_STREAM_START_TIMEOUT_S = 30.0
+STATE_KEY = "mtpserve.response"     # scope entry: the replica-loss middleware's record of the response
 REPLICA_LOST = ("the replica serving this request stopped before it finished; "
                 "other replicas are unaffected, retry the request")
 
@@ -84,37 +96,87 @@ def replica_lost_error() -> APIError:
     return APIError(503, REPLICA_LOST, "server_error", None, "replica_unavailable")
 
 
-class ReplicaLossMiddleware:
-    """Completes a generation response that the proxy left unstarted or cut short."""
+def stream_start_timeout_s(environ=os.environ) -> float:
+    """``MTPSERVE_STREAM_START_TIMEOUT_S`` (seconds; 0 or less: no limit), else the default."""
+    value = environ.get(STREAM_START_TIMEOUT_ENV)
+    if value is None or not value.strip():
+        return DEFAULT_STREAM_START_TIMEOUT_S
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        raise ValueError(f"{STREAM_START_TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
 
-    def __init__(self, app):
+
+def stream_not_started_error(timeout_s: float) -> APIError:
+    return APIError(503, f"no replica started this streamed request within {timeout_s:g} s (the replica it went "
+                         "to stopped, or every replica is full); it was cancelled before it ran: retry it",
+                    "server_error", None, "replica_unavailable")
+
+
+class ReplicaLossMiddleware:
+    """Completes a generation response that the proxy left unstarted or cut short, and answers a
+    stream whose response has not started within ``start_timeout_s`` (see the module docstring)."""
+
+    def __init__(self, app, start_timeout_s: float | None = None):
         self.app = app
+        self.start_timeout_s = stream_start_timeout_s() if start_timeout_s is None else start_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope.get("path", "").endswith("/completions"):
             return await self.app(scope, receive, send)
-        state = {"started": False, "sse": False, "ended": False}
+        state = {"started": False, "sse": False, "ended": False, "stream": False}
+        started = asyncio.Event()
 
         async def watch(message):
             if message["type"] == "http.response.start":
                 state["started"] = True
+                started.set()
                 headers = dict(message.get("headers") or ())
                 state["sse"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["ended"] = True
             await send(message)
 
-        await self.app(scope, receive, watch)
+        if self.start_timeout_s > 0:
+            if not await self._started_in_time({**scope, STATE_KEY: state}, receive, watch, started, state):
+                return await _send_error(send, stream_not_started_error(self.start_timeout_s))
+        else:
+            await self.app(scope, receive, watch)
         if not state["started"]:
-            err = replica_lost_error()
-            body = json.dumps(err.body()).encode()
-            await send({"type": "http.response.start", "status": err.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_error(send, replica_lost_error())
         elif state["sse"] and not state["ended"]:
             event = f"data: {json.dumps(replica_lost_error().body())}\n\n{SSE_DONE}"
             await send({"type": "http.response.body", "body": event.encode()})
+
+    async def _started_in_time(self, scope, receive, watch, started: asyncio.Event, state: dict) -> bool:
+        """Run the app; False when it was cancelled because the request streams and its
+        response had not started within ``start_timeout_s`` (a request that does not stream, or
+        whose response started, runs to its end)."""
+        task = asyncio.ensure_future(self.app(scope, receive, watch))
+        waiter = asyncio.ensure_future(started.wait())
+        try:
+            await asyncio.wait({task, waiter}, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and not state["started"] and state["stream"]:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):      # (whatever it raises as it unwinds)
+                    pass
+                return False
+            await task
+            return True
+        except asyncio.CancelledError:          # the client went away: so does the request
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+
+
+async def _send_error(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class PromptHeadMiddleware:
@@ -141,9 +203,18 @@ class PromptHeadMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        head = prompt_head(body, chat) if not held else None
+        request = None
+        if not held:
+            try:
+                request = json.loads(body)
+            except (ValueError, RecursionError):   # the replica answers such a body itself (400)
+                pass
+        head = prompt_head(request, chat) if isinstance(request, dict) else None
         if head is not None:
             scope = {**scope, SCOPE_KEY: head}
+        response = scope.get(STATE_KEY)
+        if response is not None and isinstance(request, dict) and request.get("stream") is True:
+            response["stream"] = True           # (the replica-loss middleware's start limit applies)
         replay = [{"type": "http.request", "body": body, "more_body": False}, *held]
 
         async def replayed():

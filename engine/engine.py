@@ -317,6 +317,7 @@ class Engine:
         """Counters, the draft policy's start-up knowledge and the prefix cache's statistics as
         before any start-up request (the warm-up's, the draft calibration's)."""
         self.draft_policy.forget_start_up()
+        self._landed_prompt = None        # (a start-up request's: it continues nothing live)
         self.num_steps, self.last_step, self.num_continuations, self.num_draft_continuations = 0, None, 0, 0
         self.num_drafts_after_decode = 0
         self.overlap_blockers.clear()
