@@ -134,6 +134,29 @@ def test_a_cancel_under_a_step_in_flight_releases_its_row_when_that_step_lands(m
 
 
 
+def test_a_cancel_and_reuse_of_its_id_between_a_prompt_step_and_its_continuation_keep_every_token(model_dir):
+    """With MTP on a prompt step lands before its continuation is launched (at the next step
+    call): a client that cancels right after its first token, and sends a new request under the
+    same id, leaves that continuation unlaunched; the new request gets only its own tokens, the
+    other request stepping's, and the pools stay intact (``run`` checks them every step)."""
+    requests = [("a", PROMPTS[0], GREEDY), ("b", PROMPTS[1], GREEDY)]
+    plain = run(make(model_dir, False, k=2, uniform=True), requests)[0]
+    alone = run(make(model_dir, False, k=2, uniform=True), [("b", PROMPTS[7], GREEDY)])[0]["b"]
+    engine = make(model_dir, True, k=2, uniform=True)
+    engine.draft_after_decode = True
+    reused = {}
+
+    def cancel_and_reuse(e, i):
+        if i == 0:
+            assert e._landed_prompt is not None and e._in_flight is None, "the prompt step did not land first"
+            assert e.abort("b").finish_reason == FinishReason.ABORT
+            reused["b"] = e.add_request("b", PROMPTS[7], GREEDY)
+    tokens, reasons, _ = run(engine, requests, during=cancel_and_reuse)
+    assert tokens["a"] == plain["a"] and reasons["a"] == FinishReason.LENGTH
+    assert tokens["b"][1:] == alone, "the new request's tokens are not its own"
+    assert "a request of the step finished, or a running one is not in it" in engine.overlap_blockers
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_an_id_reused_right_after_a_cancel_under_a_step_in_flight_gets_only_its_own_tokens(model_dir, k):
     """Cancel "b" while a launched step still writes its row, then add a new request "b" at once:
