@@ -124,12 +124,11 @@ class ReplicaLossMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope.get("path", "").endswith("/completions"):
             return await self.app(scope, receive, send)
-        state = {"started": False, "sse": False, "ended": False, "stream": False}
-        started = asyncio.Event()
+        state = {"sse": False, "ended": False, "stream": False}
+        started = asyncio.Event()             # the response started
 
         async def watch(message):
             if message["type"] == "http.response.start":
-                state["started"] = True
                 started.set()
                 headers = dict(message.get("headers") or ())
                 state["sse"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
@@ -142,7 +141,7 @@ class ReplicaLossMiddleware:
                 return await _send_error(send, stream_not_started_error(self.start_timeout_s))
         else:
             await self.app(scope, receive, watch)
-        if not state["started"]:
+        if not started.is_set():
             await _send_error(send, replica_lost_error())
         elif state["sse"] and not state["ended"]:
             event = f"data: {json.dumps(replica_lost_error().body())}\n\n{SSE_DONE}"
@@ -156,7 +155,7 @@ class ReplicaLossMiddleware:
         waiter = asyncio.ensure_future(started.wait())
         try:
             await asyncio.wait({task, waiter}, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and not state["started"] and state["stream"]:
+            if not task.done() and not started.is_set() and state["stream"]:   # (state: marked by the prompt-head one)
                 task.cancel()
                 try:
                     await task

@@ -497,6 +497,16 @@ def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     _fill_rows(host, rows, n, width)
 
 
+def _fill_padded(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:
+    """``_fill_step`` for rows of at most ``n`` tokens a request (the head's catch-up and fills):
+    request b's tokens first in its ``n`` slots, token 0 in the rest (padding past its rows)."""
+    ids = host["input_ids"]
+    ids[:] = 0
+    for b, r in enumerate(rows):
+        ids[b * n:b * n + len(r.token_ids)] = r.token_ids
+    _fill_rows(host, rows, n, width)
+
+
 class HeadGraphs(_GraphSet):
     """Captured MTP-head forwards, and greedy drafting chained on the device.
 
@@ -597,11 +607,7 @@ class HeadGraphs(_GraphSet):
                 left += group
                 continue
             host = graph.inputs.writable()
-            ids = host["input_ids"]
-            ids[:] = 0
-            for b, i in enumerate(group):
-                ids[b * n:b * n + len(rows[i].token_ids)] = rows[i].token_ids
-            _fill_rows(host, [rows[i] for i in group], n, width)
+            _fill_padded(host, [rows[i] for i in group], n, width)
             sources = plan_gather((x for b, i in enumerate(group) for x in segment_destinations(hidden[i], b * n)),
                                   host["gather"])
             graph.inputs.upload()
@@ -636,11 +642,7 @@ class HeadGraphs(_GraphSet):
         # both forwards' inputs staged and sent first: the argmax after each forward then writes
         # the next one's input ids on the device, after the copy that would overwrite them
         host = catch_up.inputs.writable()
-        ids = host["input_ids"]
-        ids[:] = 0
-        for b, r in enumerate(rows):
-            ids[b * R:b * R + fed[b]] = r.token_ids
-        _fill_rows(host, rows, R, width)
+        _fill_padded(host, rows, R, width)
         host["last_rows"][:] = np.arange(batch) * R
         host["last_rows"][:B] += np.asarray(fed) - 1
         host["chain"][1] = host["last_rows"]

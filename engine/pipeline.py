@@ -239,6 +239,7 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
         return "a waiting request can be admitted"
     # tokens the step may still append (at least one: it samples; none once it landed)
     ahead = 0 if landed else 1 + plan.scheduled[0].num_drafts if plan.scheduled else 1
+    all_may_end = ahead > 1
     for s in plan.scheduled:
         r = s.request
         if not s.samples:              # (only a decode step's requests sample all: no prompt chunk)
@@ -250,7 +251,8 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
             return "a request reaches the context end"
         if ahead == 1 and r.max_output_left <= 1:     # (a saving: a draft step's may end with a dead row)
             return "a request ends with the step's token"
-    if ahead > 1 and all(s.request.max_output_left <= ahead for s in plan.scheduled):
+        all_may_end = all_may_end and r.max_output_left <= ahead
+    if all_may_end:
         # the draft step may end every request: its continuation could run on dead rows alone, a
         # whole step of GPU time that a waiting request's prompt would queue behind
         return "every request may end with the step's tokens"

@@ -180,3 +180,20 @@ def test_a_uniform_steps_staging_holds_its_rows_then_padding_on_the_scratch_bloc
     assert host["past_sequence_lengths"].tolist() == [10, 33, 0, 0]
     assert host["position_ids"].tolist() == [[10, 11, 12, 33, 34, 35, 0, 1, 2, 0, 1, 2]] * 3
     assert host["block_table"].tolist() == [[1, 2, 0, 0], [3, 4, 5, 6], [0, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_the_heads_padded_staging_puts_each_requests_rows_first_in_its_slots():
+    """``_fill_padded`` (the head's catch-up and fills): request b's rows first in its n slots,
+    token 0 after them and for the padding requests; positions and blocks as ``_fill_step``'s."""
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    batch, n, width = 3, 3, 2
+    host = {"input_ids": np.full(batch * n, -1, np.int64), "position_ids": np.full((3, batch * n), -1, np.int64),
+            "past_sequence_lengths": np.full(batch, -1, np.int32), "block_table": np.full((batch, width), -1, np.int32)}
+    rows = [PackedRows([5], 10, np.array([1], np.int32)), PackedRows([8, 9, 10], 33, np.array([3, 4, 5], np.int32))]
+    cuda_graphs._fill_padded(host, rows, n, width)
+    assert host["input_ids"].tolist() == [5, 0, 0, 8, 9, 10, 0, 0, 0]
+    assert host["past_sequence_lengths"].tolist() == [10, 33, 0]
+    assert host["position_ids"].tolist() == [[10, 11, 12, 33, 34, 35, 0, 1, 2]] * 3
+    assert host["block_table"].tolist() == [[1, 0], [3, 4], [0, 0]]

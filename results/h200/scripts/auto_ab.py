@@ -258,6 +258,11 @@ ENGINE_FILES = {f"{m}.py" for m in ("engine", "pipeline", "scheduler", "proposer
                                      "runner", "sampler", "draft_policy", "row_gather")}
 
 
+# the A/B variants' name parts (--hold-ab, --lookahead-ab, --land-ab): auto is set against the fixed
+# K of its own variant
+VARIANTS = (" hold ", " lookahead ", " behind")
+
+
 def forward(key: str) -> bool:
     return any(f in key for f in FORWARDS)
 
@@ -452,9 +457,9 @@ def main() -> None:
     if args.profile:
         summary["profile"] = profile_engines(engines, prompts, args.concurrency, lengths)
     for name in [n for n in names if n.startswith("auto")]:
-        variant = next((name[name.index(v):] for v in (" hold ", " lookahead ", " behind") if v in name), "")  # like with like
+        variant = next((name[name.index(v):] for v in VARIANTS if v in name), "")        # like with like
         fixed = [n for n in names if n.startswith("K=") and not n.endswith(" eager fills")      # (the old catch-up)
-                 and (n.endswith(variant) if variant else all(v not in n for v in (" hold ", " lookahead ", " behind")))]
+                 and (n.endswith(variant) if variant else all(v not in n for v in VARIANTS))]
         if variant.startswith(" lookahead "):         # (K=0 never holds: it has no lookahead variant)
             fixed.insert(0, "K=0")
         if len(fixed) > 1:
