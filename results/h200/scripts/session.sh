@@ -269,6 +269,22 @@ ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B
   done
 }
 
+spy_loops() {            # py-spy (wall time, waits included) of the bundled model's closed loop: K=2 / K=0 at C=16 with waves, K=2 at C=1
+  local pyspy=/tmp/site/bin/py-spy
+  [[ -x $pyspy ]] || { mkdir -p /tmp/site/bin && python3 -c "import zipfile; z = zipfile.ZipFile('.gpukit-small/py_spy.whl'); \
+open('$pyspy', 'wb').write(z.read('py_spy-0.4.3.data/scripts/py-spy'))" && chmod +x $pyspy; }
+  for run in "2 16" "0 16" "2 1"; do
+    set -- $run
+    step "py-spy, bundled, K=$1, C=$2, waves"
+    timeout 150 $pyspy record --nonblocking --idle -r 1000 -f raw -o "$OUT/spy-k$1-c$2.raw" -- \
+      python3 results/h200/scripts/spy_loop.py engine/bundled/model --draft-tokens $1 --concurrency $2 \
+      --requests $((${2} == 1 ? 24 : 256)) 2>&1 | grep -v "Warning\|No registered\|^py-spy>" | tail -2 | tee "$OUT/spy-k$1-c$2.txt"
+    ms=$(grep -o "[0-9.]* ms/step" "$OUT/spy-k$1-c$2.txt" | cut -d" " -f1)
+    [[ -n $ms ]] && python3 results/h200/scripts/spy_table.py "$OUT/spy-k$1-c$2.raw" --ms-per-step $ms --top 60 \
+      --json "$OUT/spy-k$1-c$2.json" > "$OUT/spy-k$1-c$2-table.txt" && head -25 "$OUT/spy-k$1-c$2-table.txt"
+  done
+}
+
 case $part in
 a)
   (make_mid > "$OUT/make-mid.txt" 2>&1) &
@@ -1047,6 +1063,23 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
   timeout 60 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-shipped.json" \
     --concurrency 1 --requests 24 --rounds 1 --range-ratio 0 --fixed 2 --no-never \
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
+dh)          # session 29: test_cuda at session 28's head, py-spy of the bundled model's loop (K=2 / K=0 at C=16 with waves, K=2 at C=1), the 1.4 B model at C=1 K=0 / 2 / auto (~560 s)
+  (make_mid > "$OUT/make-mid.txt" 2>&1) &
+  step test_cuda
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  spy_loops
+  step waiting for the 1.4 B model; wait
+  tail -1 "$OUT/make-mid.txt"
+  step "1.4 B synthetic 0.7 K=0/2/auto, C=1, 16 prompts (MTP's first token after the dead-continuation rule)"
+  timeout 150 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 16 \
+    --concurrency 1 --draft-tokens 0,2,auto --synthetic-acceptance 0.7 --name mid-c1-dead-rule 2>&1 | tail -8
+  step done
+  ;;
+di)          # session 29: py-spy of the bundled model's loop alone (dh's second part) (~120 s)
+  spy_loops
   step done
   ;;
 cm)          # the defaults as shipped in session 27 (holds in MTP engines only, draft_after_decode on): C=16, lengths 64-192 (~150 s)
