@@ -361,7 +361,8 @@ class StepGraphs(_GraphSet):
         _fill_step(host, rows, n, width)
         graph.inputs.upload()
         if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
-            copy_columns(graph.inputs.device["input_ids"].reshape(batch, n), device_drafts, 1)
+            if after is None:              # (with after, follow_verify writes them in its launch)
+                copy_columns(graph.inputs.device["input_ids"].reshape(batch, n), device_drafts, 1)
             self.num_device_drafts += 1
         if input_tokens is not None:
             if n != 1:
@@ -369,7 +370,8 @@ class StepGraphs(_GraphSet):
             copy_rows(graph.inputs.device["input_ids"], input_tokens, len(rows))
         if after is not None:
             dev = graph.inputs.device
-            follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
+            follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"],
+                          drafts=device_drafts)
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden_copies.copy(self.hidden, T) if copy_hidden else self.hidden[:T]
@@ -477,9 +479,20 @@ def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape,
 
 
 def _fill_positions(host: dict[str, np.ndarray], n: int) -> None:
-    """position_ids of every row from past_sequence_lengths: past_b + i for row i of request b."""
-    past = host["past_sequence_lengths"]
-    host["position_ids"][:] = (past[:, None].astype(np.int64) + np.arange(n)).reshape(1, -1)
+    """position_ids of every row from past_sequence_lengths: past_b + i for row i of request b
+    (all three rows of position_ids alike), without temporaries."""
+    past, positions = host["past_sequence_lengths"], host["position_ids"]
+    if n == 1:
+        positions[:] = past
+        return
+    global _ROW_OFFSETS
+    if n > len(_ROW_OFFSETS):
+        _ROW_OFFSETS = np.arange(n)
+    np.add(past[:, None], _ROW_OFFSETS[:n], out=positions[0].reshape(len(past), n))
+    positions[1:] = positions[0]
+
+
+_ROW_OFFSETS = np.arange(max(HEAD_FILL_ROWS))      # row i of a request sits at its past length + i
 
 
 def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int) -> None:
@@ -654,11 +667,10 @@ class HeadGraphs(_GraphSet):
             _fill_rows(host, [PackedRows((), r.past_len + n, r.block_table) for r, n in zip(rows, fed)], 1, width)
             chained.inputs.upload()
         dev = chained.inputs.device
-        if after is not None:
+        if after is not None:       # (the chained row moves in the same launch)
             cd = catch_up.inputs.device
-            follow_catch_up(after[0], after[1], R, cd["input_ids"], cd["last_rows"], cd["chain"][1])
-            if num_drafts > 1:
-                follow_verify(after[0], after[1], 1, dev["past_sequence_lengths"], dev["position_ids"])
+            follow_catch_up(after[0], after[1], R, cd["input_ids"], cd["last_rows"], cd["chain"][1],
+                            *((dev["past_sequence_lengths"], dev["position_ids"]) if num_drafts > 1 else ()))
         # catch-up: the rows' hidden states (one gather per source array), one replay, draft 0
         gather_into(self.hidden_in, sources, catch_up.inputs.device["gather"], self.xp)
         self._replay(catch_up)

@@ -274,9 +274,11 @@ extern "C" __global__ void accept_drafts(const long long* target, const long lon
 
 // The rows of the step after it were staged for the longest acceptance (K1 = K + 1 kept rows):
 // every position moves by kept - K1 (<= 0), and the first row's id is the last emitted token.
-// past [B] int32; positions [3, T] int64, n rows a request; ids [T] (null: left alone).
+// past [B] int32; positions [3, T] int64, n rows a request; ids [T] (null: left alone);
+// drafts [B, n - 1] (null: none) go to ids' rows 1 .. n - 1 of each request (a verify's drafts).
 extern "C" __global__ void follow_verify(const long long* accepted, int K1, int B, int n,
-                                         int* past, long long* positions, long long T, long long* ids) {
+                                         int* past, long long* positions, long long T, long long* ids,
+                                         const long long* drafts) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     const long long* row = accepted + (long long)b * (K1 + 1);
@@ -285,6 +287,8 @@ extern "C" __global__ void follow_verify(const long long* accepted, int K1, int 
     for (int i = 0; i < n; ++i)
         for (int r = 0; r < 3; ++r) positions[r * T + (long long)b * n + i] += shift;
     if (ids) ids[(long long)b * n] = row[kept - 1];
+    if (ids && drafts)
+        for (int i = 1; i < n; ++i) ids[(long long)b * n + i] = drafts[(long long)b * (n - 1) + i - 1];
 }
 
 // A decode step's tokens [B] as the acceptance of a draft step with no drafts: [token, 1] a request.
@@ -296,15 +300,23 @@ extern "C" __global__ void decode_as_accepted(const long long* tokens, int B, lo
 }
 
 // The head's catch-up on the kept rows: ids of rows b*R .. b*R + K1 - 1 := the emitted tokens
-// (rows past kept are padding), the last real row (and the chained start) moved by kept - K1.
+// (rows past kept are padding), the last real row (and the chained start) moved by kept - K1;
+// with chained_past (not null) the chained forward's one row a request moves too (its past
+// [B] int32 and positions [3, T] int64), as follow_verify with n = 1 moves it.
 extern "C" __global__ void follow_catch_up(const long long* accepted, int K1, int B, int R,
-                                           long long* ids, long long* last_rows, long long* chain_from) {
+                                           long long* ids, long long* last_rows, long long* chain_from,
+                                           int* chained_past, long long* chained_positions, long long T) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     const long long* row = accepted + (long long)b * (K1 + 1);
     for (int i = 0; i < K1; ++i) ids[(long long)b * R + i] = row[i];
-    last_rows[b] += row[K1] - K1;
+    const long long shift = row[K1] - K1;
+    last_rows[b] += shift;
     chain_from[b] = last_rows[b];
+    if (chained_past) {
+        chained_past[b] += (int)shift;
+        for (int r = 0; r < 3; ++r) chained_positions[r * T + b] += shift;
+    }
 }
 """
 _ACCEPT = {}
@@ -361,29 +373,46 @@ def warm_up_accept() -> None:
     follow_verify(accepted, 2, 1, cupy.zeros(1, cupy.int32), cupy.zeros((3, 1), cupy.int64), cupy.zeros(1, cupy.int64))
     follow_catch_up(accepted, 2, 2, cupy.zeros(2, cupy.int64), cupy.zeros(1, cupy.int64), cupy.zeros(1, cupy.int64))
     decode_as_accepted(cupy.zeros(1, cupy.int64))
+    for dtype in (cupy.float16, cupy.float32):
+        accept_logits(cupy.zeros((2, 8), dtype), cupy.zeros((1, 1), cupy.int64))
 
 
-def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None) -> None:
+def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None, drafts=None) -> None:
     """Move a staged step's first ``B = len(accepted)`` requests (``num_rows`` rows each) from the
     positions staged for ``num_kept_staged`` kept rows to the accepted ones; ``ids``: row 0 of
-    each request := the accepted step's last emitted token (a verify's fed token)."""
+    each request := the accepted step's last emitted token (a verify's fed token), and with
+    ``drafts`` [B, num_rows - 1] (int64, contiguous) rows 1.. := request b's drafts (what
+    ``copy_columns`` would copy, in the same launch)."""
     B = int(accepted.shape[0])
     assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape[0] == 3
     _int64(accepted, positions, *(() if ids is None else (ids,)))
+    if drafts is not None:
+        assert ids is not None and drafts.shape == (B, num_rows - 1), "drafts [B, num_rows - 1] with ids"
+        _int64(drafts)
     _accept_kernel("follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
                                                            np.int32(num_rows), past, positions,
                                                            np.int64(positions.shape[1]),
-                                                           ids if ids is not None else np.uint64(0)))
+                                                           ids if ids is not None else np.uint64(0),
+                                                           drafts if drafts is not None else np.uint64(0)))
 
 
-def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, last_rows, chain_from) -> None:
+def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, last_rows, chain_from,
+                    chained_past=None, chained_positions=None) -> None:
     """A head catch-up staged for ``num_kept_staged`` rows a request: its ids := the accepted
     step's emitted tokens, its last real rows (and the chained forward's start rows) moved to
-    the accepted counts."""
+    the accepted counts; with ``chained_past`` (int32 [>= B]) and ``chained_positions`` (int64
+    [3, T]) the chained forward's row moves too (``follow_verify`` with one row, same launch)."""
     B = int(accepted.shape[0])
     _int64(accepted, ids, last_rows, chain_from)
-    _accept_kernel("follow_catch_up")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
-                                                             np.int32(rows_per_request), ids, last_rows, chain_from))
+    T = 0
+    if chained_past is not None:
+        assert chained_past.dtype == np.int32 and chained_positions.shape[0] == 3
+        _int64(chained_positions)
+        T = int(chained_positions.shape[1])
+    _accept_kernel("follow_catch_up")((-(-B // 64),), (64,), (
+        accepted, np.int32(num_kept_staged), np.int32(B), np.int32(rows_per_request), ids, last_rows, chain_from,
+        chained_past if chained_past is not None else np.uint64(0),
+        chained_positions if chained_positions is not None else np.uint64(0), np.int64(T)))
 
 
 _MASK_ROWS = None
@@ -418,15 +447,12 @@ _ARGMAX_SOURCE = r"""
 __device__ __forceinline__ float as_float(const float x) { return x; }
 __device__ __forceinline__ float as_float(const __half x) { return __half2float(x); }
 
-// out[b * out_stride] = argmax over logits[rows[b]] (rows = null: row b), the lowest id among
-// equal maxima; also[b] the same when also is not null. One block of 256 threads per row.
+// The argmax of one row (the lowest id among equal maxima), by a block of 256 threads: the
+// id in thread 0 (vocab for a row of NaNs only).
 template <typename T>
-__device__ void argmax_rows(const T* __restrict__ logits, const long long* __restrict__ rows, long long vocab,
-                            long long* __restrict__ out, long long out_stride, long long* __restrict__ also) {
+__device__ long long block_argmax(const T* __restrict__ row, long long vocab) {
     __shared__ float best[256];
     __shared__ long long best_id[256];
-    const long long b = blockIdx.x;
-    const T* row = logits + (rows ? rows[b] : b) * vocab;
     float m = -__int_as_float(0x7f800000);      // -inf
     long long id = vocab;
     for (long long t = threadIdx.x; t < vocab; t += blockDim.x) {
@@ -447,11 +473,63 @@ __device__ void argmax_rows(const T* __restrict__ logits, const long long* __res
         }
         __syncthreads();
     }
+    return best_id[0];
+}
+
+// out[b * out_stride] = argmax over logits[rows[b]] (rows = null: row b), the lowest id among
+// equal maxima; also[b] the same when also is not null. One block of 256 threads per row.
+template <typename T>
+__device__ void argmax_rows(const T* __restrict__ logits, const long long* __restrict__ rows, long long vocab,
+                            long long* __restrict__ out, long long out_stride, long long* __restrict__ also) {
+    const long long b = blockIdx.x;
+    const long long best = block_argmax(logits + (rows ? rows[b] : b) * vocab, vocab);
     if (threadIdx.x == 0) {
-        const long long v = best_id[0] < vocab ? best_id[0] : 0;
+        const long long v = best < vocab ? best : 0;
         out[b * out_stride] = v;
         if (also) also[b] = v;
     }
+}
+
+// A uniform draft step's greedy acceptance from its logits, in one launch: block x argmaxes row
+// x (request b = x / (K + 1)), and the last of a request's K + 1 blocks to finish (a counter a
+// request, reset by that block for the next step) accepts its drafts as accept_drafts does:
+// accepted [B, K + 2] (the K + 1 tokens it emits when it keeps every row, then kept), kept [B].
+template <typename T>
+__device__ void accept_logits(const T* __restrict__ logits, long long vocab, const long long* __restrict__ drafts,
+                              const long long* __restrict__ synthetic, int K, long long* target,
+                              unsigned int* done, long long* __restrict__ accepted, long long* __restrict__ kept) {
+    const long long x = blockIdx.x, b = x / (K + 1);
+    const long long best = block_argmax(logits + x * vocab, vocab);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        target[x] = best < vocab ? best : 0;
+        __threadfence();                                   // the id is seen before the count
+        last = atomicAdd(&done[b], 1u) == (unsigned int)K;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0 || !last) return;
+    __threadfence();
+    const volatile long long* t = target + b * (K + 1);    // (other blocks' writes: not from L1)
+    const long long* d = drafts + b * K;
+    int n = 0;
+    if (synthetic) n = (int)synthetic[b];                 // benchmarks: accepted without a check
+    else while (n < K && d[n] == t[n]) ++n;
+    long long* row = accepted + b * (K + 2);
+    for (int i = 0; i <= K; ++i) row[i] = i < n ? d[i] : (long long)t[i];
+    row[K + 1] = n + 1;
+    kept[b] = n + 1;
+    done[b] = 0;
+}
+
+extern "C" __global__ void accept_logits_f16(const __half* logits, long long vocab, const long long* drafts,
+                                             const long long* synthetic, int K, long long* target,
+                                             unsigned int* done, long long* accepted, long long* kept) {
+    accept_logits(logits, vocab, drafts, synthetic, K, target, done, accepted, kept);
+}
+extern "C" __global__ void accept_logits_f32(const float* logits, long long vocab, const long long* drafts,
+                                             const long long* synthetic, int K, long long* target,
+                                             unsigned int* done, long long* accepted, long long* kept) {
+    accept_logits(logits, vocab, drafts, synthetic, K, target, done, accepted, kept);
 }
 
 extern "C" __global__ void argmax_rows_f16(const __half* logits, const long long* rows, long long vocab,
@@ -466,6 +544,56 @@ extern "C" __global__ void argmax_rows_f32(const float* logits, const long long*
 _ARGMAX = {}
 
 
+def _argmax_module():
+    import cupy
+    if not _ARGMAX:
+        module = cupy.RawModule(code=_ARGMAX_SOURCE, options=("--std=c++14",))
+        for dtype, suffix in ((np.float16, "f16"), (np.float32, "f32")):
+            _ARGMAX[np.dtype(dtype)] = module.get_function(f"argmax_rows_{suffix}")
+            _ARGMAX["accept", np.dtype(dtype)] = module.get_function(f"accept_logits_{suffix}")
+    return _ARGMAX
+
+
+class _AcceptScratch:
+    """accept_logits' per-device scratch: the target ids and each request's count of finished
+    blocks (zero between launches: the last block resets it), grown as batches grow."""
+    target = done = None
+
+    @classmethod
+    def get(cls, rows: int, requests: int):
+        import cupy
+        if cls.target is None or cls.target.size < rows:
+            cls.target = cupy.empty(max(rows, 256), cupy.int64)
+        if cls.done is None or cls.done.size < requests:
+            cupy.cuda.get_current_stream().synchronize()      # (no launch still counts in the old one)
+            cls.done = cupy.zeros(max(requests, 64), cupy.uint32)
+        return cls.target, cls.done
+
+
+def accept_logits(logits, drafts, synthetic=None):
+    """``accept_drafts(row argmaxes of logits, drafts, synthetic)`` in one launch: ``(accepted
+    [B, K + 2], kept [B])`` int64 on the device from a uniform draft step's logits [B * (K + 1),
+    V] (float16 or float32, C-contiguous: request b's rows b*(K+1) ..) and its drafts [B, K]
+    (int64, contiguous). An argmax launch, two allocations and the accept launch cost ~40 us
+    of host time a step (session 29's py-spy on the H100), this one launch ~15."""
+    import cupy
+    B, K = int(drafts.shape[0]), int(drafts.shape[1])
+    assert logits.flags.c_contiguous and logits.ndim == 2 and logits.shape[0] >= B * (K + 1), "[B * (K + 1), V]"
+    if not drafts.flags.c_contiguous:
+        drafts = cupy.ascontiguousarray(drafts)
+    _int64(drafts)
+    kernel = _argmax_module()["accept", np.dtype(logits.dtype)]
+    target, done = _AcceptScratch.get(B * (K + 1), B)
+    accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
+    if synthetic is not None:
+        synthetic = cupy.asarray(synthetic, cupy.int64)
+    if B:
+        kernel((B * (K + 1),), (256,), (logits, np.int64(logits.shape[1]), drafts,
+                                        synthetic if synthetic is not None else np.uint64(0), np.int32(K),
+                                        target, done, accepted, kept))
+    return accepted, kept
+
+
 def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_stride: int = 1, also=None):
     """int64 ``[num_rows]``: the argmax of each row of ``logits`` [N, V] (float16 or float32,
     C-contiguous) or of rows ``rows`` (int64 device indices), lowest id on ties (as numpy and
@@ -475,10 +603,7 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_st
     with out_stride K); ``also``: an int64 [num_rows] array that gets the ids too (the next
     captured forward's input ids, written where it reads them)."""
     import cupy
-    if not _ARGMAX:
-        module = cupy.RawModule(code=_ARGMAX_SOURCE, options=("--std=c++14",))
-        _ARGMAX[np.dtype(np.float16)] = module.get_function("argmax_rows_f16")
-        _ARGMAX[np.dtype(np.float32)] = module.get_function("argmax_rows_f32")
+    kernels = _argmax_module()
     assert logits.flags.c_contiguous and logits.ndim == 2, "contiguous [N, V] logits"
     n = int(rows.shape[0]) if rows is not None else (num_rows if num_rows is not None else logits.shape[0])
     if out is None:
@@ -486,34 +611,77 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_st
     assert out.dtype == np.int64 and out.flags.c_contiguous and out.size >= (n - 1) * out_stride + 1, "int64 out"
     assert also is None or (also.dtype == np.int64 and also.flags.c_contiguous and also.size >= n), "int64 also"
     if n:
-        _ARGMAX[np.dtype(logits.dtype)]((n,), (256,), (logits, rows if rows is not None else np.uint64(0),
+        kernels[np.dtype(logits.dtype)]((n,), (256,), (logits, rows if rows is not None else np.uint64(0),
                                                          np.int64(logits.shape[1]), out, np.int64(out_stride),
                                                          also if also is not None else np.uint64(0)))
     return out
 
 
-_GATHER_ROWS = None
+_ROWS_SOURCE = r"""
+// dst[index[j]] = src[index[stride + j]] for j in lo .. lo + n - 1, whole rows of `width` words
+// (a row's bytes as 4-byte words, or single bytes when a row's size is not a multiple of 4).
+template <typename W>
+__device__ void gather_rows(W* __restrict__ dst, const W* __restrict__ src, const long long* __restrict__ index,
+                            long long lo, long long stride, long long width, long long total) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long j = lo + i / width, c = i % width;
+        dst[index[j] * width + c] = src[index[stride + j] * width + c];
+    }
+}
+extern "C" __global__ void gather_rows_u32(unsigned int* dst, const unsigned int* src, const long long* index,
+                                           long long lo, long long stride, long long width, long long total) {
+    gather_rows(dst, src, index, lo, stride, width, total);
+}
+extern "C" __global__ void gather_rows_u8(unsigned char* dst, const unsigned char* src, const long long* index,
+                                          long long lo, long long stride, long long width, long long total) {
+    gather_rows(dst, src, index, lo, stride, width, total);
+}
+
+// count slabs of `words` 4-byte words, slab i at dst + i * pitch (in words), set to 0.
+extern "C" __global__ void zero_slabs(unsigned int* dst, long long pitch, long long words, long long count) {
+    const long long total = words * count;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x)
+        dst[(i / words) * pitch + i % words] = 0u;
+}
+
+// A chained head forward's next position: past[:n] += 1 (int32), positions [3, n] += 1 (int64).
+extern "C" __global__ void advance_positions(int* past, long long* positions, long long n) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    past[i] += 1;
+    positions[i] += 1;
+    positions[n + i] += 1;
+    positions[2 * n + i] += 1;
+}
+"""
+_ROWS = {}
+
+
+def _rows_kernel(name: str):
+    import cupy
+    if not _ROWS:
+        module = cupy.RawModule(code=_ROWS_SOURCE, options=("--std=c++14",))
+        for n in ("gather_rows_u32", "gather_rows_u8", "zero_slabs", "advance_positions"):
+            _ROWS[n] = module.get_function(n)
+    return _ROWS[name]
 
 
 def gather_rows(dst, src, index, lo: int, hi: int) -> None:
     """``dst[index[0, j]] = src[index[1, j]]`` for j in lo..hi-1, whole rows, in one kernel
-    (CuPy's fancy-index assignment costs several launches and index checks). dst, src: [*, H]
-    C-contiguous, one dtype; index: int64 [2, n] on the device."""
-    global _GATHER_ROWS
-    import cupy
-    if _GATHER_ROWS is None:
-        _GATHER_ROWS = cupy.ElementwiseKernel(
-            "raw T src, raw int64 index, int64 lo, int64 stride, int64 width", "raw T dst",
-            """
-            const long long j = lo + i / width;
-            const long long c = i % width;
-            dst[index[j] * width + c] = src[index[stride + j] * width + c];
-            """, "mtpserve_gather_rows")
+    (CuPy's fancy-index assignment costs several launches and index checks; an elementwise
+    kernel ~3x a raw kernel's host time, session 29's py-spy). dst, src: [*, H] C-contiguous,
+    one dtype; index: int64 [2, n] on the device, C-contiguous."""
     assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and index.ndim == 2
-    width = math.prod(dst.shape[1:])
-    if hi > lo:
-        _GATHER_ROWS(src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), dst,
-                     size=(hi - lo) * width)
+    assert index.dtype == np.int64 and index.flags.c_contiguous, "contiguous int64 index"
+    row_bytes = math.prod(dst.shape[1:]) * dst.itemsize
+    if hi <= lo or not row_bytes:
+        return
+    name, width = ("gather_rows_u32", row_bytes // 4) if row_bytes % 4 == 0 else ("gather_rows_u8", row_bytes)
+    total = (hi - lo) * width
+    _rows_kernel(name)((min(-(-total // 256), 65535 * 8),), (256,),
+                       (dst, src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), np.int64(total)))
 
 
 def copy_rows(dst, src, num_rows: int) -> None:
@@ -543,23 +711,36 @@ def copy_columns(dst, src, col: int) -> None:
                                         cupy.cuda.get_current_stream().ptr)
 
 
-_ADVANCE = None
-
-
 def advance_positions(past, positions, num_rows: int) -> None:
     """A chained head forward's next position, in one kernel: ``past[:num_rows] += 1`` (int32)
     and every row of ``positions`` [3, num_rows] += 1 (int64; CuPy's ``+=`` is one launch each)."""
-    global _ADVANCE
-    import cupy
-    if _ADVANCE is None:
-        _ADVANCE = cupy.ElementwiseKernel(
-            "int64 rows", "raw int32 past, raw int64 positions",
-            """
-            past[i] += 1;
-            positions[i] += 1;
-            positions[rows + i] += 1;
-            positions[2 * rows + i] += 1;
-            """, "mtpserve_advance_positions")
     assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape == (3, num_rows)
     assert past.flags.c_contiguous and positions.flags.c_contiguous
-    _ADVANCE(np.int64(num_rows), past, positions, size=num_rows)
+    if num_rows:
+        _rows_kernel("advance_positions")((-(-num_rows // 64),), (64,), (past, positions, np.int64(num_rows)))
+
+
+def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: int, dst_pitch: int,
+               src_pitch: int) -> None:
+    """``count`` slabs of ``nbytes`` bytes, slab i from ``src`` at byte ``src_offset + i *
+    src_pitch`` to ``dst`` at ``dst_offset + i * dst_pitch``, in one 2-D device copy on the
+    current stream: a state row of every layer (``[L, 2, R, ...]``: one slab a layer, the
+    layer stride apart) without CuPy's strided views and elementwise copy (~3x the host time)."""
+    import cupy
+    if nbytes and count:
+        cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr + dst_offset, dst_pitch, src.data.ptr + src_offset, src_pitch,
+                                        nbytes, count, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                        cupy.cuda.get_current_stream().ptr)
+
+
+def zero_slabs(dst, offset: int, nbytes: int, count: int, pitch: int) -> None:
+    """``count`` slabs of ``nbytes`` bytes of ``dst`` set to zero, slab i at byte ``offset + i *
+    pitch``, in one kernel (offset, nbytes and pitch multiples of 4)."""
+    if offset % 4 or nbytes % 4 or pitch % 4:
+        raise ValueError(f"zero_slabs: offset {offset}, size {nbytes} and pitch {pitch} must be multiples of 4")
+    if not nbytes or not count:
+        return
+    total = nbytes // 4 * count
+    _rows_kernel("zero_slabs")((min(-(-total // 256), 65535 * 8),), (256,),
+                               (np.uint64(dst.data.ptr + offset), np.int64(pitch // 4), np.int64(nbytes // 4),
+                                np.int64(count)))

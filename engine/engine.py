@@ -597,16 +597,20 @@ class Engine:
         on_device = self._device_drafts(plan, drafts)
         draft_ids = on_device.array if on_device is not None else xp.asarray(
             np.array([drafts[rid].tokens for rid in plan.request_ids], np.int64))
-        target = row_argmax(out.logits, xp).reshape(B, K + 1)     # every row checks a draft or gives the bonus
         synthetic = None
         if self._synthetic is not None:                           # the draws accept_step makes, in its order
             a = self.config.spec.synthetic_acceptance
             synthetic = np.array([int(np.argmin(np.append(self._synthetic.random(K) < a, False))) for _ in range(B)])
-        if xp is np:
-            accepted, kept = accept_drafts(target, draft_ids, synthetic)
+        logits = out.logits       # every row checks a draft or gives the bonus
+        if xp is not np and logits.flags.c_contiguous and logits.dtype in (np.float16, np.float32):
+            # the argmaxes and the accept in one launch
+            from mtpserve.engine.cuda_kernels import accept_logits
+            accepted, kept = accept_logits(logits, draft_ids, synthetic)
+        elif xp is np:
+            accepted, kept = accept_drafts(row_argmax(logits, xp).reshape(B, K + 1), draft_ids, synthetic)
         else:
             from mtpserve.engine.cuda_kernels import accept_drafts as accept_on_device
-            accepted, kept = accept_on_device(target, draft_ids, synthetic)
+            accepted, kept = accept_on_device(row_argmax(logits, xp).reshape(B, K + 1), draft_ids, synthetic)
         self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
         flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
                               num_drafts=K, hidden=out.hidden, source=self._readback,

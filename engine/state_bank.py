@@ -280,6 +280,7 @@ class StateBank:
         self._rows: dict[str, int] = {}
         self._free_rows: list[int] = list(range(max_rows))       # a heap: the lowest free row first
         self._in_place: StepStates | None = None                  # present of the open in-place step
+        self._present_views: dict[tuple[int, int], StepStates] = {}   # (bank, batch) -> padded_in_place's present
         self._active = np.zeros(max_rows, np.int8)
         self._committed = np.zeros(max_rows, np.int64)
         # snapshots: one committed row (conv + recurrent of every layer) per slot
@@ -314,8 +315,7 @@ class StateBank:
         if not self._free_rows:
             return None
         row = heapq.heappop(self._free_rows)
-        self.conv[:, :, row] = 0
-        self.recurrent[:, :, row] = 0
+        self._zero_row(row)
         self._active[row], self._committed[row] = 0, 0
         self._rows[request_id] = row
         return row
@@ -337,8 +337,7 @@ class StateBank:
         if last > row:
             moved = next(r for r, at in self._rows.items() if at == last)
             bank = int(self._active[last])
-            self.conv[:, bank, row] = self.conv[:, bank, last]
-            self.recurrent[:, bank, row] = self.recurrent[:, bank, last]
+            self._copy_row(bank, row, bank, last)
             self._active[row], self._committed[row] = bank, self._committed[last]
             self._rows[moved] = row
             row = last
@@ -369,9 +368,7 @@ class StateBank:
         if not self._free_snapshots:
             return None
         row, slot = self.row(request_id), self._free_snapshots.pop()
-        bank = int(self._active[row])
-        self.snapshot_conv[slot] = self.conv[:, bank, row]
-        self.snapshot_recurrent[slot] = self.recurrent[:, bank, row]
+        self._copy_snapshot(slot, int(self._active[row]), row, to_slot=True)
         self._snapshot_len[slot] = int(self._committed[row])
         return slot
 
@@ -381,9 +378,7 @@ class StateBank:
         row = self.row(request_id)
         if self._committed[row]:
             raise AssertionError(f"load_snapshot({request_id!r}): the request has committed state")
-        bank = int(self._active[row])
-        self.conv[:, bank, row] = self.snapshot_conv[slot]
-        self.recurrent[:, bank, row] = self.snapshot_recurrent[slot]
+        self._copy_snapshot(slot, int(self._active[row]), row, to_slot=False)
         self._committed[row] = self._snapshot_len[slot]
         return self._snapshot_len[slot]
 
@@ -405,6 +400,53 @@ class StateBank:
         if self._snapshot_len.pop(slot, None) is None:
             raise AssertionError(f"snapshot slot {slot} is not in use")
         self._free_snapshots.append(slot)
+
+    # ---- whole rows (on the device: one 2-D copy or kernel an array, see cuda_kernels.copy_slabs)
+    #
+    #   conv / recurrent [L, 2, R, *row]    (bank, row) of layer l at l * s0 + bank * s1 + row * s2,
+    #                                       s = strides, s2 = a row's bytes, s0 = 2 * s1
+    #   snapshot_* [S, L, *row]              slot's layer l at slot * t0 + l * t1 (t1 = s2)
+    def _zero_row(self, row: int) -> None:
+        """Both banks of ``row`` := 0, every layer (2L slabs, the bank stride apart)."""
+        if self.xp is np:
+            self.conv[:, :, row] = 0
+            self.recurrent[:, :, row] = 0
+            return
+        from mtpserve.engine.cuda_kernels import zero_slabs
+        for a in (self.conv, self.recurrent):
+            s = a.strides
+            zero_slabs(a, row * s[2], s[2], 2 * a.shape[0], s[1])
+
+    def _copy_row(self, dst_bank: int, dst_row: int, src_bank: int, src_row: int) -> None:
+        """(dst_bank, dst_row) := (src_bank, src_row), conv and recurrent, every layer."""
+        if self.xp is np:
+            for a in (self.conv, self.recurrent):
+                a[:, dst_bank, dst_row] = a[:, src_bank, src_row]
+            return
+        from mtpserve.engine.cuda_kernels import copy_slabs
+        for a in (self.conv, self.recurrent):
+            s = a.strides
+            copy_slabs(a, dst_bank * s[1] + dst_row * s[2], a, src_bank * s[1] + src_row * s[2], s[2], a.shape[0],
+                       s[0], s[0])
+
+    def _copy_snapshot(self, slot: int, bank: int, row: int, to_slot: bool) -> None:
+        """Snapshot ``slot`` := (bank, row) (``to_slot``), or (bank, row) := the slot."""
+        pairs = ((self.conv, self.snapshot_conv), (self.recurrent, self.snapshot_recurrent))
+        if self.xp is np:
+            for a, snap in pairs:
+                if to_slot:
+                    snap[slot] = a[:, bank, row]
+                else:
+                    a[:, bank, row] = snap[slot]
+            return
+        from mtpserve.engine.cuda_kernels import copy_slabs
+        for a, snap in pairs:
+            s, t = a.strides, snap.strides
+            at, slot_at = bank * s[1] + row * s[2], slot * t[0]
+            if to_slot:
+                copy_slabs(snap, slot_at, a, at, s[2], a.shape[0], t[1], s[0])
+            else:
+                copy_slabs(a, at, snap, slot_at, s[2], a.shape[0], s[0], t[1])
 
     # ---- a step -------------------------------------------------------------------------
     def gather_step_inputs(self, request_ids: Sequence[str]) -> StepStates:
@@ -483,8 +525,11 @@ class StateBank:
             return None
         if any(batch <= at < num_rows and self._active[at] != b for at in self._rows.values()):
             return None
-        ids = self.spec.layer_ids
-        self._in_place = StepStates(ids, self.conv[:, 1 - b, :batch], self.recurrent[:, 1 - b, :batch])
+        present = self._present_views.get((b, batch))
+        if present is None:      # (the same views every step of this shape: CuPy's slicing costs ~5 us a view)
+            present = self._present_views[b, batch] = StepStates(
+                self.spec.layer_ids, self.conv[:, 1 - b, :batch], self.recurrent[:, 1 - b, :batch])
+        self._in_place = present
         return b, self._in_place
 
     def commit_step(self, request_ids: Sequence[str], present: StepStates,

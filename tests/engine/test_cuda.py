@@ -188,10 +188,58 @@ def test_bitmask_kernel_masks_exactly_the_rows_and_tokens_the_host_mask_does():
 
 
 @needs_cuda
+def test_state_bank_row_moves_on_the_device_match_numpy():
+    """Admits (zeroed rows), releases (the highest row moved into the freed one), snapshots
+    saved and loaded: the device's 2-D copies and zeroing kernel leave the banks the numpy
+    bank's assignments do, row for row, bank for bank (a kernel that copied one bank, one
+    layer, or the wrong row fails it)."""
+    import cupy as cp
+
+    from mtpserve.engine.state_bank import FixedLayerSpec, FixedStateSpec, StateBank
+    layers = tuple(FixedLayerSpec(i, conv_dim=6, conv_kernel_size=4, num_v_heads=4, v_head_dim=3, num_k_heads=2,
+                                  k_head_dim=2, conv_dtype="float16") for i in (0, 2, 3))
+    spec = FixedStateSpec(layers, capacity=3)
+    banks = [StateBank(spec, 5, xp=xp, num_snapshots=2) for xp in (np, cp)]
+    rng = np.random.default_rng(4)
+
+    def same():
+        for a, b in ((banks[0].conv, banks[1].conv), (banks[0].recurrent, banks[1].recurrent),
+                     (banks[0].snapshot_conv, banks[1].snapshot_conv),
+                     (banks[0].snapshot_recurrent, banks[1].snapshot_recurrent)):
+            np.testing.assert_array_equal(a, b.get())
+
+    def scribble():            # every element of both banks random, on both
+        conv = rng.standard_normal(banks[0].conv.shape).astype(banks[0].conv.dtype)
+        rec = rng.standard_normal(banks[0].recurrent.shape).astype(np.float32)
+        for b in banks:
+            b.conv[...] = conv if b.xp is np else cp.asarray(conv)
+            b.recurrent[...] = rec if b.xp is np else cp.asarray(rec)
+
+    for b in banks:
+        for rid in "abcd":
+            b.admit(rid)
+    scribble()
+    for b in banks:
+        b._active[1] = 1        # request b's active bank is 1: its moves and snapshots read bank 1
+        b._committed[:4] = [3, 5, 2, 7]
+    slots = [b.save_snapshot("b") for b in banks]
+    assert slots[0] == slots[1] is not None
+    for b in banks:
+        b.release("a")          # d (row 3) moves into row 0
+        b.admit("e")            # row 3 again, zeroed
+        b.load_snapshot("e", slots[0])
+    same()
+    assert banks[1].row("d") == 0 and banks[1].row("e") == 3
+    np.testing.assert_array_equal(banks[1].conv[:, :, 3].get()[:, 1], 0)    # e's other bank: zero
+    for b in banks:
+        b.check_integrity()
+
+
+@needs_cuda
 def test_argmax_and_row_gather_kernels_match_numpy():
     import cupy as cp
 
-    from mtpserve.engine.cuda_kernels import argmax_rows, gather_rows
+    from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, gather_rows
     rng = np.random.default_rng(1)
     for dtype in (np.float16, np.float32):
         logits = rng.standard_normal((7, 5000)).astype(dtype)
@@ -203,13 +251,18 @@ def test_argmax_and_row_gather_kernels_match_numpy():
         rows = np.array([6, 2, 2], np.int64)
         np.testing.assert_array_equal(argmax_rows(cp.asarray(logits), rows=cp.asarray(rows)).get(),
                                       logits[rows].argmax(axis=1))
-    src, dst = rng.standard_normal((9, 12)).astype(np.float16), np.zeros((8, 12), np.float16)
-    index = np.array([[0, 3, 5, 7], [8, 1, 1, 4]], np.int64)
-    got = cp.asarray(dst)
-    gather_rows(got, cp.asarray(src), cp.asarray(index), 1, 4)
-    expected = dst.copy()
-    expected[index[0, 1:]] = src[index[1, 1:]]
-    np.testing.assert_array_equal(got.get(), expected)
+    for width in (12, 3):           # rows of 24 bytes (copied as words) and of 6 (as bytes)
+        src, dst = rng.standard_normal((9, width)).astype(np.float16), np.zeros((8, width), np.float16)
+        index = np.array([[0, 3, 5, 7], [8, 1, 1, 4]], np.int64)
+        got = cp.asarray(dst)
+        gather_rows(got, cp.asarray(src), cp.asarray(index), 1, 4)
+        expected = dst.copy()
+        expected[index[0, 1:]] = src[index[1, 1:]]
+        np.testing.assert_array_equal(got.get(), expected)
+    past, positions = cp.asarray(np.array([3, 7], np.int32)), cp.asarray(np.arange(6, dtype=np.int64).reshape(3, 2))
+    advance_positions(past, positions, 2)
+    np.testing.assert_array_equal(past.get(), [4, 8])
+    np.testing.assert_array_equal(positions.get(), np.arange(6).reshape(3, 2) + 1)
 
 
 @needs_cuda
@@ -246,6 +299,11 @@ def test_accept_and_follow_kernels_match_the_host_acceptance():
     expect_ids = ids.copy()
     expect_ids[np.arange(B) * n] = want[np.arange(B), kept - 1]
     np.testing.assert_array_equal(d_ids.get(), expect_ids)
+    d_past, d_pos, d_ids = cp.asarray(past), cp.asarray(positions), cp.asarray(ids)    # the drafts in the same launch
+    follow_verify(cp.asarray(want), K + 1, n, d_past, d_pos, d_ids, drafts=cp.asarray(drafts))
+    expect_ids.reshape(B + 2, n)[:B, 1:] = drafts
+    np.testing.assert_array_equal(d_ids.get(), expect_ids)
+    np.testing.assert_array_equal(d_pos.get(), positions + np.repeat(shift, n)[None])
     R = K + 2                                                  # catch-up rows a request (1 + the most drafts)
     head_ids, last = cp.zeros((B + 1) * R, cp.int64), cp.asarray(np.arange(B + 1) * R + K)
     chain = cp.zeros(B + 1, cp.int64)
@@ -255,6 +313,43 @@ def test_accept_and_follow_kernels_match_the_host_acceptance():
     np.testing.assert_array_equal(head_ids.get().reshape(B + 1, R), expect)
     np.testing.assert_array_equal(last.get(), np.append(np.arange(B) * R + kept - 1, B * R + K))
     np.testing.assert_array_equal(chain.get()[:B], np.arange(B) * R + kept - 1)
+    chained_past = rng.integers(10, 90, B + 1).astype(np.int32)       # the chained forward's row moves with it
+    chained_pos = np.repeat(chained_past.astype(np.int64)[None], 3, 0)
+    head_ids, last, chain = cp.zeros((B + 1) * R, cp.int64), cp.asarray(np.arange(B + 1) * R + K), cp.zeros(B + 1, cp.int64)
+    d_past, d_pos = cp.asarray(chained_past), cp.asarray(chained_pos)
+    follow_catch_up(cp.asarray(want), K + 1, R, head_ids, last, chain, d_past, d_pos)
+    np.testing.assert_array_equal(head_ids.get().reshape(B + 1, R), expect)
+    moved = chained_past + np.append(kept - (K + 1), 0)
+    np.testing.assert_array_equal(d_past.get(), moved)
+    np.testing.assert_array_equal(d_pos.get(), np.repeat(moved.astype(np.int64)[None], 3, 0))
+
+
+@needs_cuda
+def test_accept_from_logits_in_one_launch_matches_argmax_then_accept():
+    """``accept_logits`` (each row's argmax and the acceptance in one launch, the last block of
+    a request accepting) equals the host's argmax then ``pipeline.accept_drafts``, ties to the
+    lowest id included, launch after launch (its per-request counters reset themselves: a
+    second step with other drafts and counts is right too), for float16 and float32 logits."""
+    import cupy as cp
+
+    from mtpserve.engine.cuda_kernels import accept_logits
+    from mtpserve.engine.pipeline import accept_drafts as host_accept
+    rng = np.random.default_rng(5)
+    for dtype in (np.float16, np.float32):
+        for B, K in ((5, 2), (3, 3), (7, 1), (5, 2)):
+            logits = rng.standard_normal((B * (K + 1), 3000)).astype(dtype)
+            logits[1, [40, 2900]] = logits[1].max() + 1          # a tie: the lower id is the target
+            target = logits.argmax(axis=1).reshape(B, K + 1)
+            drafts = target[:, :K].copy()
+            for b in range(B):                                     # request b keeps b % (K + 1) drafts
+                n = b % (K + 1)
+                if n < K:
+                    drafts[b, n] = (target[b, n] + 1) % 3000
+            for synthetic in (None, rng.integers(0, K + 1, B)):
+                want, want_kept = host_accept(target, drafts, synthetic)
+                got, kept = accept_logits(cp.asarray(logits), cp.asarray(drafts), synthetic)
+                np.testing.assert_array_equal(got.get(), want)
+                np.testing.assert_array_equal(kept.get(), want_kept)
 
 
 def _graph_share(engine) -> float:

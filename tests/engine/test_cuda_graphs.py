@@ -180,6 +180,12 @@ def test_a_uniform_steps_staging_holds_its_rows_then_padding_on_the_scratch_bloc
     assert host["past_sequence_lengths"].tolist() == [10, 33, 0, 0]
     assert host["position_ids"].tolist() == [[10, 11, 12, 33, 34, 35, 0, 1, 2, 0, 1, 2]] * 3
     assert host["block_table"].tolist() == [[1, 2, 0, 0], [3, 4, 5, 6], [0, 0, 0, 0], [0, 0, 0, 0]]
+    for n in (1, 300):         # a decode step's one row a request; a fill longer than the offsets kept
+        host["past_sequence_lengths"][:] = [7, 20, 0, 0]
+        host["position_ids"] = np.full((3, batch * n), -1, np.int64)
+        cuda_graphs._fill_positions(host, n)
+        want = np.concatenate([past + np.arange(n) for past in (7, 20, 0, 0)])
+        assert (host["position_ids"] == want).all()
 
 
 def test_the_heads_padded_staging_puts_each_requests_rows_first_in_its_slots():

@@ -283,6 +283,7 @@ open('$pyspy', 'wb').write(z.read('py_spy-0.4.3.data/scripts/py-spy'))" && chmod
     [[ -n $ms ]] && python3 results/h200/scripts/spy_table.py "$OUT/spy-k$1-c$2.raw" --ms-per-step $ms --top 60 \
       --json "$OUT/spy-k$1-c$2.json" > "$OUT/spy-k$1-c$2-table.txt" && head -25 "$OUT/spy-k$1-c$2-table.txt"
   done
+  (cd "$OUT" && tar -czf spy.tgz spy-* && rm spy-*)     # one file: a call brings back only a few
 }
 
 case $part in
