@@ -269,6 +269,22 @@ ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B
   done
 }
 
+host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine, 88490a8) and this one, alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves
+  mkdir -p /tmp/pkg_base/mtpserve
+  ln -sfn "$root/.base/engine" /tmp/pkg_base/mtpserve/engine
+  ln -sfn "$root/engine/bundled/model" "$root/.base/engine/bundled/model"
+  for d in actors cluster; do ln -sfn "$root/$d" /tmp/pkg_base/mtpserve/$d; done
+  touch /tmp/pkg_base/mtpserve/__init__.py
+  for round in $(seq "$1"); do
+    for label in base new; do
+      step "host_ab.py $label, round $round"
+      pkg=/tmp/pkg; [[ $label == base ]] && pkg=/tmp/pkg_base
+      PYTHONPATH=$pkg:${PYTHONPATH#/tmp/pkg:} timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model $label \
+        2>&1 | grep "^{" | tee -a "$OUT/host-ab.jsonl" | cut -c1-200
+    done
+  done
+  python3 results/h200/scripts/host_ab_table.py "$OUT/host-ab.jsonl" base new "$OUT/host-ab.json"
+}
 spy_loops() {            # py-spy (wall time, waits included) of the bundled model's closed loop: K=2 / K=0 at C=16 with waves, K=2 at C=1
   local pyspy=/tmp/site/bin/py-spy
   [[ -x $pyspy ]] || { mkdir -p /tmp/site/bin && python3 -c "import zipfile; z = zipfile.ZipFile('.gpukit-small/py_spy.whl'); \
@@ -1064,6 +1080,17 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
   timeout 60 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-shipped.json" \
     --concurrency 1 --requests 24 --rounds 1 --range-ratio 0 --fixed 2 --no-never \
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
+dj)          # session 29: test_cuda after the host-path kernels, then the base commit's engine (.base/, carried) against this one, rounds alternating (~480 s)
+  step test_cuda
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  host_ab_rounds 3
+  step done
+  ;;
+dk)          # session 29: dj's A/B alone (~250 s)
+  host_ab_rounds 3
   step done
   ;;
 dh)          # session 29: test_cuda at session 28's head, py-spy of the bundled model's loop (K=2 / K=0 at C=16 with waves, K=2 at C=1), the 1.4 B model at C=1 K=0 / 2 / auto (~560 s)

@@ -1,0 +1,51 @@
+"""One checkout's closed loops on the bundled model, for an A/B of two checkouts' host paths
+in alternating processes (``session.sh dj``: the base commit's engine beside this one's, rounds
+alternating, since the device host's speed drifts between runs): each config a warm-up run
+then a measured one; one JSON line a config.
+
+    python3 host_ab.py MODEL_DIR LABEL [--configs 2:16:1024,0:16:1024,2:1:96] >> runs.jsonl
+
+A config is K:C:REQUESTS (draft tokens, concurrency, requests; every request 128 tokens, so a
+closed loop's requests arrive in waves, as the issue's bench has them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from auto_ab import ClosedLoop  # noqa: E402
+
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload  # noqa: E402
+from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
+from mtpserve.engine.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("label")
+    p.add_argument("--configs", default="2:16:1024,0:16:1024,2:1:96")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    engines = {}
+    for config in args.configs.split(","):
+        k, c, n = (int(x) for x in config.split(":"))
+        if k not in engines:
+            engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
+        engine = engines[k]
+        prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
+        ClosedLoop(engine, prompts[:max(32, 2 * c)], c, f"warm-{config}", 128).advance()
+        loop = ClosedLoop(engine, prompts, c, f"run-{config}", 128)
+        loop.advance()
+        r = loop.result()
+        print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
+                          "ms_per_step": r["ms_per_step"], "step_p50_ms": r["step_p50_ms"], "steps": r["steps"],
+                          "prompt_steps": r["prompt_steps"], "ttft_p50_ms": r.get("ttft_p50_ms")}), flush=True)
+        engine.check_integrity()
+
+
+if __name__ == "__main__":
+    main()
