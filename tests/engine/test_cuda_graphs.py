@@ -203,3 +203,29 @@ def test_the_heads_padded_staging_puts_each_requests_rows_first_in_its_slots():
     assert host["past_sequence_lengths"].tolist() == [10, 33, 0]
     assert host["position_ids"].tolist() == [[10, 11, 12, 33, 34, 35, 0, 1, 2]] * 3
     assert host["block_table"].tolist() == [[1, 0], [3, 4], [0, 0]]
+
+
+def test_staged_block_tables_are_rewritten_when_a_requests_table_or_the_width_changes():
+    """``_fill_rows`` with the staging's ``_StagedTables``: rows carrying the very table objects
+    the staging holds leave it as it is; a request's new table (a new block: the pool makes a new
+    array), other requests, or another width rewrite it, padding rows back on block 0."""
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    batch, width = 3, 3
+    host = {"input_ids": np.zeros(batch, np.int64), "position_ids": np.zeros((3, batch), np.int64),
+            "past_sequence_lengths": np.zeros(batch, np.int32), "block_table": np.full((batch, width), -1, np.int32)}
+    staged = cuda_graphs._StagedTables()
+    a, b = np.array([1, 2], np.int32), np.array([3], np.int32)
+    cuda_graphs._fill_rows(host, [PackedRows((), 20, a), PackedRows((), 5, b)], 1, width, staged)
+    assert host["block_table"].tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0]]
+    host["block_table"][2, 0] = 99                     # (stands for what the staging holds: untouched)
+    cuda_graphs._fill_rows(host, [PackedRows((), 21, a), PackedRows((), 6, b)], 1, width, staged)
+    assert host["block_table"][2, 0] == 99 and host["past_sequence_lengths"].tolist() == [21, 6, 0]
+    b2 = np.array([3, 7], np.int32)                     # request 1 took a block
+    cuda_graphs._fill_rows(host, [PackedRows((), 22, a), PackedRows((), 16, b2)], 1, width, staged)
+    assert host["block_table"].tolist() == [[1, 2, 0], [3, 7, 0], [0, 0, 0]]
+    cuda_graphs._fill_rows(host, [PackedRows((), 22, b2)], 1, width, staged)        # other requests
+    assert host["block_table"].tolist() == [[3, 7, 0], [0, 0, 0], [0, 0, 0]]
+    cuda_graphs._fill_rows(host, [PackedRows((), 22, b2)], 1, 1, staged)            # another width
+    assert host["block_table"].tolist() == [[3, 0, 0], [0, 0, 0], [0, 0, 0]]
