@@ -555,8 +555,9 @@ def _argmax_module():
 
 
 class _AcceptScratch:
-    """accept_logits' per-device scratch: the target ids and each request's count of finished
-    blocks (zero between launches: the last block resets it), grown as batches grow."""
+    """accept_logits' scratch: the target ids and each request's count of finished blocks (zero
+    between launches: the last block resets it), grown as batches grow. One set a process: an
+    engine process drives one GPU, on one stream."""
     target = done = None
 
     @classmethod
@@ -592,6 +593,16 @@ def accept_logits(logits, drafts, synthetic=None):
                                         synthetic if synthetic is not None else np.uint64(0), np.int32(K),
                                         target, done, accepted, kept))
     return accepted, kept
+
+
+def accept_step_on_device(logits, drafts, synthetic=None):
+    """A uniform draft step's ``(accepted [B, K + 2], kept [B])`` on the device from its logits
+    [B * (K + 1), V] and drafts [B, K]: ``accept_logits`` (one launch) for float16 / float32
+    C-contiguous logits, else each row's argmax then ``accept_drafts``."""
+    if logits.flags.c_contiguous and logits.ndim == 2 and logits.dtype in (np.float16, np.float32):
+        return accept_logits(logits, drafts, synthetic)
+    B, K = int(drafts.shape[0]), int(drafts.shape[1])
+    return accept_drafts(logits[:B * (K + 1)].argmax(axis=1).reshape(B, K + 1), drafts, synthetic)
 
 
 def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_stride: int = 1, also=None):

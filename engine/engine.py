@@ -601,16 +601,11 @@ class Engine:
         if self._synthetic is not None:                           # the draws accept_step makes, in its order
             a = self.config.spec.synthetic_acceptance
             synthetic = np.array([int(np.argmin(np.append(self._synthetic.random(K) < a, False))) for _ in range(B)])
-        logits = out.logits       # every row checks a draft or gives the bonus
-        if xp is not np and logits.flags.c_contiguous and logits.dtype in (np.float16, np.float32):
-            # the argmaxes and the accept in one launch
-            from mtpserve.engine.cuda_kernels import accept_logits
-            accepted, kept = accept_logits(logits, draft_ids, synthetic)
-        elif xp is np:
-            accepted, kept = accept_drafts(row_argmax(logits, xp).reshape(B, K + 1), draft_ids, synthetic)
+        if xp is np:              # every row checks a draft or gives the bonus
+            accepted, kept = accept_drafts(row_argmax(out.logits, xp).reshape(B, K + 1), draft_ids, synthetic)
         else:
-            from mtpserve.engine.cuda_kernels import accept_drafts as accept_on_device
-            accepted, kept = accept_on_device(row_argmax(logits, xp).reshape(B, K + 1), draft_ids, synthetic)
+            from mtpserve.engine.cuda_kernels import accept_step_on_device
+            accepted, kept = accept_step_on_device(out.logits, draft_ids, synthetic)
         self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
         flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
                               num_drafts=K, hidden=out.hidden, source=self._readback,
