@@ -1082,6 +1082,15 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
   step done
   ;;
+dl)          # session 29, last: this head's K=2 / auto against K=0 at C=16, lengths 64-192 then waves, 2 rounds each (~170 s)
+  for r in 0.5 0; do
+    step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
+    timeout 110 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r-final.json" \
+      --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio $r --fixed 2 --no-never \
+      2>&1 | tee "$OUT/auto-ab-c16-r$r-final.txt" | grep "^round\|median\|Error" | cut -c1-1500
+  done
+  step done
+  ;;
 dj)          # session 29: test_cuda after the host-path kernels, then the base commit's engine (.base/, carried) against this one, rounds alternating (~480 s)
   step test_cuda
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
