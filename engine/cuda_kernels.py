@@ -554,21 +554,24 @@ def _argmax_module():
     return _ARGMAX
 
 
-class _AcceptScratch:
-    """accept_logits' scratch: the target ids and each request's count of finished blocks (zero
-    between launches: the last block resets it), grown as batches grow. One set a process: an
-    engine process drives one GPU, on one stream."""
-    target = done = None
+_ACCEPT_SCRATCH: dict[int, tuple] = {}
 
-    @classmethod
-    def get(cls, rows: int, requests: int):
-        import cupy
-        if cls.target is None or cls.target.size < rows:
-            cls.target = cupy.empty(max(rows, 256), cupy.int64)
-        if cls.done is None or cls.done.size < requests:
-            cupy.cuda.get_current_stream().synchronize()      # (no launch still counts in the old one)
-            cls.done = cupy.zeros(max(requests, 64), cupy.uint32)
-        return cls.target, cls.done
+
+def _accept_scratch(rows: int, requests: int):
+    """accept_logits' scratch on the current stream: the target ids and each request's count of
+    finished blocks (zero between launches: the last block resets it), grown as batches grow.
+    One set a stream: each engine runs on a stream of its own, and two engines in one process
+    (a benchmark's, a test's) may have draft steps in flight at once."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    target, done = _ACCEPT_SCRATCH.get(stream.ptr, (None, None))
+    if target is None or target.size < rows:
+        target = cupy.empty(max(rows, 256), cupy.int64)
+    if done is None or done.size < requests:
+        stream.synchronize()                  # (no launch still counts in the old counters)
+        done = cupy.zeros(max(requests, 64), cupy.uint32)
+    _ACCEPT_SCRATCH[stream.ptr] = target, done
+    return target, done
 
 
 def accept_logits(logits, drafts, synthetic=None):
@@ -584,7 +587,7 @@ def accept_logits(logits, drafts, synthetic=None):
         drafts = cupy.ascontiguousarray(drafts)
     _int64(drafts)
     kernel = _argmax_module()["accept", np.dtype(logits.dtype)]
-    target, done = _AcceptScratch.get(B * (K + 1), B)
+    target, done = _accept_scratch(B * (K + 1), B)
     accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
     if synthetic is not None:
         synthetic = cupy.asarray(synthetic, cupy.int64)

@@ -329,7 +329,8 @@ def test_accept_from_logits_in_one_launch_matches_argmax_then_accept():
     """``accept_logits`` (each row's argmax and the acceptance in one launch, the last block of
     a request accepting) equals the host's argmax then ``pipeline.accept_drafts``, ties to the
     lowest id included, launch after launch (its per-request counters reset themselves: a
-    second step with other drafts and counts is right too), for float16 and float32 logits."""
+    second step with other drafts and counts is right too), for float16 and float32 logits, and
+    from two streams launching at once (each stream has counters of its own)."""
     import cupy as cp
 
     from mtpserve.engine.cuda_kernels import accept_logits
@@ -350,6 +351,24 @@ def test_accept_from_logits_in_one_launch_matches_argmax_then_accept():
                 got, kept = accept_logits(cp.asarray(logits), cp.asarray(drafts), synthetic)
                 np.testing.assert_array_equal(got.get(), want)
                 np.testing.assert_array_equal(kept.get(), want_kept)
+    # two engines' streams launching at once (a benchmark's engines, a test's): each its own counters
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    cases = []
+    for B, K in ((16, 2), (12, 3)):
+        logits = rng.standard_normal((B * (K + 1), 20000)).astype(np.float16)
+        target = logits.argmax(axis=1).reshape(B, K + 1)
+        drafts = np.where(rng.random((B, K)) < 0.5, target[:, :K], (target[:, :K] + 1) % 20000)
+        cases.append((cp.asarray(logits), cp.asarray(drafts), host_accept(target, drafts)))
+    launched = []
+    for _ in range(30):
+        for stream, (logits, drafts, want) in zip(streams, cases):
+            with stream:
+                launched.append((accept_logits(logits, drafts), want))
+    for stream in streams:
+        stream.synchronize()
+    for (got, kept), (want, want_kept) in launched:
+        np.testing.assert_array_equal(got.get(), want)
+        np.testing.assert_array_equal(kept.get(), want_kept)
 
 
 def _graph_share(engine) -> float:
