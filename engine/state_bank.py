@@ -408,14 +408,14 @@ class StateBank:
     #   snapshot_* [S, L, *row]              slot's layer l at slot * t0 + l * t1 (t1 = s2)
     def _zero_row(self, row: int) -> None:
         """Both banks of ``row`` := 0, every layer (2L slabs, the bank stride apart)."""
-        if self.xp is np:
-            self.conv[:, :, row] = 0
-            self.recurrent[:, :, row] = 0
-            return
-        from mtpserve.engine.cuda_kernels import zero_slabs
+        from_host = self.xp is np
         for a in (self.conv, self.recurrent):
             s = a.strides
-            zero_slabs(a, row * s[2], s[2], 2 * a.shape[0], s[1])
+            if from_host or s[2] % 4 or s[1] % 4:      # (the kernel zeroes 4-byte words)
+                a[:, :, row] = 0
+            else:
+                from mtpserve.engine.cuda_kernels import zero_slabs
+                zero_slabs(a, row * s[2], s[2], 2 * a.shape[0], s[1])
 
     def _copy_row(self, dst_bank: int, dst_row: int, src_bank: int, src_row: int) -> None:
         """(dst_bank, dst_row) := (src_bank, src_row), conv and recurrent, every layer."""
