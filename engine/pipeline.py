@@ -57,7 +57,8 @@ the scheduler would have planned next, from the same state.
 **Draft steps in flight.** A greedy draft step P (every request 1 token + the same K drafts; no
 penalties, grammar, min_tokens mask or logprobs: ``overlap_blocker``) is accepted and committed on
 the device: the target rows' argmaxes against the drafts give each request's emitted tokens and
-kept rows (``accept_drafts``; ``cuda_kernels.accept_drafts``), the state bank replays the rows
+kept rows (``accept_drafts``; on the device ``cuda_kernels.accept_logits``, the argmaxes and the
+acceptance in one launch), the state bank replays the rows
 that keep fewer than 1 + K from those counts (``StateBank.commit_step_on_device``), and only those
 two arrays go to the host. Its continuation Q (the policy plans one K' for all) is staged as if
 P kept all its rows, and moved on the device::
@@ -179,8 +180,9 @@ def _decode_as_accepted(tokens: np.ndarray) -> np.ndarray:
 
 def accept_drafts(target: np.ndarray, drafts: np.ndarray, synthetic: np.ndarray | None = None):
     """A uniform draft step's greedy acceptance as arrays, the host's version of
-    ``cuda_kernels.accept_drafts`` (and its reference): ``target`` [B, K + 1] the target rows'
-    argmaxes, ``drafts`` [B, K]; ``synthetic`` [B]: accepted counts given (benchmarks).
+    ``cuda_kernels.accept_drafts`` and ``accept_logits`` (and their reference): ``target``
+    [B, K + 1] the target rows' argmaxes, ``drafts`` [B, K]; ``synthetic`` [B]: accepted counts
+    given (benchmarks).
     Returns ``(accepted [B, K + 2], kept [B])``::
 
         drafts     d0 d1 d2           target  t0 t1 t2 t3       d0 == t0, d1 != t1: 1 accepted
