@@ -319,16 +319,22 @@ extern "C" __global__ void follow_catch_up(const long long* accepted, int K1, in
     }
 }
 """
-_ACCEPT = {}
+_FUNCTIONS: dict[tuple[str, str], object] = {}
+_MODULES: dict[str, object] = {}
 
 
-def _accept_kernel(name: str):
-    import cupy
-    if not _ACCEPT:
-        module = cupy.RawModule(code=_ACCEPT_SOURCE, options=("--std=c++14",))
-        for n in ("accept_drafts", "follow_verify", "follow_catch_up", "decode_as_accepted"):
-            _ACCEPT[n] = module.get_function(n)
-    return _ACCEPT[name]
+def _kernel(source: str, name: str):
+    """Kernel ``name`` of the CUDA ``source`` (one of this module's ``_*_SOURCE``), its module
+    built with NVRTC on first use and each function looked up once (a lookup per launch would
+    be host time on every step)."""
+    function = _FUNCTIONS.get((source, name))
+    if function is None:
+        module = _MODULES.get(source)
+        if module is None:
+            import cupy
+            module = _MODULES[source] = cupy.RawModule(code=source, options=("--std=c++14",))
+        function = _FUNCTIONS[source, name] = module.get_function(name)
+    return function
 
 
 def _int64(*arrays) -> None:
@@ -347,7 +353,7 @@ def accept_drafts(target, drafts, synthetic=None):
     accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
     if synthetic is not None:
         synthetic = cupy.asarray(synthetic, cupy.int64)
-    _accept_kernel("accept_drafts")((-(-B // 64),), (64,), (target, drafts, synthetic if synthetic is not None
+    _kernel(_ACCEPT_SOURCE, "accept_drafts")((-(-B // 64),), (64,), (target, drafts, synthetic if synthetic is not None
                                                              else np.uint64(0), np.int32(B), np.int32(K),
                                                              accepted, kept))
     return accepted, kept
@@ -361,7 +367,7 @@ def decode_as_accepted(tokens):
     _int64(tokens)
     B = int(tokens.shape[0])
     out = cupy.empty((B, 2), cupy.int64)
-    _accept_kernel("decode_as_accepted")((-(-B // 64),), (64,), (tokens, np.int32(B), out))
+    _kernel(_ACCEPT_SOURCE, "decode_as_accepted")((-(-B // 64),), (64,), (tokens, np.int32(B), out))
     return out
 
 
@@ -389,7 +395,7 @@ def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions
     if drafts is not None:
         assert ids is not None and drafts.shape == (B, num_rows - 1), "drafts [B, num_rows - 1] with ids"
         _int64(drafts)
-    _accept_kernel("follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
+    _kernel(_ACCEPT_SOURCE, "follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
                                                            np.int32(num_rows), past, positions,
                                                            np.int64(positions.shape[1]),
                                                            ids if ids is not None else np.uint64(0),
@@ -409,7 +415,7 @@ def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, 
         assert chained_past.dtype == np.int32 and chained_positions.shape[0] == 3
         _int64(chained_positions)
         T = int(chained_positions.shape[1])
-    _accept_kernel("follow_catch_up")((-(-B // 64),), (64,), (
+    _kernel(_ACCEPT_SOURCE, "follow_catch_up")((-(-B // 64),), (64,), (
         accepted, np.int32(num_kept_staged), np.int32(B), np.int32(rows_per_request), ids, last_rows, chain_from,
         chained_past if chained_past is not None else np.uint64(0),
         chained_positions if chained_positions is not None else np.uint64(0), np.int64(T)))
@@ -541,17 +547,7 @@ extern "C" __global__ void argmax_rows_f32(const float* logits, const long long*
     argmax_rows(logits, rows, vocab, out, out_stride, also);
 }
 """
-_ARGMAX = {}
-
-
-def _argmax_module():
-    import cupy
-    if not _ARGMAX:
-        module = cupy.RawModule(code=_ARGMAX_SOURCE, options=("--std=c++14",))
-        for dtype, suffix in ((np.float16, "f16"), (np.float32, "f32")):
-            _ARGMAX[np.dtype(dtype)] = module.get_function(f"argmax_rows_{suffix}")
-            _ARGMAX["accept", np.dtype(dtype)] = module.get_function(f"accept_logits_{suffix}")
-    return _ARGMAX
+_LOGIT_SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}    # the logits kernels' variants
 
 
 _ACCEPT_SCRATCH: dict[int, tuple] = {}
@@ -578,15 +574,15 @@ def accept_logits(logits, drafts, synthetic=None):
     """``accept_drafts(row argmaxes of logits, drafts, synthetic)`` in one launch: ``(accepted
     [B, K + 2], kept [B])`` int64 on the device from a uniform draft step's logits [B * (K + 1),
     V] (float16 or float32, C-contiguous: request b's rows b*(K+1) ..) and its drafts [B, K]
-    (int64, contiguous). An argmax launch, two allocations and the accept launch cost ~40 us
-    of host time a step (session 29's py-spy on the H100), this one launch ~15."""
+    (int64, contiguous), in place of an argmax launch, two allocations and the accept launch
+    (each CuPy launch ~10-15 us of host time in session 29's py-spy on the H100)."""
     import cupy
     B, K = int(drafts.shape[0]), int(drafts.shape[1])
     assert logits.flags.c_contiguous and logits.ndim == 2 and logits.shape[0] >= B * (K + 1), "[B * (K + 1), V]"
     if not drafts.flags.c_contiguous:
         drafts = cupy.ascontiguousarray(drafts)
     _int64(drafts)
-    kernel = _argmax_module()["accept", np.dtype(logits.dtype)]
+    kernel = _kernel(_ARGMAX_SOURCE, f"accept_logits_{_LOGIT_SUFFIX[np.dtype(logits.dtype)]}")
     target, done = _accept_scratch(B * (K + 1), B)
     accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
     if synthetic is not None:
@@ -617,7 +613,6 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_st
     with out_stride K); ``also``: an int64 [num_rows] array that gets the ids too (the next
     captured forward's input ids, written where it reads them)."""
     import cupy
-    kernels = _argmax_module()
     assert logits.flags.c_contiguous and logits.ndim == 2, "contiguous [N, V] logits"
     n = int(rows.shape[0]) if rows is not None else (num_rows if num_rows is not None else logits.shape[0])
     if out is None:
@@ -625,9 +620,9 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_st
     assert out.dtype == np.int64 and out.flags.c_contiguous and out.size >= (n - 1) * out_stride + 1, "int64 out"
     assert also is None or (also.dtype == np.int64 and also.flags.c_contiguous and also.size >= n), "int64 also"
     if n:
-        kernels[np.dtype(logits.dtype)]((n,), (256,), (logits, rows if rows is not None else np.uint64(0),
-                                                         np.int64(logits.shape[1]), out, np.int64(out_stride),
-                                                         also if also is not None else np.uint64(0)))
+        _kernel(_ARGMAX_SOURCE, f"argmax_rows_{_LOGIT_SUFFIX[np.dtype(logits.dtype)]}")(
+            (n,), (256,), (logits, rows if rows is not None else np.uint64(0), np.int64(logits.shape[1]), out,
+                           np.int64(out_stride), also if also is not None else np.uint64(0)))
     return out
 
 
@@ -652,12 +647,20 @@ extern "C" __global__ void gather_rows_u8(unsigned char* dst, const unsigned cha
     gather_rows(dst, src, index, lo, stride, width, total);
 }
 
-// count slabs of `words` 4-byte words, slab i at dst + i * pitch (in words), set to 0.
-extern "C" __global__ void zero_slabs(unsigned int* dst, long long pitch, long long words, long long count) {
-    const long long total = words * count;
+// count slabs of `width` words set to 0, slab i at dst + i * pitch (pitch and width in words:
+// 4-byte words, or single bytes when a slab's offset, size or pitch is not a multiple of 4).
+template <typename W>
+__device__ void zero_slabs(W* __restrict__ dst, long long pitch, long long width, long long count) {
+    const long long total = width * count;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x)
-        dst[(i / words) * pitch + i % words] = 0u;
+        dst[(i / width) * pitch + i % width] = 0;
+}
+extern "C" __global__ void zero_slabs_u32(unsigned int* dst, long long pitch, long long width, long long count) {
+    zero_slabs(dst, pitch, width, count);
+}
+extern "C" __global__ void zero_slabs_u8(unsigned char* dst, long long pitch, long long width, long long count) {
+    zero_slabs(dst, pitch, width, count);
 }
 
 // A chained head forward's next position: past[:n] += 1 (int32), positions [3, n] += 1 (int64).
@@ -670,23 +673,13 @@ extern "C" __global__ void advance_positions(int* past, long long* positions, lo
     positions[2 * n + i] += 1;
 }
 """
-_ROWS = {}
-
-
-def _rows_kernel(name: str):
-    import cupy
-    if not _ROWS:
-        module = cupy.RawModule(code=_ROWS_SOURCE, options=("--std=c++14",))
-        for n in ("gather_rows_u32", "gather_rows_u8", "zero_slabs", "advance_positions"):
-            _ROWS[n] = module.get_function(n)
-    return _ROWS[name]
 
 
 def gather_rows(dst, src, index, lo: int, hi: int) -> None:
     """``dst[index[0, j]] = src[index[1, j]]`` for j in lo..hi-1, whole rows, in one kernel
-    (CuPy's fancy-index assignment costs several launches and index checks; an elementwise
-    kernel ~3x a raw kernel's host time, session 29's py-spy). dst, src: [*, H] C-contiguous,
-    one dtype; index: int64 [2, n] on the device, C-contiguous."""
+    (CuPy's fancy-index assignment costs several launches and index checks; its elementwise
+    kernel cost ~20 us of host time a launch in session 29's py-spy, a raw kernel's ~10-15).
+    dst, src: [*, H] C-contiguous, one dtype; index: int64 [2, n] on the device, C-contiguous."""
     assert dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and index.ndim == 2
     assert index.dtype == np.int64 and index.flags.c_contiguous, "contiguous int64 index"
     row_bytes = math.prod(dst.shape[1:]) * dst.itemsize
@@ -694,7 +687,7 @@ def gather_rows(dst, src, index, lo: int, hi: int) -> None:
         return
     name, width = ("gather_rows_u32", row_bytes // 4) if row_bytes % 4 == 0 else ("gather_rows_u8", row_bytes)
     total = (hi - lo) * width
-    _rows_kernel(name)((min(-(-total // 256), 65535 * 8),), (256,),
+    _kernel(_ROWS_SOURCE, name)((min(-(-total // 256), 65535 * 8),), (256,),
                        (dst, src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), np.int64(total)))
 
 
@@ -731,7 +724,7 @@ def advance_positions(past, positions, num_rows: int) -> None:
     assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape == (3, num_rows)
     assert past.flags.c_contiguous and positions.flags.c_contiguous
     if num_rows:
-        _rows_kernel("advance_positions")((-(-num_rows // 64),), (64,), (past, positions, np.int64(num_rows)))
+        _kernel(_ROWS_SOURCE, "advance_positions")((-(-num_rows // 64),), (64,), (past, positions, np.int64(num_rows)))
 
 
 def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: int, dst_pitch: int,
@@ -739,7 +732,7 @@ def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: i
     """``count`` slabs of ``nbytes`` bytes, slab i from ``src`` at byte ``src_offset + i *
     src_pitch`` to ``dst`` at ``dst_offset + i * dst_pitch``, in one 2-D device copy on the
     current stream: a state row of every layer (``[L, 2, R, ...]``: one slab a layer, the
-    layer stride apart) without CuPy's strided views and elementwise copy (~3x the host time)."""
+    layer stride apart) without CuPy's strided views and elementwise copy."""
     import cupy
     if nbytes and count:
         cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr + dst_offset, dst_pitch, src.data.ptr + src_offset, src_pitch,
@@ -749,12 +742,11 @@ def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: i
 
 def zero_slabs(dst, offset: int, nbytes: int, count: int, pitch: int) -> None:
     """``count`` slabs of ``nbytes`` bytes of ``dst`` set to zero, slab i at byte ``offset + i *
-    pitch``, in one kernel (offset, nbytes and pitch multiples of 4)."""
-    if offset % 4 or nbytes % 4 or pitch % 4:
-        raise ValueError(f"zero_slabs: offset {offset}, size {nbytes} and pitch {pitch} must be multiples of 4")
+    pitch``, in one kernel (written as 4-byte words when offset, size and pitch allow)."""
     if not nbytes or not count:
         return
-    total = nbytes // 4 * count
-    _rows_kernel("zero_slabs")((min(-(-total // 256), 65535 * 8),), (256,),
-                               (np.uint64(dst.data.ptr + offset), np.int64(pitch // 4), np.int64(nbytes // 4),
-                                np.int64(count)))
+    word = 4 if offset % 4 == 0 and nbytes % 4 == 0 and pitch % 4 == 0 else 1
+    total = nbytes // word * count
+    _kernel(_ROWS_SOURCE, "zero_slabs_u32" if word == 4 else "zero_slabs_u8")(
+        (min(-(-total // 256), 65535 * 8),), (256,),
+        (np.uint64(dst.data.ptr + offset), np.int64(pitch // word), np.int64(nbytes // word), np.int64(count)))

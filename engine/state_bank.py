@@ -408,14 +408,14 @@ class StateBank:
     #   snapshot_* [S, L, *row]              slot's layer l at slot * t0 + l * t1 (t1 = s2)
     def _zero_row(self, row: int) -> None:
         """Both banks of ``row`` := 0, every layer (2L slabs, the bank stride apart)."""
-        from_host = self.xp is np
+        if self.xp is np:
+            self.conv[:, :, row] = 0
+            self.recurrent[:, :, row] = 0
+            return
+        from mtpserve.engine.cuda_kernels import zero_slabs
         for a in (self.conv, self.recurrent):
             s = a.strides
-            if from_host or s[2] % 4 or s[1] % 4:      # (the kernel zeroes 4-byte words)
-                a[:, :, row] = 0
-            else:
-                from mtpserve.engine.cuda_kernels import zero_slabs
-                zero_slabs(a, row * s[2], s[2], 2 * a.shape[0], s[1])
+            zero_slabs(a, row * s[2], s[2], 2 * a.shape[0], s[1])
 
     def _copy_row(self, dst_bank: int, dst_row: int, src_bank: int, src_row: int) -> None:
         """(dst_bank, dst_row) := (src_bank, src_row), conv and recurrent, every layer."""
@@ -526,7 +526,7 @@ class StateBank:
         if any(batch <= at < num_rows and self._active[at] != b for at in self._rows.values()):
             return None
         present = self._present_views.get((b, batch))
-        if present is None:      # (the same views every step of this shape: CuPy's slicing costs ~5 us a view)
+        if present is None:      # (the same views every step of this shape: no CuPy slicing a step)
             present = self._present_views[b, batch] = StepStates(
                 self.spec.layer_ids, self.conv[:, 1 - b, :batch], self.recurrent[:, 1 - b, :batch])
         self._in_place = present

@@ -239,7 +239,7 @@ def test_state_bank_row_moves_on_the_device_match_numpy():
 def test_argmax_and_row_gather_kernels_match_numpy():
     import cupy as cp
 
-    from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, gather_rows
+    from mtpserve.engine.cuda_kernels import advance_positions, argmax_rows, gather_rows, zero_slabs
     rng = np.random.default_rng(1)
     for dtype in (np.float16, np.float32):
         logits = rng.standard_normal((7, 5000)).astype(dtype)
@@ -258,6 +258,13 @@ def test_argmax_and_row_gather_kernels_match_numpy():
         gather_rows(got, cp.asarray(src), cp.asarray(index), 1, 4)
         expected = dst.copy()
         expected[index[0, 1:]] = src[index[1, 1:]]
+        np.testing.assert_array_equal(got.get(), expected)
+    for offset, nbytes, pitch in ((8, 12, 20), (3, 5, 11)):    # zeroed as 4-byte words, then as bytes
+        got = cp.asarray(np.full(64, 7, np.uint8))
+        zero_slabs(got, offset, nbytes, 3, pitch)
+        expected = np.full(64, 7, np.uint8)
+        for i in range(3):
+            expected[offset + i * pitch:offset + i * pitch + nbytes] = 0
         np.testing.assert_array_equal(got.get(), expected)
     past, positions = cp.asarray(np.array([3, 7], np.int32)), cp.asarray(np.arange(6, dtype=np.int64).reshape(3, 2))
     advance_positions(past, positions, 2)

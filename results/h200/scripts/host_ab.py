@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from auto_ab import ClosedLoop  # noqa: E402
+from spy_loop import measured, warm_up  # noqa: E402
 
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
@@ -37,10 +37,8 @@ def main() -> None:
             engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
         engine = engines[k]
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
-        ClosedLoop(engine, prompts[:max(32, 2 * c)], c, f"warm-{config}", 128).advance()
-        loop = ClosedLoop(engine, prompts, c, f"run-{config}", 128)
-        loop.advance()
-        r = loop.result()
+        warm_up(engine, prompts[:max(32, 2 * c)], c, 128)
+        r = measured(engine, prompts, c, 128)
         print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
                           "ms_per_step": r["ms_per_step"], "step_p50_ms": r["step_p50_ms"], "steps": r["steps"],
                           "prompt_steps": r["prompt_steps"], "ttft_p50_ms": r.get("ttft_p50_ms")}), flush=True)

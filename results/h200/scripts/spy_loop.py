@@ -11,6 +11,7 @@ under ``measured``: spy_table keeps those). Prints the run's tokens/s and steps.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -22,15 +23,19 @@ from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 
 
-def warm_up(engine, prompts, concurrency, lengths):
-    loop = ClosedLoop(engine, prompts, concurrency, "warm", lengths)
-    loop.advance()
+def warm_up(engine, prompts, concurrency, lengths) -> None:
+    """A closed loop whose samples sit under this frame (left out of spy_table's count)."""
+    ClosedLoop(engine, prompts, concurrency, f"warm-{next(_RUNS)}", lengths).advance()
 
 
-def measured(engine, prompts, concurrency, lengths):
-    loop = ClosedLoop(engine, prompts, concurrency, "run", lengths)
+def measured(engine, prompts, concurrency, lengths) -> dict:
+    """A closed loop whose samples sit under this frame (spy_table's); its ``result()``."""
+    loop = ClosedLoop(engine, prompts, concurrency, f"run-{next(_RUNS)}", lengths)
     loop.advance()
     return loop.result()
+
+
+_RUNS = itertools.count()      # request ids stay unique when one engine runs several loops
 
 
 def main() -> None:
