@@ -287,7 +287,7 @@ host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine, 88490a8
 }
 spy_loops() {            # py-spy (wall time, waits included) of the bundled model's closed loop: K=2 / K=0 at C=16 with waves, K=2 at C=1
   local pyspy=/tmp/site/bin/py-spy
-  [[ -x $pyspy ]] || { mkdir -p /tmp/site/bin && python3 -c "import zipfile; z = zipfile.ZipFile('.gpukit-small/py_spy.whl'); \
+  [[ -x $pyspy ]] || { mkdir -p /tmp/site/bin && python3 -c "import zipfile; import glob; z = zipfile.ZipFile(glob.glob('.gpukit*/py_spy.whl')[0]); \
 open('$pyspy', 'wb').write(z.read('py_spy-0.4.3.data/scripts/py-spy'))" && chmod +x $pyspy; }
   for run in "2 16" "0 16" "2 1"; do
     set -- $run
@@ -1080,6 +1080,13 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
   timeout 60 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-shipped.json" \
     --concurrency 1 --requests 24 --rounds 1 --range-ratio 0 --fixed 2 --no-never \
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
+ea)          # session 30, first: the whole test_cuda at session 29's head (device-path commits after dj), then py-spy of its loop (~350 s)
+  step test_cuda
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  spy_loops
   step done
   ;;
 dl)          # session 29, last: this head's K=2 / auto against K=0 at C=16, lengths 64-192 then waves, 2 rounds each (~170 s)
