@@ -590,11 +590,11 @@ class Engine:
         head_rows = 0 if after is not None and after.num_drafts else \
             sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
         drafts = self.proposer.propose(plan.scheduled, after=after)
-        if after is None:           # (no prefix hit: a step that admits a request carries its prompt, no drafts)
-            out = self._verify(plan, drafts)
-        else:
-            out = self._verify_after(plan, drafts, after)
         on_device = self._device_drafts(plan, drafts)
+        if after is None:           # (no prefix hit: a step that admits a request carries its prompt, no drafts)
+            out = self._verify(plan, drafts, on_device)
+        else:
+            out = self._verify_after(plan, drafts, on_device, after)
         draft_ids = on_device.array if on_device is not None else xp.asarray(
             np.array([drafts[rid].tokens for rid in plan.request_ids], np.int64))
         synthetic = None
@@ -613,7 +613,7 @@ class Engine:
         flight.readback = self._readback.send(accepted.reshape(-1))
         return flight
 
-    def _verify_after(self, plan: StepPlan, drafts: dict, after: LaunchedStep):
+    def _verify_after(self, plan: StepPlan, drafts: dict, on_device, after: LaunchedStep):
         """The verify of a draft continuation: a captured step staged as if ``after`` kept all
         its rows and moved to its acceptance on the device; eagerly from the host's copy of that
         acceptance (a wait) when no graph fits. (After a decode step, its one row is committed
@@ -623,7 +623,6 @@ class Engine:
         behind = 0 if after.num_drafts else 1
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
         if self.graphs is not None:
-            on_device = self._device_drafts(plan, drafts)
             rows = [PackedRows([0] * (1 + s.num_drafts) if on_device is not None else [0] + drafts[rid].tokens,
                                s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
@@ -717,7 +716,7 @@ class Engine:
         head_rows = sum(s.request.num_computed - s.request.num_head for s in drafting)
         drafts = self.proposer.propose(drafting) if drafting else {}
         replays = self.graphs.num_replays if self.graphs is not None else 0
-        out = self._verify(plan, drafts)
+        out = self._verify(plan, drafts, self._device_drafts(plan, drafts))
         sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._processed(plan, drafts, out.logits),
                               self.xp,
                               self.config.spec.synthetic_acceptance, self._synthetic)
@@ -836,10 +835,12 @@ class Engine:
             i += n
         return out
 
-    def _verify(self, plan: StepPlan, drafts: dict):
+    def _verify(self, plan: StepPlan, drafts: dict, on_device=None):
         """One packed forward of the main model over each request's fed tokens and drafts
-        (drafts still on the device go into a captured step from there: see ``_device_drafts``)."""
-        on_device = self._device_drafts(plan, drafts) if self.graphs is not None else None
+        (``on_device``, the step's ``_device_drafts``: drafts still on the device go into a
+        captured step from there)."""
+        if self.graphs is None:
+            on_device = None
         rows = self._step_rows(plan, drafts, placeholders=on_device is not None)
         if self.graphs is not None:
             out = self.graphs.run(plan.request_ids, rows, [s.num_tokens for s in plan.scheduled],
