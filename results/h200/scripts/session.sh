@@ -269,7 +269,7 @@ ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B
   done
 }
 
-host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine, 88490a8) and this one, alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves
+host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git archive BASE engine` less the bundled model; session 30: ab4cd8b) and this one, alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves
   mkdir -p /tmp/pkg_base/mtpserve
   ln -sfn "$root/.base/engine" /tmp/pkg_base/mtpserve/engine
   ln -sfn "$root/engine/bundled/model" "$root/.base/engine/bundled/model"
