@@ -28,7 +28,6 @@ live step pays ORT's first-call cost of a new shape (0.5-0.85 s on the 1.4 B mod
 from __future__ import annotations
 
 import functools
-
 import logging
 import time
 from collections.abc import Callable, Sequence
