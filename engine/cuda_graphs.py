@@ -196,6 +196,8 @@ class _StaticInputs:
         for name, (dtype, shape) in layout.items():
             offsets[name] = end
             end += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 8) * 8
+        self._ranges = {name: (offsets[name], int(np.prod(shape)) * np.dtype(dtype).itemsize)
+                        for name, (dtype, shape) in layout.items()}
         self.nbytes = max(end, 8)
         self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
         self._host_bytes = np.frombuffer(self._pinned, np.uint8, self.nbytes)
@@ -215,11 +217,13 @@ class _StaticInputs:
         self._sent.synchronize()
         return self.host
 
-    def upload(self) -> None:
-        """One host -> device copy of the whole block, on the current stream (asynchronous)."""
+    def upload(self, name: str | None = None) -> None:
+        """One host -> device copy of the whole block (or of input ``name`` alone), on the current
+        stream (asynchronous)."""
         import cupy
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._host_bytes.ctypes.data, self.nbytes,
+        at, size = (0, self.nbytes) if name is None else self._ranges[name]
+        cupy.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr + at, self._host_bytes.ctypes.data + at, size,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         self._sent.record(stream)
 
@@ -313,6 +317,8 @@ class StepGraphs(_GraphSet):
                                      xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
         self.num_eager = 0
         self.num_device_drafts = 0     # verify steps whose drafts came from the device
+        self.num_steady = 0            # draft continuations staged from the step before on the device
+        self._latest: StagedStep | None = None     # the last replayed step's inputs
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
@@ -348,7 +354,8 @@ class StepGraphs(_GraphSet):
 
     # ------------------------------------------------------------------ a step
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], num_tokens: Sequence[int],
-            copy_hidden: bool, device_drafts=None, input_tokens=None, after=None) -> MainOutputs | None:
+            copy_hidden: bool, device_drafts=None, input_tokens=None, after=None,
+            follows: StagedStep | None = None) -> MainOutputs | None:
         """Replay the graph of a decode / uniform verify step (rows in the step's order; request
         i feeds ``num_tokens[i]`` new tokens); None if the step has none. ``copy_hidden``: the
         hidden rows are kept past this step (the proposer's catch-up), so they are copied out of
@@ -359,7 +366,12 @@ class StepGraphs(_GraphSet):
         K1)`` of the launched draft step this verify continues (``pipeline``): the rows were
         staged as if that step kept all its K1 rows (``past_len`` = its base + K1, id 0
         placeholders) and are moved to its accepted counts on the device, the fed token being
-        its last emitted one (``cuda_kernels.follow_verify``)."""
+        its last emitted one (``cuda_kernels.follow_verify``). ``follows``: with ``after``, the
+        ``StagedStep`` of that draft step's own replay: when it is still this set's latest and
+        its requests, rows a request, batch, table width and table objects are this step's, its
+        inputs on the device are this step's moved by the accepted counts, so they are copied
+        from there (one device copy) and moved on the device, with no host staging (a steady
+        pipeline of draft steps: ``_steady``)."""
         lens = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
         if choice is None:
@@ -371,9 +383,21 @@ class StepGraphs(_GraphSet):
             return None
         bank, present = placed
         graph = self._graphs[GraphShape(batch, n, width, bank)]
-        host = graph.inputs.writable()
-        _fill_step(host, rows, n, width, graph.inputs.staged)
-        graph.inputs.upload()
+        tables = tuple(r.block_table for r in rows)
+        steady = (after is not None and (device_drafts is not None or n == 1)       # (else the host's draft ids)
+                  and self._steady(follows, request_ids, n, width))
+        if steady:                         # follows' inputs, moved below by its accepted counts
+            if follows.graph is not graph:
+                copy_rows(graph.inputs.device_bytes, follows.graph.inputs.device_bytes, graph.inputs.nbytes)
+            if not _same(tables, follows.tables):       # a request took a block: its tables from the host
+                _fill_tables(graph.inputs.writable(), tables, width, graph.inputs.staged)
+                graph.inputs.upload("block_table")
+            self.num_steady += 1
+        else:
+            host = graph.inputs.writable()
+            _fill_step(host, rows, n, width, graph.inputs.staged)
+            graph.inputs.upload()
+        self._latest = StagedStep(graph, tuple(request_ids), tables, n, width)
         if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
             if after is None:              # (with after, follow_verify writes them in its launch)
                 copy_columns(graph.inputs.device["input_ids"].reshape(batch, n), device_drafts, 1)
@@ -382,10 +406,10 @@ class StepGraphs(_GraphSet):
             if n != 1:
                 raise AssertionError("input_tokens feeds a decode step (one row per request)")
             copy_rows(graph.inputs.device["input_ids"], input_tokens, len(rows))
-        if after is not None:
+        if after is not None:              # staged for K1 kept rows: moved by kept - K1; steady: by kept
             dev = graph.inputs.device
-            follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"],
-                          drafts=device_drafts)
+            follow_verify(after[0], 0 if steady else after[1], n, dev["past_sequence_lengths"], dev["position_ids"],
+                          dev["input_ids"], drafts=device_drafts)
         self._replay(graph)
         T, B = len(rows) * n, len(rows)
         hidden = self.hidden_copies.copy(self.hidden, T) if copy_hidden else self.hidden[:T]
@@ -393,7 +417,26 @@ class StepGraphs(_GraphSet):
         if n > 1:
             captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
                                     self.captures.recurrent_capsule[:, :B])
-        return MainOutputs(self.logits[:T], hidden, present, captures)
+        return MainOutputs(self.logits[:T], hidden, present, captures, staging=self._latest)
+
+    def _steady(self, follows: StagedStep | None, request_ids: Sequence[str], n: int, width: int) -> bool:
+        """Whether ``follows`` (the launched step this one continues) is the latest staging and
+        holds this step's requests in order, ``n`` rows each, at table width ``width`` (its block
+        tables may differ: ``KVPool.block_array`` makes a new one when a request takes a block,
+        every ``block_size`` tokens)."""
+        return (follows is not None and follows is self._latest and follows.n == n and follows.width == width
+                and follows.request_ids == tuple(request_ids))
+
+
+@dataclass(eq=False)
+class StagedStep:
+    """What a replayed main-model step's inputs hold on the device (``StepGraphs.run``'s token:
+    the next draft step, if it is steady, starts from them instead of the host's staging)."""
+    graph: _Graph
+    request_ids: tuple
+    tables: tuple
+    n: int
+    width: int
 
 
 class _RowCopies:
@@ -670,19 +713,41 @@ class HeadGraphs(_GraphSet):
             return None
         # both forwards' inputs staged and sent first: the argmax after each forward then writes
         # the next one's input ids on the device, after the copy that would overwrite them
-        host = catch_up.inputs.writable()
-        _fill_padded(host, rows, R, width, catch_up.inputs.staged)
-        host["last_rows"][:] = np.arange(batch) * R
-        host["last_rows"][:B] += np.asarray(fed) - 1
-        host["chain"][1] = host["last_rows"]
-        sources = plan_gather((x for b, segments in enumerate(hidden) for x in segment_destinations(segments, b * R)),
-                              host["gather"])
+        sources = _stage_catch_up(catch_up.inputs.writable(), rows, hidden, R, width, catch_up.inputs.staged)
         catch_up.inputs.upload()
         if num_drafts > 1:
-            host = chained.inputs.writable()
-            _fill_rows(host, [PackedRows((), r.past_len + n, r.block_table) for r, n in zip(rows, fed)], 1, width,
-                       chained.inputs.staged)
+            _fill_rows(chained.inputs.writable(), [PackedRows((), r.past_len + n, r.block_table)
+                                                   for r, n in zip(rows, fed)], 1, width, chained.inputs.staged)
             chained.inputs.upload()
+        return self._launch_drafts(catch_up, chained, batch, B, num_drafts, sources, after)
+
+    def draft_after(self, past: np.ndarray, tables: tuple, hidden, starts: Sequence[int], num_drafts: int,
+                    after) -> object | None:
+        """``draft`` of a draft continuation, staged without a row object a request: request b's
+        catch-up is all ``K1 = after[1]`` rows of the launched step ``after`` (``(accepted,
+        K1)``) from head position ``past[b]`` (int64, its ``num_head``), its hidden rows
+        ``starts[b] .. starts[b] + K1 - 1`` of ``hidden`` (that step's hidden rows, one array),
+        its head block table ``tables[b]`` (``KVPool.block_array``'s)."""
+        R, B, k1 = self.catch_up_rows, len(past), after[1]
+        batch = self.catalog.batch_for(B)
+        if batch is None or not 0 < num_drafts < R or k1 > R or not hidden.flags.c_contiguous:
+            return None
+        width = self.catalog.width_for(int(past.max()) + max(R, k1 + num_drafts - 1))
+        catch_up = self._graphs.get(GraphShape(batch, R, width, 0))
+        chained = self._graphs.get(GraphShape(batch, 1, width, 0))
+        if catch_up is None or chained is None:
+            return None
+        _stage_catch_up_after(catch_up.inputs.writable(), past, tables, starts, k1, R, width, catch_up.inputs.staged)
+        catch_up.inputs.upload()
+        if num_drafts > 1:
+            _stage_chained_after(chained.inputs.writable(), past + k1, tables, width, chained.inputs.staged)
+            chained.inputs.upload()
+        return self._launch_drafts(catch_up, chained, batch, B, num_drafts, [(hidden, 0, B * k1)], after)
+
+    def _launch_drafts(self, catch_up: _Graph, chained: _Graph, batch: int, B: int, num_drafts: int,
+                       sources: list, after):
+        """A staged catch-up and its chained forwards launched (``draft``'s second half)."""
+        R = self.catch_up_rows
         dev = chained.inputs.device
         if after is not None:       # (the chained row moves in the same launch)
             cd = catch_up.inputs.device
@@ -706,6 +771,56 @@ class HeadGraphs(_GraphSet):
         return out.reshape(batch, num_drafts)[:B]
 
 
+def _stage_catch_up(host: dict[str, np.ndarray], rows: Sequence[PackedRows], hidden: Sequence[Sequence[tuple]],
+                    R: int, width: int, staged: _StagedTables | None) -> list:
+    """A head catch-up's staging (``HeadGraphs.draft``): ``_fill_padded`` at ``R`` rows a request,
+    each request's last real row (and the chained forward's start row) and the gather of its
+    hidden rows; the gather's sources (``plan_gather``)."""
+    _fill_padded(host, rows, R, width, staged)
+    last = host["last_rows"]
+    last[:] = np.arange(len(last)) * R
+    last[:len(rows)] += np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows)) - 1
+    host["chain"][1] = last
+    return plan_gather((x for b, segments in enumerate(hidden) for x in segment_destinations(segments, b * R)),
+                       host["gather"])
+
+
+def _stage_catch_up_after(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, starts: Sequence[int],
+                          k1: int, R: int, width: int, staged: _StagedTables | None) -> None:
+    """``_stage_catch_up`` of a draft continuation's catch-up (``HeadGraphs.draft_after``) in
+    array operations: request b's ``k1`` rows at head position ``past[b]`` (ids 0: the device
+    writes them), its hidden rows ``starts[b] ..`` of one source array (sources ``[(hidden, 0,
+    B * k1)]``)::
+
+        catch-up row   b * R + i  (i < k1)         <- hidden row starts[b] + i
+        last row       b * R + k1 - 1 (padding: b * R)
+    """
+    B = len(past)
+    host["input_ids"][:] = 0
+    host["past_sequence_lengths"][:B] = past
+    host["past_sequence_lengths"][B:] = 0
+    _fill_positions(host, R)
+    _fill_tables(host, tables, width, staged)
+    last = host["last_rows"]
+    last[:] = np.arange(len(last)) * R
+    last[:B] += k1 - 1
+    host["chain"][1] = last
+    gather, offsets = host["gather"], np.arange(k1)
+    np.add((last[:B] - (k1 - 1))[:, None], offsets, out=gather[0, :B * k1].reshape(B, k1))
+    np.add(np.asarray(starts, np.int64)[:, None], offsets, out=gather[1, :B * k1].reshape(B, k1))
+
+
+def _stage_chained_after(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, width: int,
+                         staged: _StagedTables | None) -> None:
+    """The chained forward's staging (one row a request at head position ``past[b]``), as
+    ``_fill_rows`` stages it from row objects."""
+    B = len(past)
+    host["past_sequence_lengths"][:B] = past
+    host["past_sequence_lengths"][B:] = 0
+    _fill_positions(host, 1)
+    _fill_tables(host, tables, width, staged)
+
+
 class _StagedTables:
     """The block tables a staging block holds (the rows' ``block_table`` objects and the width):
     a step whose rows carry the same objects (``KVPool.block_array`` keeps one read-only array a
@@ -717,8 +832,12 @@ class _StagedTables:
         self.tables, self.width = (), -1
 
     def same(self, tables: tuple, width: int) -> bool:
-        return width == self.width and len(tables) == len(self.tables) and all(
-            a is b for a, b in zip(tables, self.tables))
+        return width == self.width and _same(tables, self.tables)
+
+
+def _same(tables: tuple, others: tuple) -> bool:
+    """The same block-table objects, request for request."""
+    return len(tables) == len(others) and all(a is b for a, b in zip(tables, others))
 
 
 def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int,
@@ -731,7 +850,12 @@ def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     past[:B] = np.fromiter((r.past_len for r in rows), np.int32, B)
     past[B:] = 0
     _fill_positions(host, n)
-    tables = tuple(r.block_table for r in rows)
+    _fill_tables(host, tuple(r.block_table for r in rows), width, staged)
+
+
+def _fill_tables(host: dict[str, np.ndarray], tables: tuple, width: int, staged: _StagedTables | None) -> None:
+    """The staging's block tables: row b request b's first ``width`` blocks, then 0 (the scratch
+    block); left as they are when ``staged`` says it holds these objects at this width."""
     if staged is not None and staged.same(tables, width):
         return
     table = host["block_table"]

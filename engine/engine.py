@@ -329,7 +329,7 @@ class Engine:
             if graphs is not None:
                 graphs.num_replays = 0
         if self.graphs is not None:
-            self.graphs.num_eager = self.graphs.num_device_drafts = 0
+            self.graphs.num_eager = self.graphs.num_device_drafts = self.graphs.num_steady = 0
 
     def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:
         """The cached prefix of ``prompt`` as msgpack records another engine of this model can
@@ -609,7 +609,7 @@ class Engine:
         self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
         flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
                               num_drafts=K, hidden=out.hidden, source=self._readback,
-                              num_head_rows=head_rows)
+                              num_head_rows=head_rows, staging=out.staging)
         flight.readback = self._readback.send(accepted.reshape(-1))
         return flight
 
@@ -628,7 +628,7 @@ class Engine:
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
                                   device_drafts=on_device.array if on_device is not None else None,
-                                  after=(after.accepted(), k1))
+                                  after=(after.accepted(), k1), follows=after.staging)
             if out is not None:
                 return out
         accepted = after.host_accepted()

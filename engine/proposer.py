@@ -192,9 +192,9 @@ class MTPProposer:
         tables = [self.head_pool.block_array(s.request.request_id) for s in drafting]
         starts = after.plan.layout.target_row     # (a draft step's fed row; a decode step's last)
         if self.graphs is not None:
-            rows = [PackedRows([0] * k1, s.request.num_head, t) for s, t in zip(drafting, tables)]
-            tokens = self.graphs.draft(rows, [[(after.hidden, start, k1)] for start in starts],
-                                       max(s.num_drafts for s in drafting), after=(after.accepted(), k1))
+            past = np.fromiter((s.request.num_head for s in drafting), np.int64, len(drafting))
+            tokens = self.graphs.draft_after(past, tuple(tables), after.hidden, starts,
+                                             max(s.num_drafts for s in drafting), (after.accepted(), k1))
             if tokens is not None:
                 self._caught_up_on_decode(drafting, after)
                 return self._device_result(drafting, tokens)

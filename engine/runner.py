@@ -49,6 +49,7 @@ class MainOutputs:
     hidden: Array                 # [T, H]
     present: StepStates
     captures: StepCaptures | None
+    staging: object = None        # a captured step's ``cuda_graphs.StagedStep`` (what its inputs held)
 
 
 @dataclass

@@ -137,6 +137,8 @@ def test_cuda_greedy_mtp_on_equals_mtp_off_up_to_near_ties(model_dir, k):
     print(f"K={k}: {engine.num_draft_continuations} draft steps launched from the acceptance of the one before "
           f"(on the device); no continuation: {engine.overlap_blockers}")
     assert engine.num_draft_continuations > 0
+    print(f"K={k}: {engine.graphs.num_steady} verify steps staged from the step before on the device")
+    assert engine.graphs.num_steady > 0
     # drafts that reach the verify from the device are the eager head's drafts: wrong ones would
     # leave the output as it is (rejected) but lose acceptance
     eager = engine_on(model_dir, "cuda", k=k, budget=48, cuda_graphs=False)

@@ -229,3 +229,41 @@ def test_staged_block_tables_are_rewritten_when_a_requests_table_or_the_width_ch
     assert host["block_table"].tolist() == [[3, 7, 0], [0, 0, 0], [0, 0, 0]]
     cuda_graphs._fill_rows(host, [PackedRows((), 22, b2)], 1, 1, staged)            # another width
     assert host["block_table"].tolist() == [[3, 0, 0], [0, 0, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("batch,k1,R", [(4, 3, 3), (8, 2, 4), (1, 1, 3)])
+def test_a_draft_continuations_head_staging_in_arrays_is_the_row_objects_staging(batch, k1, R):
+    """``HeadGraphs.draft_after``'s staging (``_stage_catch_up_after``, ``_stage_chained_after``:
+    array operations, no row object a request) writes what ``draft`` stages from row objects for
+    the same continuation: placeholders for ids, past lengths, positions, tables, each request's
+    last real row and chained start, and the gather of its K1 hidden rows from the step's one
+    hidden array; padding requests after the real ones."""
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    rng = np.random.default_rng(batch * 10 + k1)
+    B, width = max(1, batch - 1), 4
+
+    def host(n):
+        return {"input_ids": np.full(batch * n, -1, np.int64), "position_ids": np.full((3, batch * n), -1, np.int64),
+                "past_sequence_lengths": np.full(batch, -1, np.int32),
+                "block_table": np.full((batch, width), -1, np.int32), "last_rows": np.full(batch, -1, np.int64),
+                "gather": np.full((2, batch * n), -1, np.int64), "chain": np.full((2, batch), -1, np.int64)}
+
+    past = rng.integers(0, 50, B).astype(np.int64)
+    tables = tuple(np.array(rng.integers(1, 99, int(rng.integers(1, 6))), np.int32) for _ in range(B))
+    starts = [b * k1 for b in range(B)]
+    hidden = np.zeros((B * k1, 2))
+    rows = [PackedRows([0] * k1, int(p), t) for p, t in zip(past, tables)]
+    want, got = host(R), host(R)
+    sources = cuda_graphs._stage_catch_up(want, rows, [[(hidden, s, k1)] for s in starts], R, width, None)
+    cuda_graphs._stage_catch_up_after(got, past, tables, starts, k1, R, width, None)
+    assert sources == [(hidden, 0, B * k1)]
+    want["gather"][:, B * k1:] = got["gather"][:, B * k1:] = 0        # (past the pairs: not read)
+    for name in want:
+        assert (want[name] == got[name]).all(), name
+    want, got = host(1), host(1)
+    cuda_graphs._fill_rows(want, [PackedRows((), int(p) + k1, t) for p, t in zip(past, tables)], 1, width)
+    cuda_graphs._stage_chained_after(got, past + k1, tables, width, None)
+    for name in ("past_sequence_lengths", "position_ids", "block_table"):
+        assert (want[name] == got[name]).all(), name
