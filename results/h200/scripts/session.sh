@@ -1089,6 +1089,23 @@ ea)          # session 30, first: the whole test_cuda at session 29's head (devi
   spy_loops
   step done
   ;;
+eb)          # session 30: test_cuda (session 29's device-path commits and this session's steady continuations), then session 30's start (.base/ = ab4cd8b) against this head, 3 rounds (~480 s)
+  step test_cuda
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed|steady" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  host_ab_rounds 3
+  step done
+  ;;
+ec)          # session 30: py-spy of this head's loop, then K=2 / auto against K=0 at C=16, lengths 64-192 and waves (~300 s)
+  spy_loops
+  for r in 0.5 0; do
+    step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
+    timeout 100 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r.json" \
+      --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio $r --fixed 2 --no-never \
+      2>&1 | tee "$OUT/auto-ab-c16-r$r.txt" | grep "^round\|median\|Error" | cut -c1-1500
+  done
+  step done
+  ;;
 dl)          # session 29, last: this head's K=2 / auto against K=0 at C=16, lengths 64-192 then waves, 2 rounds each (~170 s)
   for r in 0.5 0; do
     step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
