@@ -377,13 +377,37 @@ class StepGraphs(_GraphSet):
         if choice is None:
             return None
         batch, n, width = choice
+        tables = tuple(r.block_table for r in rows)
+        return self._replay_step(request_ids, batch, n, width, tables, copy_hidden,
+                                 lambda host, staged: _fill_step(host, rows, n, width, staged),
+                                 device_drafts, input_tokens, after, follows)
+
+    def run_after(self, request_ids: Sequence[str], past: np.ndarray, tables: tuple, n: int, copy_hidden: bool,
+                  device_drafts, after, follows: StagedStep | None = None) -> MainOutputs | None:
+        """``run`` of a draft continuation whose drafts are on the device, without a row object a
+        request: request b feeds ``n`` rows (its token and the drafts, ids written on the device)
+        from ``past[b]`` (int64, as if ``after`` kept all its rows) with block table ``tables[b]``."""
+        if n not in self.catalog.token_counts:
+            return None
+        batch, width = self.catalog.batch_for(len(request_ids)), self.catalog.width_for(int(past.max()) + n)
+        if batch is None or width is None:
+            return None
+        return self._replay_step(request_ids, batch, n, width, tables, copy_hidden,
+                                 lambda host, staged: _stage_uniform(host, past, tables, n, width, staged),
+                                 device_drafts, None, after, follows)
+
+    def _replay_step(self, request_ids: Sequence[str], batch: int, n: int, width: int, tables: tuple,
+                     copy_hidden: bool, stage: Callable, device_drafts, input_tokens, after,
+                     follows: StagedStep | None) -> MainOutputs | None:
+        """``run``'s replay of the chosen shape: the bank's rows placed, the inputs staged (``stage(host,
+        staged)`` on the host, or from ``follows`` on the device), ids and positions moved on the
+        device, the graph replayed, its outputs."""
         placed = self.bank.padded_in_place(request_ids, batch)
         if placed is None:
             self.num_eager += 1
             return None
         bank, present = placed
         graph = self._graphs[GraphShape(batch, n, width, bank)]
-        tables = tuple(r.block_table for r in rows)
         steady = (after is not None and (device_drafts is not None or n == 1)       # (else the host's draft ids)
                   and self._steady(follows, request_ids, n, width))
         if steady:                         # follows' inputs, moved below by its accepted counts
@@ -394,24 +418,24 @@ class StepGraphs(_GraphSet):
                 graph.inputs.upload("block_table")
             self.num_steady += 1
         else:
-            host = graph.inputs.writable()
-            _fill_step(host, rows, n, width, graph.inputs.staged)
+            stage(graph.inputs.writable(), graph.inputs.staged)
             graph.inputs.upload()
         self._latest = StagedStep(graph, tuple(request_ids), tables, n, width)
         if device_drafts is not None:      # input ids [batch, 1 + K]: columns 1.. are the drafts
             if after is None:              # (with after, follow_verify writes them in its launch)
                 copy_columns(graph.inputs.device["input_ids"].reshape(batch, n), device_drafts, 1)
             self.num_device_drafts += 1
+        B = len(request_ids)
         if input_tokens is not None:
             if n != 1:
                 raise AssertionError("input_tokens feeds a decode step (one row per request)")
-            copy_rows(graph.inputs.device["input_ids"], input_tokens, len(rows))
+            copy_rows(graph.inputs.device["input_ids"], input_tokens, B)
         if after is not None:              # staged for K1 kept rows: moved by kept - K1; steady: by kept
             dev = graph.inputs.device
             follow_verify(after[0], 0 if steady else after[1], n, dev["past_sequence_lengths"], dev["position_ids"],
                           dev["input_ids"], drafts=device_drafts)
         self._replay(graph)
-        T, B = len(rows) * n, len(rows)
+        T = B * n
         hidden = self.hidden_copies.copy(self.hidden, T) if copy_hidden else self.hidden[:T]
         captures = None
         if n > 1:
@@ -566,6 +590,18 @@ def _fill_step(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     ids[:B * n] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, B * n)
     ids[B * n:] = 0
     _fill_rows(host, rows, n, width, staged)
+
+
+def _stage_uniform(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, n: int, width: int,
+                   staged: _StagedTables | None = None) -> None:
+    """``_fill_step`` of a step whose ids the device writes (ids 0 here), from arrays: request b
+    at ``past[b]`` with block table ``tables[b]``, ``n`` rows each, padding after them."""
+    B = len(past)
+    host["input_ids"][:] = 0
+    host["past_sequence_lengths"][:B] = past
+    host["past_sequence_lengths"][B:] = 0
+    _fill_positions(host, n)
+    _fill_tables(host, tables, width, staged)
 
 
 def _fill_padded(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int,

@@ -622,12 +622,18 @@ class Engine:
         k1 = after.num_drafts + 1
         behind = 0 if after.num_drafts else 1
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
-        if self.graphs is not None:
-            rows = [PackedRows([0] * (1 + s.num_drafts) if on_device is not None else [0] + drafts[rid].tokens,
-                               s.request.num_computed - behind + k1, t)
+        if self.graphs is not None and on_device is not None:       # (ids on the device: no row objects)
+            past = np.fromiter((s.request.num_computed for s in plan.scheduled), np.int64, len(tables))
+            out = self.graphs.run_after(plan.request_ids, past + (k1 - behind), tuple(tables),
+                                        1 + plan.scheduled[0].num_drafts, copy_hidden=True,
+                                        device_drafts=on_device.array, after=(after.accepted(), k1),
+                                        follows=after.staging)
+            if out is not None:
+                return out
+        elif self.graphs is not None:          # (the host's drafts: staged from row objects)
+            rows = [PackedRows([0] + drafts[rid].tokens, s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
-                                  device_drafts=on_device.array if on_device is not None else None,
                                   after=(after.accepted(), k1), follows=after.staging)
             if out is not None:
                 return out

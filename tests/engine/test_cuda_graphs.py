@@ -267,3 +267,26 @@ def test_a_draft_continuations_head_staging_in_arrays_is_the_row_objects_staging
     cuda_graphs._stage_chained_after(got, past + k1, tables, width, None)
     for name in ("past_sequence_lengths", "position_ids", "block_table"):
         assert (want[name] == got[name]).all(), name
+
+
+def test_a_continuations_verify_staging_in_arrays_is_the_row_objects_staging():
+    """``StepGraphs.run_after``'s staging (``_stage_uniform``: past lengths and tables as arrays,
+    ids left to the device) writes what ``run`` stages from row objects with placeholder ids."""
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    batch, n, width = 4, 3, 3
+    rng = np.random.default_rng(7)
+
+    def host():
+        return {"input_ids": np.full(batch * n, -1, np.int64), "position_ids": np.full((3, batch * n), -1, np.int64),
+                "past_sequence_lengths": np.full(batch, -1, np.int32),
+                "block_table": np.full((batch, width), -1, np.int32)}
+
+    past = np.array([4, 40, 17], np.int64)
+    tables = tuple(np.array(rng.integers(1, 99, k), np.int32) for k in (1, 5, 2))
+    want, got = host(), host()
+    cuda_graphs._fill_step(want, [PackedRows([0] * n, int(p), t) for p, t in zip(past, tables)], n, width)
+    cuda_graphs._stage_uniform(got, past, tables, n, width)
+    for name in want:
+        assert (want[name] == got[name]).all(), name
