@@ -116,6 +116,10 @@ class ClosedLoop:
         self.clock, self.added, self.ttfts = 0.0, {}, []
         self.pipelined = {"True": 0, "False": 0, "None": 0}
         self.prompt_steps = 0
+        # wall seconds of the steps that carried a prompt, of the step right after each (where a
+        # pipeline restarts), and of the rest: what arrivals cost a run beside its steady steps
+        self.split = {"prompt": 0.0, "after_prompt": 0.0, "rest": 0.0}
+        self._prompt_before = False
         self.before = dataclasses.asdict(engine.scheduler.stats)
 
     @property
@@ -145,6 +149,9 @@ class ClosedLoop:
                     self.in_flight.discard(ev.request_id)
             self.times.append(time.perf_counter() - s0)
             steps += 1
+            prompt = engine.last_step is not None and engine.last_step.has_prefill
+            self.split["prompt" if prompt else "after_prompt" if self._prompt_before else "rest"] += self.times[-1]
+            self._prompt_before = prompt
             if engine.last_step is not None:
                 self.pipelined[str(engine.last_step.pipelined)] += 1
                 self.prompt_steps += engine.last_step.has_prefill
@@ -163,7 +170,8 @@ class ClosedLoop:
                 "ms_per_step": round(self.seconds / len(self.times) * 1e3, 4), "step_p50_ms": round(q[4] * 1e3, 4),
                 "step_p90_ms": round(q[8] * 1e3, 4),
                 "host_us_per_step": round((self.seconds - self.forward_seconds) / len(self.times) * 1e6, 2),
-                "pipelined": self.pipelined, "prompt_steps": self.prompt_steps, "fits": fits(self.engine.draft_policy),
+                "pipelined": self.pipelined, "prompt_steps": self.prompt_steps,
+                "seconds_by_step": {k: round(v, 4) for k, v in self.split.items()}, "fits": fits(self.engine.draft_policy),
                 **ttft_quantiles(self.ttfts),
                 "spec": {k: after[k] - self.before[k] for k in after if isinstance(after[k], int)}}
 

@@ -41,7 +41,8 @@ def main() -> None:
         r = measured(engine, prompts, c, 128)
         print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
                           "ms_per_step": r["ms_per_step"], "step_p50_ms": r["step_p50_ms"], "steps": r["steps"],
-                          "prompt_steps": r["prompt_steps"], "ttft_p50_ms": r.get("ttft_p50_ms")}), flush=True)
+                          "prompt_steps": r["prompt_steps"], "seconds_by_step": r["seconds_by_step"],
+                          "ttft_p50_ms": r.get("ttft_p50_ms")}), flush=True)
         engine.check_integrity()
 
 

@@ -54,7 +54,7 @@ def main() -> None:
     warm_up(engine, prompts[:max(32, args.concurrency * 2)], args.concurrency, 128)
     r = measured(engine, prompts, args.concurrency, lengths)
     print(f"K={k} C={args.concurrency}: {r['tok_s']} tok/s, {r['steps']} steps, {r['ms_per_step']} ms/step "
-          f"(p50 {r['step_p50_ms']}), prompt steps {r['prompt_steps']}")
+          f"(p50 {r['step_p50_ms']}), prompt steps {r['prompt_steps']}, seconds by step {r['seconds_by_step']}")
 
 
 if __name__ == "__main__":
