@@ -190,6 +190,7 @@ class Engine:
         self.num_continuations = 0                       # steps launched before the one they follow landed
         self.num_draft_continuations = 0                 # ... of them draft steps after a draft step
         self.num_drafts_after_decode = 0                 # ... draft steps after a decode step (draft_after_decode)
+        self.num_dead_carried = 0                        # ... draft steps that carried a dead row along
         self.overlap_blockers: dict[str, int] = {}       # why a launched step had no continuation, counted
         # a greedy decode step followed by a draft step in flight (the decode step's token as its one kept
         # row; pipeline.py): on with overlapped decoding on CUDA. On the H100 (bundled model, lengths
@@ -204,6 +205,10 @@ class Engine:
         # first token p50 fell 1-2 ms at C=1 and C=16, throughput unchanged; K=0, whose next
         # launch is one replay, gained ~0.3 ms and lost 1.5-3% (a GPU gap per prompt step)
         self.land_prompts_first = self.proposer is not None
+        # a draft step's continuation carries the rows of requests that ended while arrivals are
+        # held (pipeline.py), so a finish does not stop the draft steps' pipeline; off: every
+        # finish stops it (the lookahead's test measures holds without it)
+        self.carry_dead_rows = True
         self._landed_prompt: LaunchedStep | None = None     # such a step, its continuation not yet launched
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -319,7 +324,7 @@ class Engine:
         self.draft_policy.forget_start_up()
         self._landed_prompt = None        # (a start-up request's: it continues nothing live)
         self.num_steps, self.last_step, self.num_continuations, self.num_draft_continuations = 0, None, 0, 0
-        self.num_drafts_after_decode = 0
+        self.num_drafts_after_decode = self.num_dead_carried = 0
         self.overlap_blockers.clear()
         self.scheduler.stats = SpecDecodeStats()
         self.scheduler.num_preemptions = 0
@@ -515,16 +520,24 @@ class Engine:
         or prompt step) has landed already, its tokens appended (``land_prompts_first``)."""
         s = self.scheduler
         requests = [x.request for x in flight.plan.scheduled]
+        live = [s.is_live(r) for r in requests]
+        dead = not all(live)
         why = continuation_blocker(flight.plan, len(s.running), s.admission_due(),
                                    self._host_rule, self.manifest.context_length,
-                                   self.max_drafts if flight.num_drafts else 0, landed=landed)
+                                   self.max_drafts if flight.num_drafts else 0, landed=landed, live=live,
+                                   carry_dead=dead and bool(flight.num_drafts) and self.carry_dead_rows
+                                   and s.carries_dead_rows())
         k, wanted = 0, None
         if why is None and self.proposer is not None:
-            wanted = s.plan_drafts(requests)
-            if flight.num_drafts:
-                k, why = self._next_drafts(flight, wanted)
+            running = [r for r, alive in zip(requests, live) if alive] if dead else requests
+            wanted = s.plan_drafts(running)
+            if flight.num_drafts:           # (a carried dead row takes the live rows' K: uniform drafts)
+                k, why = self._next_drafts(flight, [wanted[0]] * len(requests) if dead else wanted)
             elif any(wanted):
                 k, why = self._drafts_after_decode(flight, wanted, landed)
+            requests_planned = running
+        else:
+            requests_planned = requests
         if why is None:
             # KV for the rows the continuation feeds, counting every row ``flight`` may keep
             ahead = flight.num_drafts + 1 if flight.num_drafts else 0
@@ -534,7 +547,7 @@ class Engine:
                 why = "no KV block for the next token"
         if why is not None:
             if wanted is not None:
-                s.hold_drafts(requests, wanted)          # the policy's answer is the next schedule's plan
+                s.hold_drafts(requests_planned, wanted)  # the policy's answer is the next schedule's plan
             self.overlap_blockers[why] = self.overlap_blockers.get(why, 0) + 1
             return None
         scheduled = [ScheduledRequest(x.request, 1, k) for x in flight.plan.scheduled]
@@ -547,6 +560,7 @@ class Engine:
             self.num_drafts_after_decode += 1
         elif k:
             self.num_draft_continuations += 1
+            self.num_dead_carried += dead
             flight.followed = True       # the continuation's head catches up on its rows
         return self._launch(plan, after=flight)
 
@@ -622,19 +636,22 @@ class Engine:
         k1 = after.num_drafts + 1
         behind = 0 if after.num_drafts else 1
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
+        # a carried dead row (pipeline) is staged from the host's lengths, which stopped with it:
+        # on the device its rows moved on, so no step is staged from the one before then
+        live = all(self.scheduler.is_live(s.request) for s in plan.scheduled)
         if self.graphs is not None and on_device is not None:       # (ids on the device: no row objects)
             past = np.fromiter((s.request.num_computed for s in plan.scheduled), np.int64, len(tables))
             out = self.graphs.run_after(plan.request_ids, past + (k1 - behind), tuple(tables),
                                         1 + plan.scheduled[0].num_drafts, copy_hidden=True,
                                         device_drafts=on_device.array, after=(after.accepted(), k1),
-                                        follows=after.staging)
+                                        follows=after.staging if live else None)
             if out is not None:
                 return out
         elif self.graphs is not None:          # (the host's drafts: staged from row objects)
             rows = [PackedRows([0] + drafts[rid].tokens, s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
-                                  after=(after.accepted(), k1), follows=after.staging)
+                                  after=(after.accepted(), k1), follows=after.staging if live else None)
             if out is not None:
                 return out
         accepted = after.host_accepted()

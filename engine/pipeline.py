@@ -47,7 +47,13 @@ wait for the device, e.g. top-p's candidate check, and then waits on Q's forward
 work already done); an all-greedy one picks them at its launch.
 
 A request that finishes when P lands (a stop id, a stop string, max_tokens) is a dead row of Q:
-its event goes out at once, its release waits until Q lands, and Q has no continuation. A draft
+its event goes out at once, its release waits until Q lands, and Q has no continuation, but for
+one case: while waiting requests are held (``Scheduler.holds_admissions``, with MTP on under
+uniform drafts), a draft step's continuation carries the dead rows along (their slots would
+stand empty until the held requests are admitted anyway; on a captured step padding rows cost
+the same), so a finish does not break the pipeline of draft steps: the rows are released when
+the pipeline stops, at the admission at the latest. A carried dead row is staged from the host's
+lengths, which no longer advance. A draft
 step P whose tokens may end every one of its requests (each has at most 1 + K tokens left) gets
 no continuation: Q could run on dead rows alone, a whole step a waiting request would queue
 behind (at one request, every request's last step; with waves, every wave's).
@@ -227,23 +233,30 @@ def overlap_blocker(plan: StepPlan, picks_on_host, host_rule) -> str | None:
 
 
 def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
-                         host_rule, context_length: int, num_drafts: int = 0, landed: bool = False) -> str | None:
+                         host_rule, context_length: int, num_drafts: int = 0, landed: bool = False,
+                         live: list[bool] | None = None, carry_dead: bool = False) -> str | None:
     """Why the launched step ``plan`` cannot be followed by its continuation now (None: it can;
     see the module docstring). ``num_running``: the scheduler's running requests (a request of
     the step that finished since its launch is not one, so a dead row stops it); ``host_rule(r,
     ahead)``: why request r's logits from its output position ``ahead`` on need the host first
     (penalties, grammar, a min_tokens mask), or None; ``num_drafts``: the most drafts the
     continuation may carry (its rows must stay inside the context); ``landed``: the step has
-    landed already, its tokens appended (``Engine.land_prompts_first``). The reason names no
-    request: it is a count's key (``Engine.overlap_blockers``). Host data only: no GPU or pool in here."""
-    if len(plan.scheduled) != num_running:
+    landed already, its tokens appended (``Engine.land_prompts_first``). ``live``: whether each
+    request of the step still runs (None: all); ``carry_dead``: the rows of those that ended may
+    ride along (dead rows carried: waiting requests are held, so their slots would stand empty
+    anyway). The reason names no request: it is a count's key (``Engine.overlap_blockers``).
+    Host data only: no GPU or pool in here."""
+    num_live = len(plan.scheduled) if live is None else sum(live)
+    if num_live != num_running or not num_live or (num_live < len(plan.scheduled) and not carry_dead):
         return "a request of the step finished, or a running one is not in it"
     if can_admit:
         return "a waiting request can be admitted"
     # tokens the step may still append (at least one: it samples; none once it landed)
     ahead = 0 if landed else 1 + plan.scheduled[0].num_drafts if plan.scheduled else 1
     all_may_end = ahead > 1
-    for s in plan.scheduled:
+    for i, s in enumerate(plan.scheduled):
+        if live is not None and not live[i]:           # a dead row carried: nothing of it is read
+            continue
         r = s.request
         if not s.samples:              # (only a decode step's requests sample all: no prompt chunk)
             return "a request fed a prompt chunk"

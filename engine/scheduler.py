@@ -222,6 +222,12 @@ class Scheduler:
         free, and admissions are not held (``holds_admissions``)."""
         return bool(self.waiting) and self.state_bank.can_admit() and not self.holds_admissions()
 
+    def carries_dead_rows(self) -> bool:
+        """Whether a draft step's continuation may carry the rows of its requests that ended
+        (``pipeline``): under uniform drafts (one captured shape; a dead row takes the step's K)
+        while waiting requests are held (rule 2), so the slots they would take stand empty anyway."""
+        return self.uniform_drafts and self.holds_admissions()
+
     def holds_admissions(self) -> bool:
         """Whether waiting requests are held back (rule 2): MTP is on, ``admission_hold_steps`` is
         set, every running request decodes, the oldest has waited fewer than

@@ -682,11 +682,44 @@ def test_the_lookahead_gathers_a_waves_arrivals_into_fewer_prompt_steps(model_di
     the hold, and the tokens are the ones admitting at once gives."""
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
                 for i in range(32)]
-    at_once = closed_loop(make(model_dir, True, k=2, uniform=True), requests, 8)
-    group = closed_loop(make(model_dir, True, k=2, uniform=True, hold=6), requests, 8)
-    ahead = closed_loop(make(model_dir, True, k=2, uniform=True, hold=6, lookahead=2), requests, 8)
+
+    def engine(**kw):                # (dead rows not carried: they gather arrivals too; the next test)
+        e = make(model_dir, True, k=2, uniform=True, **kw)
+        e.carry_dead_rows = False
+        return e
+    at_once = closed_loop(engine(), requests, 8)
+    group = closed_loop(engine(hold=6), requests, 8)
+    ahead = closed_loop(engine(hold=6, lookahead=2), requests, 8)
     print(f"prompt steps: {at_once[2]} at once, {group[2]} held, {ahead[2]} with the lookahead; steps to the "
           f"first token {sorted(group[1])} / {sorted(ahead[1])}")
     assert ahead[0] == group[0] == at_once[0]
     assert ahead[2] < group[2], "the lookahead did not gather arrivals"
     assert max(ahead[1]) <= 6 + max(at_once[1]), "a request waited past its hold"
+
+
+def test_held_arrivals_keep_the_draft_steps_pipeline_through_finishes(model_dir):
+    """While arrivals are held, a draft step whose request ended carries its dead row into the
+    next draft step instead of stopping the pipeline (a finish then costs no step launched
+    alone): waves of equal lengths and varied ones, K=2 and 3, greedy tokens as admitting at
+    once gives, pools checked after every step, fewer steps stopped by a finish, no request
+    waiting past its hold, and the dead rows released at the end."""
+    for k, lengths in ((2, [24]), (3, [9, 17, 30, 24, 13])):
+        requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)],
+                     SamplingParams(temperature=0, max_tokens=lengths[i % len(lengths)], ignore_eos=True))
+                    for i in range(24)]
+        at_once = closed_loop(make(model_dir, True, k=k, uniform=True), requests, 6)
+        runs = {}
+        for carry in (False, True):
+            e = make(model_dir, True, k=k, uniform=True, hold=6)
+            e.carry_dead_rows = carry
+            runs[carry] = closed_loop(e, requests, 6), e
+        (tokens, waits, _), carried = runs[True]
+        (_, waits_off, _), stopped = runs[False]
+        finished = "a request of the step finished, or a running one is not in it"
+        print(f"K={k}: {carried.num_dead_carried} draft steps carried a dead row; stopped by a finish "
+              f"{carried.overlap_blockers.get(finished, 0)} vs {stopped.overlap_blockers.get(finished, 0)} times; "
+              f"steps to the first token {max(waits)} vs {max(waits_off)}")
+        assert tokens == at_once[0]
+        assert carried.num_dead_carried > 0 and stopped.num_dead_carried == 0
+        assert carried.overlap_blockers.get(finished, 0) < stopped.overlap_blockers.get(finished, 0)
+        assert max(waits) <= 6 + max(at_once[1]), "a request waited past its hold"
