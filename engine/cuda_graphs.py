@@ -432,8 +432,8 @@ class StepGraphs(_GraphSet):
             copy_rows(graph.inputs.device["input_ids"], input_tokens, B)
         if after is not None:              # staged for K1 kept rows: moved by kept - K1; steady: by kept
             dev = graph.inputs.device
-            follow_verify(after[0], 0 if steady else after[1], n, dev["past_sequence_lengths"], dev["position_ids"],
-                          dev["input_ids"], drafts=device_drafts)
+            follow_verify(after[0], after[1], n, dev["past_sequence_lengths"], dev["position_ids"],
+                          dev["input_ids"], drafts=device_drafts, staged=0 if steady else None)
         self._replay(graph)
         T = B * n
         hidden = self.hidden_copies.copy(self.hidden, T) if copy_hidden else self.hidden[:T]

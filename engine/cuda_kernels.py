@@ -272,17 +272,18 @@ extern "C" __global__ void accept_drafts(const long long* target, const long lon
     kept[b] = n + 1;
 }
 
-// The rows of the step after it were staged for the longest acceptance (K1 = K + 1 kept rows):
-// every position moves by kept - K1 (<= 0), and the first row's id is the last emitted token.
-// past [B] int32; positions [3, T] int64, n rows a request; ids [T] (null: left alone);
-// drafts [B, n - 1] (null: none) go to ids' rows 1 .. n - 1 of each request (a verify's drafts).
-extern "C" __global__ void follow_verify(const long long* accepted, int K1, int B, int n,
+// The rows of the step after it were staged for `staged` kept rows of the accepted step (its
+// longest acceptance, K1 = K + 1; or 0: they hold that step's own rows, a steady continuation):
+// every position moves by kept - staged, and the first row's id is the last emitted token.
+// accepted [B, K1 + 1]; past [B] int32; positions [3, T] int64, n rows a request; ids [T] (null:
+// left alone); drafts [B, n - 1] (null: none) go to ids' rows 1 .. n - 1 of each request.
+extern "C" __global__ void follow_verify(const long long* accepted, int K1, int staged, int B, int n,
                                          int* past, long long* positions, long long T, long long* ids,
                                          const long long* drafts) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     const long long* row = accepted + (long long)b * (K1 + 1);
-    const long long kept = row[K1], shift = kept - K1;
+    const long long kept = row[K1], shift = kept - staged;
     past[b] += (int)shift;
     for (int i = 0; i < n; ++i)
         for (int r = 0; r < 3; ++r) positions[r * T + (long long)b * n + i] += shift;
@@ -383,10 +384,13 @@ def warm_up_accept() -> None:
         accept_logits(cupy.zeros((2, 8), dtype), cupy.zeros((1, 1), cupy.int64))
 
 
-def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None, drafts=None) -> None:
+def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions, ids=None, drafts=None,
+                  staged: int | None = None) -> None:
     """Move a staged step's first ``B = len(accepted)`` requests (``num_rows`` rows each) from the
-    positions staged for ``num_kept_staged`` kept rows to the accepted ones; ``ids``: row 0 of
-    each request := the accepted step's last emitted token (a verify's fed token), and with
+    positions staged for ``num_kept_staged`` kept rows (``accepted`` is [B, num_kept_staged + 1])
+    to the accepted ones; ``staged``: the kept rows the positions were staged for, when not that
+    (0: the accepted step's own positions, moved by its kept counts). ``ids``: row 0 of each
+    request := the accepted step's last emitted token (a verify's fed token), and with
     ``drafts`` [B, num_rows - 1] (int64, contiguous) rows 1.. := request b's drafts (what
     ``copy_columns`` would copy, in the same launch)."""
     B = int(accepted.shape[0])
@@ -395,7 +399,9 @@ def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions
     if drafts is not None:
         assert ids is not None and drafts.shape == (B, num_rows - 1), "drafts [B, num_rows - 1] with ids"
         _int64(drafts)
-    _kernel(_ACCEPT_SOURCE, "follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged), np.int32(B),
+    _kernel(_ACCEPT_SOURCE, "follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged),
+                                                           np.int32(num_kept_staged if staged is None else staged),
+                                                           np.int32(B),
                                                            np.int32(num_rows), past, positions,
                                                            np.int64(positions.shape[1]),
                                                            ids if ids is not None else np.uint64(0),

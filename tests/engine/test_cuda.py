@@ -313,6 +313,12 @@ def test_accept_and_follow_kernels_match_the_host_acceptance():
     expect_ids.reshape(B + 2, n)[:B, 1:] = drafts
     np.testing.assert_array_equal(d_ids.get(), expect_ids)
     np.testing.assert_array_equal(d_pos.get(), positions + np.repeat(shift, n)[None])
+    d_past, d_pos, d_ids = cp.asarray(past), cp.asarray(positions), cp.asarray(ids)    # steady: moved by kept
+    follow_verify(cp.asarray(want), K + 1, n, d_past, d_pos, d_ids, drafts=cp.asarray(drafts), staged=0)
+    steady = np.concatenate([kept, [0, 0]])
+    np.testing.assert_array_equal(d_past.get(), past + steady)
+    np.testing.assert_array_equal(d_pos.get(), positions + np.repeat(steady, n)[None])
+    np.testing.assert_array_equal(d_ids.get(), expect_ids)
     R = K + 2                                                  # catch-up rows a request (1 + the most drafts)
     head_ids, last = cp.zeros((B + 1) * R, cp.int64), cp.asarray(np.arange(B + 1) * R + K)
     chain = cp.zeros(B + 1, cp.int64)
