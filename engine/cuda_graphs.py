@@ -319,6 +319,10 @@ class StepGraphs(_GraphSet):
         self.num_device_drafts = 0     # verify steps whose drafts came from the device
         self.num_steady = 0            # draft continuations staged from the step before on the device
         self._latest: StagedStep | None = None     # the last replayed step's inputs
+        # a steady draft continuation starts from the step before's inputs on the device (off: the
+        # host stages every step). Its effect on throughput is not shown yet (session 30, H100:
+        # within the host's drift; results/h200/README.md)
+        self.steady_staging = True
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
@@ -408,7 +412,8 @@ class StepGraphs(_GraphSet):
             return None
         bank, present = placed
         graph = self._graphs[GraphShape(batch, n, width, bank)]
-        steady = (after is not None and (device_drafts is not None or n == 1)       # (else the host's draft ids)
+        steady = (self.steady_staging and after is not None
+                  and (device_drafts is not None or n == 1)       # (else the host's draft ids)
                   and self._steady(follows, request_ids, n, width))
         if steady:                         # follows' inputs, moved below by its accepted counts
             if follows.graph is not graph:

@@ -29,12 +29,25 @@ def main() -> None:
     p.add_argument("label")
     p.add_argument("--configs", default="2:16:1024,0:16:1024,2:1:96")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=0|1",
+                   help="an engine switch for this run, e.g. carry_dead_rows=0 or graphs.steady_staging=0 "
+                        "(one checkout A/B'd against itself, feature by feature)")
     args = p.parse_args()
     engines = {}
     for config in args.configs.split(","):
         k, c, n = (int(x) for x in config.split(":"))
         if k not in engines:
             engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
+            for switch in args.set:
+                path, value = switch.split("=")
+                *owners, name = path.split(".")
+                owner = engines[k]
+                for attr in owners:
+                    owner = getattr(owner, attr)
+                if owner is not None:
+                    if not hasattr(owner, name):
+                        raise SystemExit(f"no switch {path}")
+                    setattr(owner, name, bool(int(value)))
         engine = engines[k]
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
         warm_up(engine, prompts[:max(32, 2 * c)], c, 128)

@@ -285,6 +285,22 @@ host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git ar
   done
   python3 results/h200/scripts/host_ab_table.py "$OUT/host-ab.jsonl" base new "$OUT/host-ab.json"
 }
+switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL or LABEL:SWITCH,SWITCH), alternating (host_ab.py --set)
+  local rounds=$1; shift
+  for round in $(seq "$rounds"); do
+    for spec in "$@"; do
+      local label=${spec%%:*} sets=() xs=()
+      [[ $spec == *:* ]] && IFS=, read -ra xs <<< "${spec#*:}"
+      for x in "${xs[@]}"; do sets+=(--set "$x"); done
+      step "host_ab.py $label, round $round"
+      timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model "$label" "${sets[@]}" \
+        2>&1 | grep "^{" | tee -a "$OUT/switch-ab.jsonl" | cut -c1-200
+    done
+  done
+  for spec in "${@:2}"; do
+    python3 results/h200/scripts/host_ab_table.py "$OUT/switch-ab.jsonl" "${1%%:*}" "${spec%%:*}"
+  done
+}
 spy_loops() {            # py-spy (wall time, waits included) of the bundled model's closed loop: K=2 / K=0 at C=16 with waves, K=2 at C=1
   local pyspy=/tmp/site/bin/py-spy
   [[ -x $pyspy ]] || { mkdir -p /tmp/site/bin && python3 -c "import zipfile; import glob; z = zipfile.ZipFile(glob.glob('.gpukit*/py_spy.whl')[0]); \
@@ -1080,6 +1096,10 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
   timeout 60 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c1-shipped.json" \
     --concurrency 1 --requests 24 --rounds 1 --range-ratio 0 --fixed 2 --no-never \
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
+  step done
+  ;;
+ed)          # session 31, first: session 30's features against themselves off, in one checkout, 3 rounds (~330 s)
+  switch_ab_rounds 3 on "steady_off:graphs.steady_staging=0" "carry_off:carry_dead_rows=0"
   step done
   ;;
 ea)          # session 30, first: the whole test_cuda at session 29's head (device-path commits after dj), then py-spy of its loop (~350 s)
