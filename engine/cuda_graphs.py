@@ -842,13 +842,21 @@ def _stage_catch_up_after(host: dict[str, np.ndarray], past: np.ndarray, tables:
     host["past_sequence_lengths"][B:] = 0
     _fill_positions(host, R)
     _fill_tables(host, tables, width, staged)
-    last = host["last_rows"]
-    last[:] = np.arange(len(last)) * R
-    last[:B] += k1 - 1
-    host["chain"][1] = last
-    gather, offsets = host["gather"], np.arange(k1)
-    np.add((last[:B] - (k1 - 1))[:, None], offsets, out=gather[0, :B * k1].reshape(B, k1))
-    np.add(np.asarray(starts, np.int64)[:, None], offsets, out=gather[1, :B * k1].reshape(B, k1))
+    last, gather = host["last_rows"], host["gather"]
+    key = (len(last), B, R, k1)
+    pattern = _CATCH_UP_ROWS.get(key)
+    if pattern is None:             # (what depends on the shape alone, made once: a step's numpy calls cost)
+        last_rows = np.arange(len(last)) * R
+        last_rows[:B] += k1 - 1
+        pattern = _CATCH_UP_ROWS[key] = (last_rows, ((np.arange(B) * R)[:, None] + np.arange(k1)).ravel(),
+                                         np.arange(k1))
+    last[:] = pattern[0]
+    host["chain"][1] = pattern[0]
+    gather[0, :B * k1] = pattern[1]
+    np.add(np.asarray(starts, np.int64)[:, None], pattern[2], out=gather[1, :B * k1].reshape(B, k1))
+
+
+_CATCH_UP_ROWS: dict[tuple, tuple] = {}     # (batch, B, R, K1) -> last rows, catch-up rows, row offsets
 
 
 def _stage_chained_after(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, width: int,
