@@ -11,6 +11,7 @@ closed loop's requests arrive in waves, as the issue's bench has them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="PATH=0|1",
                    help="an engine switch for this run, e.g. carry_dead_rows=0 or graphs.steady_staging=0 "
                         "(one checkout A/B'd against itself, feature by feature)")
+    p.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a SchedulerConfig field for this run, e.g. admission_group=0.5")
     args = p.parse_args()
     engines = {}
     for config in args.configs.split(","):
@@ -48,6 +51,11 @@ def main() -> None:
                     if not hasattr(owner, name):
                         raise SystemExit(f"no switch {path}")
                     setattr(owner, name, bool(int(value)))
+            config = engines[k].scheduler.config
+            for field in args.scheduler:
+                name, value = field.split("=")
+                config = dataclasses.replace(config, **{name: type(getattr(config, name))(value)})
+            engines[k].scheduler.config = config
         engine = engines[k]
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
         warm_up(engine, prompts[:max(32, 2 * c)], c, 128)

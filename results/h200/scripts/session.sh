@@ -291,7 +291,9 @@ switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL o
     for spec in "$@"; do
       local label=${spec%%:*} sets=() xs=()
       [[ $spec == *:* ]] && IFS=, read -ra xs <<< "${spec#*:}"
-      for x in "${xs[@]}"; do sets+=(--set "$x"); done
+      for x in "${xs[@]}"; do
+        if [[ $x == scheduler.* ]]; then sets+=(--scheduler "${x#scheduler.}"); else sets+=(--set "$x"); fi
+      done
       step "host_ab.py $label, round $round"
       timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model "$label" "${sets[@]}" \
         2>&1 | grep "^{" | tee -a "$OUT/switch-ab.jsonl" | cut -c1-200
@@ -1098,8 +1100,9 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
   step done
   ;;
-ed)          # session 31, first: session 30's features against themselves off, in one checkout, 3 rounds (~330 s)
-  switch_ab_rounds 3 on "steady_off:graphs.steady_staging=0" "carry_off:carry_dead_rows=0"
+ed)          # session 31, first: session 30's features against themselves off, and arrivals held in groups of half the decoding requests, in one checkout, 3 rounds (~450 s)
+  switch_ab_rounds 3 on "steady_off:graphs.steady_staging=0" "carry_off:carry_dead_rows=0" \
+    "group_half:scheduler.admission_group=0.5"
   step done
   ;;
 ea)          # session 30, first: the whole test_cuda at session 29's head (device-path commits after dj), then py-spy of its loop (~350 s)
