@@ -372,10 +372,10 @@ class StepGraphs(_GraphSet):
         placeholders) and are moved to its accepted counts on the device, the fed token being
         its last emitted one (``cuda_kernels.follow_verify``). ``follows``: with ``after``, the
         ``StagedStep`` of that draft step's own replay: when it is still this set's latest and
-        its requests, rows a request, batch, table width and table objects are this step's, its
-        inputs on the device are this step's moved by the accepted counts, so they are copied
-        from there (one device copy) and moved on the device, with no host staging (a steady
-        pipeline of draft steps: ``_steady``)."""
+        its requests, rows a request and table width are this step's, its inputs on the device
+        are this step's moved by the accepted counts, so they are copied from there (one device
+        copy; a request's new block table uploaded alone) and moved on the device, with no host
+        staging (a steady pipeline of draft steps: ``_steady``)."""
         lens = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lens, num_tokens, [r.past_len + n for r, n in zip(rows, lens)])
         if choice is None:
