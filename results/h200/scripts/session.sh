@@ -1105,6 +1105,14 @@ ed)          # session 31, first: session 30's features against themselves off, 
     "group_half:scheduler.admission_group=0.5"
   step done
   ;;
+ee)          # session 31: a prompt-only engine's steps beside an MTP engine's draft steps, each on its own thread and stream (~80 s)
+  for g in 4 16; do
+    step "concurrent_prefill_probe.py, bundled, $g prompts a step"
+    timeout 100 python3 results/h200/scripts/concurrent_prefill_probe.py engine/bundled/model "$OUT/concurrent-prefill-g$g.json" \
+      --group $g 2>&1 | grep -v "Warning\|No registered" | grep "kept\|slowed\|Error"
+  done
+  step done
+  ;;
 ea)          # session 30, first: the whole test_cuda at session 29's head (device-path commits after dj), then py-spy of its loop (~350 s)
   step test_cuda
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
