@@ -24,7 +24,8 @@ A continuation Q of the launched step P is taken (``continuation_blocker`` says 
   next step, after P lands);
 - no request of P finished or was cancelled since P was launched (a **dead row**: its tokens are
   dropped when P lands, and its pool space is released then, not before: a release moves a state
-  row, under a step that still writes it);
+  row, under a step that still writes it), unless P is a draft step and arrivals are held: then
+  Q carries the dead rows along (below);
 - after a step without drafts, the draft policy plans none for the next step; after a draft
   step, one K for every request within the step's budget (see "Draft steps in flight" below).
   Otherwise the policy's answer is kept for the next schedule, after P lands, so none of its
