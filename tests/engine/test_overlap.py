@@ -723,3 +723,33 @@ def test_held_arrivals_keep_the_draft_steps_pipeline_through_finishes(model_dir)
         assert carried.num_dead_carried > 0 and stopped.num_dead_carried == 0
         assert carried.overlap_blockers.get(finished, 0) < stopped.overlap_blockers.get(finished, 0)
         assert max(waits) <= 6 + max(at_once[1]), "a request waited past its hold"
+
+
+def test_a_continuation_carries_dead_rows_only_when_told_and_never_runs_on_dead_rows_alone():
+    """``continuation_blocker`` (host data only): a step whose request ended has no continuation
+    unless told to carry dead rows; a carried dead row is not held to the live rows' checks (its
+    tokens are dropped: a dead row near the context end or its max_tokens blocks nothing); a
+    running request missing from the step, or a step of dead rows alone, is never continued."""
+    from mtpserve.engine.pipeline import continuation_blocker
+    from mtpserve.engine.request import Request
+    from mtpserve.engine.scheduler import ScheduledRequest, StepLayout, StepPlan
+
+    def request(i, length, max_tokens=64):
+        r = Request(f"r{i}", [1] * 8, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        r.token_ids = [1] * length
+        r.num_computed = length - 1
+        return r
+    requests = [request(0, 20), request(1, 95, max_tokens=87), request(2, 30)]   # r1: its last token, at the end
+    scheduled = [ScheduledRequest(r, 1, 2) for r in requests]
+    for s in scheduled:
+        s.samples = True
+    plan = StepPlan(scheduled=scheduled, layout=StepLayout.of(scheduled), request_ids=[r.request_id for r in requests])
+    finished = "a request of the step finished, or a running one is not in it"
+
+    def why(live, running, carry):
+        return continuation_blocker(plan, running, False, lambda r, ahead: None, 100, 2, live=live, carry_dead=carry)
+    assert why([True, False, True], 2, carry=False) == finished
+    assert why([True, False, True], 2, carry=True) is None              # r1's context end and max_tokens: dead
+    assert why([True, True, True], 3, carry=True) == "a request reaches the context end"     # r1 live: checked
+    assert why([True, False, True], 3, carry=True) == finished          # a running request is not in the step
+    assert why([False, False, False], 0, carry=True) == finished        # dead rows alone
