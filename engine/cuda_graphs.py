@@ -601,12 +601,8 @@ def _stage_uniform(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple,
                    staged: _StagedTables | None = None) -> None:
     """``_fill_step`` of a step whose ids the device writes (ids 0 here), from arrays: request b
     at ``past[b]`` with block table ``tables[b]``, ``n`` rows each, padding after them."""
-    B = len(past)
     host["input_ids"][:] = 0
-    host["past_sequence_lengths"][:B] = past
-    host["past_sequence_lengths"][B:] = 0
-    _fill_positions(host, n)
-    _fill_tables(host, tables, width, staged)
+    _stage_rows(host, past, tables, n, width, staged)
 
 
 def _fill_padded(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, width: int,
@@ -781,7 +777,7 @@ class HeadGraphs(_GraphSet):
         _stage_catch_up_after(catch_up.inputs.writable(), past, tables, starts, k1, R, width, catch_up.inputs.staged)
         catch_up.inputs.upload()
         if num_drafts > 1:
-            _stage_chained_after(chained.inputs.writable(), past + k1, tables, width, chained.inputs.staged)
+            _stage_rows(chained.inputs.writable(), past + k1, tables, 1, width, chained.inputs.staged)
             chained.inputs.upload()
         return self._launch_drafts(catch_up, chained, batch, B, num_drafts, [(hidden, 0, B * k1)], after)
 
@@ -837,11 +833,7 @@ def _stage_catch_up_after(host: dict[str, np.ndarray], past: np.ndarray, tables:
         last row       b * R + k1 - 1 (padding: b * R)
     """
     B = len(past)
-    host["input_ids"][:] = 0
-    host["past_sequence_lengths"][:B] = past
-    host["past_sequence_lengths"][B:] = 0
-    _fill_positions(host, R)
-    _fill_tables(host, tables, width, staged)
+    _stage_uniform(host, past, tables, R, width, staged)
     last, gather = host["last_rows"], host["gather"]
     key = (len(last), B, R, k1)
     pattern = _CATCH_UP_ROWS.get(key)
@@ -857,17 +849,6 @@ def _stage_catch_up_after(host: dict[str, np.ndarray], past: np.ndarray, tables:
 
 
 _CATCH_UP_ROWS: dict[tuple, tuple] = {}     # (batch, B, R, K1) -> last rows, catch-up rows, row offsets
-
-
-def _stage_chained_after(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, width: int,
-                         staged: _StagedTables | None) -> None:
-    """The chained forward's staging (one row a request at head position ``past[b]``), as
-    ``_fill_rows`` stages it from row objects."""
-    B = len(past)
-    host["past_sequence_lengths"][:B] = past
-    host["past_sequence_lengths"][B:] = 0
-    _fill_positions(host, 1)
-    _fill_tables(host, tables, width, staged)
 
 
 class _StagedTables:
@@ -894,12 +875,19 @@ def _fill_rows(host: dict[str, np.ndarray], rows: Sequence[PackedRows], n: int, 
     """Past lengths, positions and block tables of a uniform step's staging (ids are the caller's);
     padding rows after the B real ones: past 0 on the scratch block 0. ``staged``: what the
     staging's tables hold now (left as they are when the rows' tables are those objects)."""
-    B = len(rows)
-    past = host["past_sequence_lengths"]
-    past[:B] = np.fromiter((r.past_len for r in rows), np.int32, B)
-    past[B:] = 0
+    _stage_rows(host, np.fromiter((r.past_len for r in rows), np.int32, len(rows)),
+                tuple(r.block_table for r in rows), n, width, staged)
+
+
+def _stage_rows(host: dict[str, np.ndarray], past: np.ndarray, tables: tuple, n: int, width: int,
+                staged: _StagedTables | None) -> None:
+    """``_fill_rows`` from arrays: request b at ``past[b]`` with block table ``tables[b]``, ``n``
+    rows each; padding requests after them at past 0 (their tables on the scratch block 0)."""
+    B = len(past)
+    host["past_sequence_lengths"][:B] = past
+    host["past_sequence_lengths"][B:] = 0
     _fill_positions(host, n)
-    _fill_tables(host, tuple(r.block_table for r in rows), width, staged)
+    _fill_tables(host, tables, width, staged)
 
 
 def _fill_tables(host: dict[str, np.ndarray], tables: tuple, width: int, staged: _StagedTables | None) -> None:

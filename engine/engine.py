@@ -528,16 +528,13 @@ class Engine:
                                    carry_dead=dead and bool(flight.num_drafts) and self.carry_dead_rows
                                    and s.carries_dead_rows())
         k, wanted = 0, None
+        running = [r for r, alive in zip(requests, live) if alive] if dead else requests
         if why is None and self.proposer is not None:
-            running = [r for r, alive in zip(requests, live) if alive] if dead else requests
             wanted = s.plan_drafts(running)
             if flight.num_drafts:           # (a carried dead row takes the live rows' K: uniform drafts)
                 k, why = self._next_drafts(flight, [wanted[0]] * len(requests) if dead else wanted)
             elif any(wanted):
                 k, why = self._drafts_after_decode(flight, wanted, landed)
-            requests_planned = running
-        else:
-            requests_planned = requests
         if why is None:
             # KV for the rows the continuation feeds, counting every row ``flight`` may keep
             ahead = flight.num_drafts + 1 if flight.num_drafts else 0
@@ -547,7 +544,7 @@ class Engine:
                 why = "no KV block for the next token"
         if why is not None:
             if wanted is not None:
-                s.hold_drafts(requests_planned, wanted)  # the policy's answer is the next schedule's plan
+                s.hold_drafts(running, wanted)          # the policy's answer is the next schedule's plan
             self.overlap_blockers[why] = self.overlap_blockers.get(why, 0) + 1
             return None
         scheduled = [ScheduledRequest(x.request, 1, k) for x in flight.plan.scheduled]
@@ -562,6 +559,10 @@ class Engine:
             self.num_draft_continuations += 1
             self.num_dead_carried += dead
             flight.followed = True       # the continuation's head catches up on its rows
+        if dead:
+            # a carried dead row is staged from the host's lengths, which stopped with it: on the
+            # device its rows moved on, so the continuation is not staged from flight's inputs
+            flight.staging = None
         return self._launch(plan, after=flight)
 
     def _drafts_after_decode(self, flight: LaunchedStep, wanted: list[int], landed: bool) -> tuple[int, str | None]:
@@ -636,22 +637,19 @@ class Engine:
         k1 = after.num_drafts + 1
         behind = 0 if after.num_drafts else 1
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
-        # a carried dead row (pipeline) is staged from the host's lengths, which stopped with it:
-        # on the device its rows moved on, so no step is staged from the one before then
-        live = all(self.scheduler.is_live(s.request) for s in plan.scheduled)
         if self.graphs is not None and on_device is not None:       # (ids on the device: no row objects)
             past = np.fromiter((s.request.num_computed for s in plan.scheduled), np.int64, len(tables))
             out = self.graphs.run_after(plan.request_ids, past + (k1 - behind), tuple(tables),
                                         1 + plan.scheduled[0].num_drafts, copy_hidden=True,
                                         device_drafts=on_device.array, after=(after.accepted(), k1),
-                                        follows=after.staging if live else None)
+                                        follows=after.staging)
             if out is not None:
                 return out
         elif self.graphs is not None:          # (the host's drafts: staged from row objects)
             rows = [PackedRows([0] + drafts[rid].tokens, s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
             out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
-                                  after=(after.accepted(), k1), follows=after.staging if live else None)
+                                  after=(after.accepted(), k1), follows=after.staging)
             if out is not None:
                 return out
         accepted = after.host_accepted()

@@ -147,7 +147,8 @@ class LaunchedStep:
     hidden: object = None           # its main hidden rows (MTP on; a draft step's [B * (K + 1), H]): the head's next catch-up
     followed: bool = False          # a draft step's continuation caught the head up on its rows
     num_head_rows: int = 0          # head rows its drafting caught up on (the step's timing)
-    staging: object = None          # its captured forward's ``cuda_graphs.StagedStep`` (None: eager)
+    staging: object = None          # its captured forward's ``cuda_graphs.StagedStep`` (None: eager, or
+                                    # its continuation carries a dead row: not staged from it)
     source: TokenReadback | None = field(default=None, repr=False)    # where ``tokens`` were sent
     _host: np.ndarray | None = field(default=None, repr=False)
     _accepted: object = field(default=None, repr=False)

@@ -233,7 +233,7 @@ def test_staged_block_tables_are_rewritten_when_a_requests_table_or_the_width_ch
 
 @pytest.mark.parametrize("batch,k1,R", [(4, 3, 3), (8, 2, 4), (1, 1, 3)])
 def test_a_draft_continuations_head_staging_in_arrays_is_the_row_objects_staging(batch, k1, R):
-    """``HeadGraphs.draft_after``'s staging (``_stage_catch_up_after``, ``_stage_chained_after``:
+    """``HeadGraphs.draft_after``'s staging (``_stage_catch_up_after``, ``_stage_rows``:
     array operations, no row object a request) writes what ``draft`` stages from row objects for
     the same continuation: placeholders for ids, past lengths, positions, tables, each request's
     last real row and chained start, and the gather of its K1 hidden rows from the step's one
@@ -266,7 +266,7 @@ def test_a_draft_continuations_head_staging_in_arrays_is_the_row_objects_staging
         assert (want[name] == got[name]).all() and (want[name] == again[name]).all(), name
     want, got = host(1), host(1)
     cuda_graphs._fill_rows(want, [PackedRows((), int(p) + k1, t) for p, t in zip(past, tables)], 1, width)
-    cuda_graphs._stage_chained_after(got, past + k1, tables, width, None)
+    cuda_graphs._stage_rows(got, past + k1, tables, 1, width, None)
     for name in ("past_sequence_lengths", "position_ids", "block_table"):
         assert (want[name] == got[name]).all(), name
 

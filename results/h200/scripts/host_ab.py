@@ -47,9 +47,11 @@ def main() -> None:
                 owner = engines[k]
                 for attr in owners:
                     owner = getattr(owner, attr)
-                if owner is not None:
-                    if not hasattr(owner, name):
-                        raise SystemExit(f"no switch {path}")
+                if owner is None:           # (graphs.* on an engine without CUDA graphs)
+                    print(f"switch {path}: this engine has no {'.'.join(owners)}; not set", file=sys.stderr)
+                elif not hasattr(owner, name):
+                    raise SystemExit(f"no switch {path}")
+                else:
                     setattr(owner, name, bool(int(value)))
             config = engines[k].scheduler.config
             for field in args.scheduler:

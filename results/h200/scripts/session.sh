@@ -285,6 +285,14 @@ host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git ar
   done
   python3 results/h200/scripts/host_ab_table.py "$OUT/host-ab.jsonl" base new "$OUT/host-ab.json"
 }
+k2_auto_c16() {          # K=2 / auto against K=0, bundled, C=16, lengths 64-192 then waves, 2 rounds each; $1: the files' suffix
+  for r in 0.5 0; do
+    step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
+    timeout 110 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r$1.json" \
+      --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio $r --fixed 2 --no-never \
+      2>&1 | tee "$OUT/auto-ab-c16-r$r$1.txt" | grep "^round\|median\|Error" | cut -c1-1500
+  done
+}
 switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL or LABEL:SWITCH,SWITCH), alternating (host_ab.py --set)
   local rounds=$1; shift
   for round in $(seq "$rounds"); do
@@ -1129,21 +1137,11 @@ eb)          # session 30: test_cuda (session 29's device-path commits and this 
   ;;
 ec)          # session 30: py-spy of this head's loop, then K=2 / auto against K=0 at C=16, lengths 64-192 and waves (~300 s)
   spy_loops
-  for r in 0.5 0; do
-    step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
-    timeout 100 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r.json" \
-      --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio $r --fixed 2 --no-never \
-      2>&1 | tee "$OUT/auto-ab-c16-r$r.txt" | grep "^round\|median\|Error" | cut -c1-1500
-  done
+  k2_auto_c16 ""
   step done
   ;;
 dl)          # session 29, last: this head's K=2 / auto against K=0 at C=16, lengths 64-192 then waves, 2 rounds each (~170 s)
-  for r in 0.5 0; do
-    step "auto_ab.py --fixed 2 --range-ratio $r, bundled, C=16, 128 requests, 2 rounds"
-    timeout 110 python3 results/h200/scripts/auto_ab.py engine/bundled/model "$OUT/auto-ab-c16-r$r-final.json" \
-      --concurrency 16 --requests 128 --rounds 2 --interleave 64 --range-ratio $r --fixed 2 --no-never \
-      2>&1 | tee "$OUT/auto-ab-c16-r$r-final.txt" | grep "^round\|median\|Error" | cut -c1-1500
-  done
+  k2_auto_c16 -final
   step done
   ;;
 dj)          # session 29: test_cuda after the host-path kernels, then the base commit's engine (.base/, carried) against this one, rounds alternating (~480 s)
