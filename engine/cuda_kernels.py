@@ -178,7 +178,10 @@ class CommitReplay:
         pinned host   | step_row (P) | dst (P) | src (P) | kept (P) |   int64, P <= max_parts
         device        the same bytes; each kernel reads its part
 
-    The staging block is rewritten only once the previous step's copy has read it (an event)."""
+    Two pinned blocks, used in turn: a block is rewritten once the copy from it two commits ago
+    has read it (an event), so the host preparing step n+1's commit does not wait for the GPU to
+    reach step n's (which is queued behind step n's forward). The device block is one: its
+    copies and kernels are ordered on the stream."""
 
     THREADS = 256
 
@@ -191,11 +194,13 @@ class CommitReplay:
         module = cupy.RawModule(code=_CONV_SOURCE, options=("--std=c++14",))
         self._conv = {np.dtype(np.float16): module.get_function("replay_conv_f16"),
                       np.dtype(np.float32): module.get_function("replay_conv_f32")}
-        self._pinned = cupy.cuda.alloc_pinned_memory(4 * max_parts * 8)
-        self._host = np.frombuffer(self._pinned, np.int64, 4 * max_parts)
+        self._pinned = [cupy.cuda.alloc_pinned_memory(4 * max_parts * 8) for _ in range(2)]
+        self._host = [np.frombuffer(p, np.int64, 4 * max_parts) for p in self._pinned]
         self._device = cupy.zeros(4 * max_parts, cupy.int64)
-        self._sent = cupy.cuda.Event(block=False, disable_timing=True)
-        self._sent.record()
+        self._sent = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+        for e in self._sent:
+            e.record()
+        self._turn = 0
         self._views: dict[int, tuple] = {}      # P -> the index block's [:4P] and its four parts (CuPy views)
 
     def supports(self, conv_flat, conv_value) -> bool:
@@ -222,15 +227,16 @@ class CommitReplay:
         if P > self.max_parts:
             raise AssertionError(f"{P} replayed rows > the staging's {self.max_parts}")
         on_device = not isinstance(kept, np.ndarray)
-        self._sent.synchronize()
-        host = self._host
+        turn = self._turn = 1 - self._turn
+        self._sent[turn].synchronize()
+        host = self._host[turn]
         for i, a in enumerate((step_row, dst, src) if on_device else (step_row, dst, src, kept)):
             host[i * P:(i + 1) * P] = a
         stream = cp.cuda.get_current_stream()
         sent = (3 if on_device else 4) * P
         cp.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, sent * 8,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._sent.record(stream)
+        self._sent[turn].record(stream)
         views = self._views.get(P)
         if views is None:
             index = self._device[:4 * P]
