@@ -181,9 +181,11 @@ class CommitReplay:
     Two pinned blocks, used in turn: a block is rewritten once the copy from it two commits ago
     has read it (an event), so the host preparing step n+1's commit does not wait for the GPU to
     reach step n's (which is queued behind step n's forward). The device block is one: its
-    copies and kernels are ordered on the stream."""
+    copies and kernels are ordered on the stream. ``double_buffered = False`` uses one block
+    (the A/B switch of session 31)."""
 
     THREADS = 256
+    double_buffered = True
 
     def __init__(self, capacity: int, num_v_heads: int, v_head_dim: int, num_k_heads: int, k_head_dim: int,
                  max_parts: int):
@@ -227,7 +229,7 @@ class CommitReplay:
         if P > self.max_parts:
             raise AssertionError(f"{P} replayed rows > the staging's {self.max_parts}")
         on_device = not isinstance(kept, np.ndarray)
-        turn = self._turn = 1 - self._turn
+        turn = self._turn = (1 - self._turn) if self.double_buffered else 0
         self._sent[turn].synchronize()
         host = self._host[turn]
         for i, a in enumerate((step_row, dst, src) if on_device else (step_row, dst, src, kept)):

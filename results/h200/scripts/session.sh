@@ -1108,9 +1108,19 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
   step done
   ;;
-ed)          # session 31, first: session 30's features against themselves off, and arrivals held in groups of half the decoding requests, in one checkout, 3 rounds (~450 s)
+ed)          # session 31: session 30's features and the commit's two index blocks against themselves off, in one checkout, 3 rounds (~450 s)
   switch_ab_rounds 3 on "steady_off:graphs.steady_staging=0" "carry_off:carry_dead_rows=0" \
-    "group_half:scheduler.admission_group=0.5"
+    "single_block:state_bank.fused_replay.double_buffered=0"
+  step done
+  ;;
+ef)          # session 31, first: the whole test_cuda (the review mends and the commit's two index blocks not run on a GPU yet), then ee (~300 s)
+  step test_cuda
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning > "$OUT/test-cuda.txt"
+  grep -E "^E  |^FAILED|passed|failed" "$OUT/test-cuda.txt" | cut -c1-400 | tail -20
+  bash "$0" ee
+  ;;
+eg)          # session 31: arrivals held in groups of half the decoding requests against a quarter, 3 rounds (~230 s)
+  switch_ab_rounds 3 on "group_half:scheduler.admission_group=0.5"
   step done
   ;;
 ee)          # session 31: a prompt-only engine's steps beside an MTP engine's draft steps, each on its own thread and stream (~80 s)
