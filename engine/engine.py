@@ -205,9 +205,11 @@ class Engine:
         # first token p50 fell 1-2 ms at C=1 and C=16, throughput unchanged; K=0, whose next
         # launch is one replay, gained ~0.3 ms and lost 1.5-3% (a GPU gap per prompt step)
         self.land_prompts_first = self.proposer is not None
-        # a draft step's continuation carries the rows of requests that ended while arrivals are
-        # held (pipeline.py), so a finish does not stop the draft steps' pipeline; off: every
-        # finish stops it (the lookahead's test measures holds without it)
+        # a draft step's continuation carries the rows of requests that ended while no waiting
+        # request could take their slots (pipeline.py, Scheduler.carries_dead_rows), so a finish
+        # does not stop the draft steps' pipeline; off: every finish stops it (the lookahead's
+        # test measures holds without it). On the H100 (bundled, K=2, C=16, waves, session 31):
+        # off 0.97x on
         self.carry_dead_rows = True
         self._landed_prompt: LaunchedStep | None = None     # such a step, its continuation not yet launched
         self._arrivals = itertools.count()
@@ -526,7 +528,7 @@ class Engine:
                                    self._host_rule, self.manifest.context_length,
                                    self.max_drafts if flight.num_drafts else 0, landed=landed, live=live,
                                    carry_dead=dead and bool(flight.num_drafts) and self.carry_dead_rows
-                                   and s.carries_dead_rows())
+                                   and s.carries_dead_rows(live.count(False), len(live)))
         k, wanted = 0, None
         running = [r for r, alive in zip(requests, live) if alive] if dead else requests
         if why is None and self.proposer is not None:
