@@ -248,7 +248,8 @@ def continuation_blocker(plan: StepPlan, num_running: int, can_admit: bool,
     continuation may carry (its rows must stay inside the context); ``landed``: the step has
     landed already, its tokens appended (``Engine.land_prompts_first``). ``live``: whether each
     request of the step still runs (None: all); ``carry_dead``: the rows of those that ended may
-    ride along (``Scheduler.carries_dead_rows``: no waiting request could take their slots now). The reason names no request: it is a count's key (``Engine.overlap_blockers``).
+    ride along (``Scheduler.carries_dead_rows``: no waiting request could take their slots
+    now). The reason names no request: it is a count's key (``Engine.overlap_blockers``).
     Host data only: no GPU or pool in here."""
     num_live = len(plan.scheduled) if live is None else sum(live)
     if num_live != num_running or not num_live or (num_live < len(plan.scheduled) and not carry_dead):
