@@ -239,9 +239,12 @@ class Scheduler:
         """Whether waiting requests are held back (rule 2): MTP is on, ``admission_hold_steps`` is
         set, every running request decodes, the oldest has waited fewer than
         ``admission_hold_steps`` landed steps, and either fewer than ``admission_group`` per
-        decoding request wait (at least one; at most the step's free slots), or
+        decoding request wait (at least one; at most a step's slots), or
         (``admission_lookahead``) a running request is expected to end within that many steps
-        while the step has slots free beyond those waiting."""
+        while the step has slots free beyond those waiting. (The group is not capped by the
+        slots free now: when a step has as many slots as clients, as the bench's pools have,
+        the slots free are the requests that ended, each of whose clients sends the next
+        one, so such a cap let every arrival in alone.)"""
         hold = self.config.admission_hold_steps
         if not hold or not self.max_drafts or not self.waiting:
             return False
@@ -250,12 +253,11 @@ class Scheduler:
             return False
         if self.num_landed - min(r.waiting_since for r in self.waiting) >= hold:
             return False
-        free = max(1, self.config.max_requests_per_step - decoding)
-        group = min(max(1, math.ceil(self.config.admission_group * decoding)), free)
-        if len(self.waiting) < group:
+        slots = self.config.max_requests_per_step
+        if len(self.waiting) < min(max(1, math.ceil(self.config.admission_group * decoding)), slots):
             return True
         lookahead = self.config.admission_lookahead
-        return bool(lookahead) and len(self.waiting) < free and any(
+        return bool(lookahead) and len(self.waiting) < max(1, slots - decoding) and any(
             _ends_within(r, lookahead) for r in self.running)
 
     def schedule(self) -> StepPlan:

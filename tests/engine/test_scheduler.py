@@ -315,6 +315,28 @@ def test_held_arrivals_join_one_prompt_step_within_the_hold():
     assert plan.admitted == [e, f] and not any(s.num_drafts for s in plan.scheduled)
 
 
+def test_arrivals_are_held_when_a_step_has_as_many_slots_as_clients():
+    """Rule 2's group with 4 slots a step and 4 clients (the bench's pools: as many slots and
+    rows as requests in flight): a request ends, its client's next one arrives into the one free
+    slot and is held (group 0.5 x 3 decoding = 2) until a second ending brings another; both
+    then feed their prompts in one step."""
+    sched, kv, head, bank = make(budget=64, rows=4, batch=4, hold=6, group=0.5, k=2)
+    a, b, c, d = decoding(sched, req("a", 3, max_tokens=2), req("b", 3, max_tokens=5, arrival=1),
+                          req("c", 3, arrival=2), req("d", 3, arrival=3))
+    arrivals, admitted = iter([req("e", 4, arrival=4), req("f", 5, arrival=5)]), []
+    for _ in range(6):
+        plan, updates = step(sched)
+        admitted.append([r.request_id for r in plan.admitted])
+        for u in updates:
+            if u.finish_reason is not None:
+                sched.add(next(arrivals))          # its client comes back
+        if not sched.waiting and len(sched.running) == 4:
+            break
+    assert [x for x in admitted if x] == [["e", "f"]], f"arrivals admitted {admitted}"
+    for pool in (kv, head, bank):
+        pool.check_integrity()
+
+
 def test_a_held_arrival_is_admitted_after_the_hold_and_at_once_when_nothing_decodes():
     sched, kv, head, bank = make(budget=64, hold=3, group=0.5)
     a = req("a", 3)
