@@ -54,13 +54,13 @@ held (``Scheduler.holds_admissions``, MTP on), or while none waits and at most h
 are dead, a draft step's continuation carries the dead rows along (their slots would stand
 empty until a request is admitted anyway; on a captured step padding rows cost the same), so a
 finish does not break the pipeline of draft steps: the rows are released when the pipeline
-stops, at the next admission at the latest. (A client answers its finish with its next request
-a little later, so "none waits" is the common case at a finish: in the bench at C=16 on the
-H100, session 31, 344 of K=2's 1,854 steps stopped on a finish before this.) A carried dead row is staged from the host's
-lengths, which no longer advance. A draft
-step P whose tokens may end every one of its requests (each has at most 1 + K tokens left) gets
-no continuation: Q could run on dead rows alone, a whole step a waiting request would queue
-behind (at one request, every request's last step; with waves, every wave's).
+stops, at the next admission at the latest. (In the bench at C=16 on the H100, session 31,
+with as many slots as clients, holds never held, so no dead row was carried and 344 of K=2's
+1,854 steps stopped on a finish: ``holds_admissions`` has the fix.) A carried dead row is staged
+from the host's lengths, which no longer advance. A draft step P whose tokens may end every one
+of its requests (each has at most 1 + K tokens left) gets no continuation: Q could run on dead
+rows alone, a whole step a waiting request would queue behind (at one request, every request's
+last step; with waves, every wave's).
 Greedy output is the same token for token with and without overlap: Q computes exactly the step
 the scheduler would have planned next, from the same state.
 

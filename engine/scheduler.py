@@ -229,8 +229,7 @@ class Scheduler:
         now: waiting requests are held (rule 2), or none waits and at most half the rows are
         dead. A slot nobody waits for stands empty anyway, and a stop costs a step launched
         alone; past half, most of the step's GPU time would go to rows whose tokens are dropped.
-        (Clients answer a finish with their next request a little later: in the bench at C=16
-        on the H100, session 31, 344 of 1,854 K=2 steps stopped on a finish with nothing waiting.)"""
+        (Over HTTP, or in an open loop, a finish's slot often has nobody waiting for it yet.)"""
         if not self.uniform_drafts:
             return False
         return self.holds_admissions() or (not self.waiting and 2 * num_dead <= num_rows)
