@@ -1108,7 +1108,7 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
     2>&1 | tee "$OUT/auto-ab-c1-shipped.txt" | grep "^round\|median\|Error" | cut -c1-3000
   step done
   ;;
-eh)          # session 31: the bench (K=0 / K=2, C=16, 512 prompts: as many slots and rows as clients) at the session's start (.base/ = ddb3896) and this head, ${2:-2} rounds alternating (~45 s a round)
+eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as many slots and rows as clients) at the session's start (.base/ = ddb3896) and this head, ${2:-2} rounds alternating (~60 s a round)
   mkdir -p /tmp/pkg_base/mtpserve
   ln -sfn "$root/.base/engine" /tmp/pkg_base/mtpserve/engine
   ln -sfn "$root/engine/bundled/model" "$root/.base/engine/bundled/model"
@@ -1119,8 +1119,8 @@ eh)          # session 31: the bench (K=0 / K=2, C=16, 512 prompts: as many slot
       step "bench $label, round $round"
       pkg=/tmp/pkg; [[ $label == base ]] && pkg=/tmp/pkg_base
       mkdir -p "$OUT/bench-$label-$round"
-      PYTHONPATH=$pkg:${PYTHONPATH#/tmp/pkg:} timeout 100 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench-$label-$round" --draft-tokens 0,2 \
-        --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep "speedup_vs_k0\|^mtpserve K=. *C=16 \|Error" | cut -c1-200
+      PYTHONPATH=$pkg:${PYTHONPATH#/tmp/pkg:} timeout 100 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench-$label-$round" --draft-tokens 0,2,auto \
+        --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep -E "speedup_vs_k0|^mtpserve (K=.|auto) +C=16 |Error" | cut -c1-200
     done
   done
   ;;
