@@ -92,7 +92,8 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
             run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}", timers=timers)
             slow = run.extra.get("slow_steps") or []
             log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
-                f"in {run.duration_s:.2f} s" + (f" — {run.error}" if run.error else "")
+                f"in {run.duration_s:.2f} s, {run.extra['prompt_steps']} prompt steps"
+                + (f" — {run.error}" if run.error else "")
                 + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
                 + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
             runs.append(run)
@@ -169,7 +170,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     requests = []
     steps0, preempt0 = engine.num_steps, engine.num_preemptions
     continuations0, blockers0 = engine.num_continuations, dict(engine.overlap_blockers)
-    draft_continuations0 = engine.num_draft_continuations
+    draft_continuations0, dead0 = engine.num_draft_continuations, engine.num_dead_carried
     depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
     cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
@@ -228,6 +229,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         stats = stats.merged(r.stats)
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
     extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
+             # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
+             "prompt_steps": sum(1 for shape in step_shapes if shape is not None and shape[2]),
              "step_ms": distribution_ms(step_times),
              "slow_steps": slow_steps(step_times, step_shapes),
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
@@ -250,6 +253,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
     extra["overlap"] = {"on": engine.overlap, "continuations": engine.num_continuations - continuations0,
                         "draft_continuations": engine.num_draft_continuations - draft_continuations0,
+                        "dead_rows_carried": engine.num_dead_carried - dead0,
                         "blockers": {why: n - blockers0.get(why, 0) for why, n in engine.overlap_blockers.items()
                                      if n > blockers0.get(why, 0)}}
     system = NO_PREFIX_CACHE if engine.prefix_cache is None else \
