@@ -1120,7 +1120,7 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
       pkg=/tmp/pkg; [[ $label == base ]] && pkg=/tmp/pkg_base
       mkdir -p "$OUT/bench-$label-$round"
       PYTHONPATH=$pkg:${PYTHONPATH#/tmp/pkg:} timeout 100 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench-$label-$round" --draft-tokens 0,2,auto \
-        --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep -E "speedup_vs_k0|^mtpserve (K=.|auto) +C=16 |Error" | cut -c1-200
+        --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep -E "speedup_vs_k0|^mtpserve (K=.|auto) +C=16 |prompt steps|Error" | cut -c1-200
     done
   done
   ;;
