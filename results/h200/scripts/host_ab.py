@@ -6,7 +6,10 @@ then a measured one; one JSON line a config.
     python3 host_ab.py MODEL_DIR LABEL [--configs 2:16:1024,0:16:1024,2:1:96] >> runs.jsonl
 
 A config is K:C:REQUESTS (draft tokens, concurrency, requests; every request 128 tokens, so a
-closed loop's requests arrive in waves, as the issue's bench has them).
+closed loop's requests arrive in waves, as the issue's bench has them). ``--resident C`` gives
+the engines the bench's pools (as many state rows and step slots as clients); ``--device cpu
+--cuda-rules`` runs CUDA's scheduling rules (uniform drafts, admission holds, a draft step after
+a decode step) on the CPU, for counts of steps, prompt steps and stops (no timing: a CPU's).
 """
 from __future__ import annotations
 
@@ -20,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spy_loop import measured, warm_up  # noqa: E402
 
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload  # noqa: E402
-from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
+from mtpserve.engine.config import (  # noqa: E402
+    CUDA_ADMISSION_HOLD_STEPS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from mtpserve.engine.engine import Engine  # noqa: E402
 
 
@@ -35,12 +44,25 @@ def main() -> None:
                         "(one checkout A/B'd against itself, feature by feature)")
     p.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
                    help="a SchedulerConfig field for this run, e.g. admission_group=0.5")
+    p.add_argument("--resident", type=int, default=None,
+                   help="state rows and step slots (the bench's pools: its concurrency); default the engine's")
+    p.add_argument("--cuda-rules", action="store_true", help="CUDA's scheduling rules on another device")
     args = p.parse_args()
+    cache, scheduler = CacheConfig(), SchedulerConfig()
+    if args.resident:
+        cache = CacheConfig(max_resident_requests=args.resident)
+        scheduler = SchedulerConfig(max_requests_per_step=args.resident)
+    if args.cuda_rules:
+        scheduler = dataclasses.replace(scheduler, max_tokens_per_step=2048, admission_hold_steps=CUDA_ADMISSION_HOLD_STEPS)
     engines = {}
     for config in args.configs.split(","):
         k, c, n = (int(x) for x in config.split(":"))
         if k not in engines:
-            engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k)))
+            engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k), cache=cache,
+                                             scheduler=scheduler, overlap_decode=True if args.cuda_rules else None))
+            if args.cuda_rules:
+                engines[k].scheduler.uniform_drafts = bool(k)
+                engines[k].draft_after_decode = engines[k].overlap
             for switch in args.set:
                 path, value = switch.split("=")
                 *owners, name = path.split(".")
@@ -61,11 +83,14 @@ def main() -> None:
         engine = engines[k]
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
         warm_up(engine, prompts[:max(32, 2 * c)], c, 128)
+        stops0, carried0 = dict(engine.overlap_blockers), getattr(engine, "num_dead_carried", 0)
         r = measured(engine, prompts, c, 128)
+        stops = {why: n - stops0.get(why, 0) for why, n in engine.overlap_blockers.items() if n > stops0.get(why, 0)}
         print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
                           "ms_per_step": r["ms_per_step"], "step_p50_ms": r["step_p50_ms"], "steps": r["steps"],
                           "prompt_steps": r["prompt_steps"], "seconds_by_step": r["seconds_by_step"],
-                          "ttft_p50_ms": r.get("ttft_p50_ms")}), flush=True)
+                          "ttft_p50_ms": r.get("ttft_p50_ms"), "stops": stops,
+                          "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0}), flush=True)
         engine.check_integrity()
 
 
