@@ -293,6 +293,7 @@ k2_auto_c16() {          # K=2 / auto against K=0, bundled, C=16, lengths 64-192
       2>&1 | tee "$OUT/auto-ab-c16-r$r$1.txt" | grep "^round\|median\|Error" | cut -c1-1500
   done
 }
+host_ab_extra=()         # more host_ab.py arguments for switch_ab_rounds (e.g. --resident 16: the bench's pools)
 switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL or LABEL:SWITCH,SWITCH), alternating (host_ab.py --set)
   local rounds=$1; shift
   for round in $(seq "$rounds"); do
@@ -303,7 +304,7 @@ switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL o
         if [[ $x == scheduler.* ]]; then sets+=(--scheduler "${x#scheduler.}"); else sets+=(--set "$x"); fi
       done
       step "host_ab.py $label, round $round"
-      timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model "$label" "${sets[@]}" \
+      timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model "$label" "${sets[@]}" "${host_ab_extra[@]}" \
         2>&1 | grep "^{" | tee -a "$OUT/switch-ab.jsonl" | cut -c1-200
     done
   done
@@ -1123,6 +1124,11 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
         --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep -E "speedup_vs_k0|^mtpserve (K=.|auto) +C=16 |prompt steps|Error" | cut -c1-200
     done
   done
+  ;;
+ei)          # session 32: in the bench's pools (16 rows and slots), this head against itself with a prompt step's continuation launched before it lands (the GPU idle during that launch, ~0.7 ms an arrival, against the first token's wait), 3 rounds (~230 s)
+  host_ab_extra=(--resident 16)
+  switch_ab_rounds 3 on "launch_first:land_prompts_first=0"
+  step done
   ;;
 ed)          # session 31: session 30's features and the commit's two index blocks against themselves off, in one checkout, 3 rounds (~450 s)
   switch_ab_rounds 3 on "steady_off:graphs.steady_staging=0" "carry_off:carry_dead_rows=0" \
