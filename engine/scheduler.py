@@ -239,11 +239,11 @@ class Scheduler:
         set, every running request decodes, the oldest has waited fewer than
         ``admission_hold_steps`` landed steps, and either fewer than ``admission_group`` per
         decoding request wait (at least one; at most a step's slots), or
-        (``admission_lookahead``) a running request is expected to end within that many steps
-        while the step has slots free beyond those waiting. (The group is not capped by the
-        slots free now: when a step has as many slots as clients, as the bench's pools have,
-        the slots free are the requests that ended, each of whose clients sends the next
-        one, so such a cap let every arrival in alone.)"""
+        (``admission_lookahead``) a running request is expected to end within that many steps.
+        (Neither is capped by the slots free now: a request that ends frees its slot, and in a
+        closed loop its client sends the next one. When a step has as many slots as clients,
+        as the bench's pools have, the slots free are just the requests that ended, so such a
+        cap let every arrival in alone, and the lookahead never waited.)"""
         hold = self.config.admission_hold_steps
         if not hold or not self.max_drafts or not self.waiting:
             return False
@@ -256,7 +256,7 @@ class Scheduler:
         if len(self.waiting) < min(max(1, math.ceil(self.config.admission_group * decoding)), slots):
             return True
         lookahead = self.config.admission_lookahead
-        return bool(lookahead) and len(self.waiting) < max(1, slots - decoding) and any(
+        return bool(lookahead) and any(
             _ends_within(r, lookahead) for r in self.running)
 
     def schedule(self) -> StepPlan:

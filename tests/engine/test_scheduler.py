@@ -360,8 +360,9 @@ def test_a_gathered_group_waits_for_a_request_about_to_end_within_the_hold():
     reaches its max_tokens within 2 steps (one token a step so far), so they wait for d's end
     and the arrival it brings, and all three feed their prompts in one step. Without the
     lookahead the group goes in at once; with a hold of 1 step the lookahead waits 1 step; with
-    6 slots a step, the 2 waiting fill the step already, and waiting would not grow it."""
-    for lookahead, hold, batch, expect_held in ((2, 6, 8, 2), (0, 6, 8, 0), (2, 1, 8, 1), (2, 6, 6, 0)):
+    6 slots a step (the 2 waiting fill the slots free now) it still waits: d's end frees its
+    slot for the arrival it brings."""
+    for lookahead, hold, batch, expect_held in ((2, 6, 8, 2), (0, 6, 8, 0), (2, 1, 8, 1), (2, 6, 6, 2)):
         sched, kv, head, bank = make(budget=64, batch=batch, hold=hold, group=0.5, k=2, lookahead=lookahead)
         decoding(sched, *(req(f"r{i}", 3, arrival=i) for i in range(3)), req("d", 3, max_tokens=3, arrival=3))
         e, f = req("e", 4, arrival=4), req("f", 5, arrival=5)

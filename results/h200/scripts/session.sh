@@ -1125,9 +1125,9 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
-ei)          # session 32: in the bench's pools (16 rows and slots), this head against itself with a prompt step's continuation launched before it lands (the GPU idle during that launch, ~0.7 ms an arrival, against the first token's wait), 3 rounds (~230 s)
+ei)          # session 32: in the bench's pools (16 rows and slots), this head against itself with a prompt step's continuation launched before it lands (the GPU idle during that launch, ~0.7 ms an arrival, against the first token's wait), and with a lookahead of 4 steps (CPU counts: 140 -> 98 prompt steps), 3 rounds (~330 s)
   host_ab_extra=(--resident 16)
-  switch_ab_rounds 3 on "launch_first:land_prompts_first=0"
+  switch_ab_rounds 3 on "launch_first:land_prompts_first=0" "lookahead4:scheduler.admission_lookahead=4"
   step done
   ;;
 ed)          # session 31: session 30's features and the commit's two index blocks against themselves off, in one checkout, 3 rounds (~450 s)
