@@ -320,8 +320,8 @@ class StepGraphs(_GraphSet):
         self.num_steady = 0            # draft continuations staged from the step before on the device
         self._latest: StagedStep | None = None     # the last replayed step's inputs
         # a steady draft continuation starts from the step before's inputs on the device (off: the
-        # host stages every step). Its effect on throughput is not shown yet (session 30, H100:
-        # within the host's drift; results/h200/README.md)
+        # host stages every step). Its effect on throughput is within noise: off ran 0.996x on
+        # (H100, bundled, K=2, C=16, waves, 3 rounds; results/h200 session 31)
         self.steady_staging = True
 
     # ------------------------------------------------------------------ capture

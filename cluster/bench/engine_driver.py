@@ -177,6 +177,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
     step_times: list[float] = []
     step_shapes: list[tuple] = []
+    prompt_steps = 0                # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
     if timers is not None:
         timers.reset()
     t0 = time.perf_counter()
@@ -205,6 +206,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         t = time.perf_counter()
         step_times.append(t - s)
         last = engine.last_step
+        prompt_steps += last is not None and last.has_prefill
         step_shapes.append(None if last is None else
                            (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
                             last.num_head_rows.bit_length()))
@@ -229,8 +231,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
         stats = stats.merged(r.stats)
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
     extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
-             # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
-             "prompt_steps": sum(1 for shape in step_shapes if shape is not None and shape[2]),
+             "prompt_steps": prompt_steps,
              "step_ms": distribution_ms(step_times),
              "slow_steps": slow_steps(step_times, step_shapes),
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,

@@ -269,12 +269,15 @@ ncu_mid_steps() {        # ncu by kernel of the 1.4 B model's captured decode (B
   done
 }
 
-host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git archive BASE engine` less the bundled model; session 30: ab4cd8b) and this one, alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves
+base_pkg() {             # /tmp/pkg_base: the package with the base checkout's engine (.base/engine: `git archive BASE engine` less the bundled model) and this checkout's actors and cluster
   mkdir -p /tmp/pkg_base/mtpserve
   ln -sfn "$root/.base/engine" /tmp/pkg_base/mtpserve/engine
   ln -sfn "$root/engine/bundled/model" "$root/.base/engine/bundled/model"
   for d in actors cluster; do ln -sfn "$root/$d" /tmp/pkg_base/mtpserve/$d; done
   touch /tmp/pkg_base/mtpserve/__init__.py
+}
+host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git archive BASE engine` less the bundled model; session 30: ab4cd8b) and this one, alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves
+  base_pkg
   for round in $(seq "$1"); do
     for label in base new; do
       step "host_ab.py $label, round $round"
@@ -1110,11 +1113,7 @@ dg)          # session 28, last: test_cuda's pipeline tests after the dead-conti
   step done
   ;;
 eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as many slots and rows as clients) at the session's start (.base/ = ddb3896) and this head, ${2:-2} rounds alternating (~60 s a round)
-  mkdir -p /tmp/pkg_base/mtpserve
-  ln -sfn "$root/.base/engine" /tmp/pkg_base/mtpserve/engine
-  ln -sfn "$root/engine/bundled/model" "$root/.base/engine/bundled/model"
-  for d in actors cluster; do ln -sfn "$root/$d" /tmp/pkg_base/mtpserve/$d; done
-  touch /tmp/pkg_base/mtpserve/__init__.py
+  base_pkg
   for round in $(seq "${2:-2}"); do
     for label in base new; do
       step "bench $label, round $round"
