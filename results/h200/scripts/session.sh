@@ -1124,6 +1124,10 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
+ej)          # session 32, first: the whole test_cuda (session 31's scheduler changes not run on a GPU yet), then eh's bench base against head, 2 rounds (~370 s)
+  bash "$0" cl
+  bash "$0" eh 2
+  ;;
 ei)          # session 32: in the bench's pools (16 rows and slots), this head against itself with a prompt step's continuation launched before it lands (the GPU idle during that launch, ~0.7 ms an arrival, against the first token's wait), and with a lookahead of 4 steps (CPU counts: 140 -> 98 prompt steps), 3 rounds (~330 s)
   host_ab_extra=(--resident 16)
   switch_ab_rounds 3 on "launch_first:land_prompts_first=0" "lookahead4:scheduler.admission_lookahead=4"
