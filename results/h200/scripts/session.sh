@@ -1124,6 +1124,17 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
+ek)          # session 33, first: can our own CUDA graph record ORT's eager runs exactly (cj, not run since its probe staged real rows: the gate for a whole K=2 step in one launch), then ei (~400 s)
+  bash "$0" cj
+  bash "$0" ei
+  ;;
+el)          # session 33: the bench's K=0 / K=2 / auto at C=16 (512 prompts, its own pools) in 3 interleaved rounds, one engine per K built once: the ratio on a host that drifts (~120 s)
+  step "bench, 3 rounds interleaved"
+  mkdir -p "$OUT/bench-rounds"
+  timeout 300 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench-rounds" --draft-tokens 0,2,auto \
+    --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 2>&1 | grep -E "speedup_vs_k0|^round|median|Error" | cut -c1-200
+  step done
+  ;;
 ej)          # session 32, first: the whole test_cuda (session 31's scheduler changes not run on a GPU yet), then eh's bench base against head, 2 rounds (~370 s)
   bash "$0" cl
   bash "$0" eh 2
