@@ -415,6 +415,12 @@ class Engine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def device_wait_s(self) -> float:
+        """Seconds the host has waited for a step's tokens to reach it (``TokenReadback.wait_s``):
+        in an overlapped loop, near zero when its steps are as long as their host work."""
+        return self._readback.wait_s
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TokenEvent]:
         if self._stream is not None and threading.get_ident() != self.built_on_thread and not self._warned_thread:

@@ -87,6 +87,7 @@ hold KV that Q's rows overwrite before anything reads it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,10 +98,15 @@ from mtpserve.engine.scheduler import StepPlan
 class TokenReadback:
     """A step's sampled token ids, device -> host without waiting at the copy: two pinned slots
     used in turn (a step lands before the one after next is launched), each with an event. On
-    the CPU the tokens are host arrays already."""
+    the CPU the tokens are host arrays already.
+
+    ``wait_s`` adds up the time ``receive`` blocked because the copy was not done yet: in an
+    overlapped loop, the host ahead of the device (near zero: the loop is host-bound, its steps
+    as long as its host work)."""
 
     def __init__(self, max_rows: int, xp):
         self.xp, self.max_rows = xp, max_rows
+        self.wait_s = 0.0
         if xp is np:
             return
         import cupy
@@ -130,7 +136,11 @@ class TokenReadback:
         if self.xp is np:
             return handle[0]
         slot, n = handle
-        self._done[slot].synchronize()
+        done = self._done[slot]
+        if not done.done:              # (one query when the copy is done: no clock read)
+            started = time.perf_counter()
+            done.synchronize()
+            self.wait_s += time.perf_counter() - started
         return self._host[slot][:n].copy()
 
 

@@ -93,6 +93,8 @@ def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, lo
             slow = run.extra.get("slow_steps") or []
             log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
                 f"in {run.duration_s:.2f} s, {run.extra['prompt_steps']} prompt steps"
+                + (f", the host waited for the device {run.extra['overlap']['device_wait_ms_per_step']:.3f} ms a step"
+                   if sweep.device != "cpu" else "")
                 + (f" — {run.error}" if run.error else "")
                 + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
                 + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
@@ -168,7 +170,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     prompts, n = workload.prompt_ids, workload.num_requests
     records: dict[str, RequestRecord] = {}
     requests = []
-    steps0, preempt0 = engine.num_steps, engine.num_preemptions
+    steps0, preempt0, wait0 = engine.num_steps, engine.num_preemptions, engine.device_wait_s
     continuations0, blockers0 = engine.num_continuations, dict(engine.overlap_blockers)
     draft_continuations0, dead0 = engine.num_draft_continuations, engine.num_dead_carried
     depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
@@ -252,9 +254,12 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshots": engine.prefix_cache.num_snapshots,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
+    num_steps = engine.num_steps - steps0
     extra["overlap"] = {"on": engine.overlap, "continuations": engine.num_continuations - continuations0,
                         "draft_continuations": engine.num_draft_continuations - draft_continuations0,
                         "dead_rows_carried": engine.num_dead_carried - dead0,
+                        # the host's wait for steps' tokens: near zero, the loop is host-bound
+                        "device_wait_ms_per_step": round((engine.device_wait_s - wait0) * 1e3 / max(1, num_steps), 4),
                         "blockers": {why: n - blockers0.get(why, 0) for why, n in engine.overlap_blockers.items()
                                      if n > blockers0.get(why, 0)}}
     system = NO_PREFIX_CACHE if engine.prefix_cache is None else \

@@ -173,6 +173,7 @@ def test_engine_mode_side_by_side(tiny_paged_export, tmp_path, capsys):
         assert (r["extra"]["prompt_steps"] >= 5 if r["concurrency"] == 1 else r["extra"]["prompt_steps"] >= 2)
         assert r["extra"]["prompt_steps"] < r["extra"]["num_steps"]
         assert r["extra"]["overlap"]["dead_rows_carried"] == 0      # the CPU plans no uniform drafts: none carried
+        assert r["extra"]["overlap"]["device_wait_ms_per_step"] == 0.0   # the CPU's tokens are on the host already
     k0, k2 = results[0], results[2]
     assert k0["acceptance"] is None and "synthetic" not in k0["label"]
     assert k0["spec"]["tokens_per_target_forward"] == 1.0 and k0["tokens_per_chunk"] == 1.0

@@ -831,6 +831,29 @@ def test_cuda_an_engine_built_and_stepped_on_its_owner_thread_stays_quiet_and_on
 
 
 @needs_cuda
+def test_token_readback_counts_the_hosts_wait_only_while_the_copy_is_pending():
+    """``TokenReadback.wait_s`` (the bench's ``device_wait_ms_per_step``: whether a loop is
+    host-bound) is the time ``receive`` blocked because the device had not reached the copy:
+    tokens sent behind ~50 ms of queued work are waited for, tokens whose copy is done add nothing."""
+    import cupy
+
+    from mtpserve.engine.pipeline import TokenReadback
+    readback = TokenReadback(16, cupy)
+    a = cupy.random.rand(4096, 4096, dtype=cupy.float32)
+    tokens = cupy.arange(16, dtype=cupy.int64)
+    cupy.cuda.get_current_stream().synchronize()
+    for _ in range(20):                       # queued, not run: the copy waits behind them
+        a = a @ a / 4096
+    assert (readback.receive(readback.send(tokens)) == np.arange(16)).all()
+    waited = readback.wait_s
+    assert waited > 1e-3
+    handle = readback.send(tokens + 1)
+    cupy.cuda.get_current_stream().synchronize()
+    assert (readback.receive(handle) == np.arange(1, 17)).all()
+    assert readback.wait_s == waited
+
+
+@needs_cuda
 def test_row_copies_keep_each_steps_rows_after_the_buffer_is_written_again():
     """The hidden rows an MTP engine keeps for its head's catch-up are copies out of one buffer that
     every captured step writes: each copy keeps the rows of its own step, across chunk roll-overs."""
