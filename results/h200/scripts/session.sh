@@ -1124,9 +1124,9 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
-ek)          # session 33, first: can our own CUDA graph record ORT's eager runs exactly (cj, not run since its probe staged real rows: the gate for a whole K=2 step in one launch), then ei (~400 s)
+ek)          # session 33, first: test_cuda (session 32's readback wait counter: the device path), then whether our own CUDA graph records ORT's eager runs exactly (cj, not run since its probe staged real rows: the gate for a whole K=2 step in one launch) (~320 s); then ei, then el
+  bash "$0" cl
   bash "$0" cj
-  bash "$0" ei
   ;;
 el)          # session 33: the bench's K=0 / K=2 / auto at C=16 (512 prompts, its own pools) in 3 interleaved rounds, one engine per K built once: the ratio on a host that drifts (~120 s)
   step "bench, 3 rounds interleaved"
