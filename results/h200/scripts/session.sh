@@ -1124,9 +1124,16 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
-ek)          # session 33, first: test_cuda (session 32's readback wait counter: the device path), then whether our own CUDA graph records ORT's eager runs exactly (cj, not run since its probe staged real rows: the gate for a whole K=2 step in one launch) (~320 s); then ei, then el
+ek)          # session 33, first: test_cuda (session 32's readback wait counter: the device path), then whether our own CUDA graph records ORT's eager runs exactly (cj, not run since its probe staged real rows), then eo (~400 s); then ei, then el
   bash "$0" cl
   bash "$0" cj
+  bash "$0" eo
+  ;;
+eo)          # session 32's probe: a whole steady K=2 continuation (head drafting, verify, accept, commit, readback) recorded as one CUDA graph of ours with ORT's runs eager inside, launched once, 4 times in a C=16 batch; tokens against an engine that never recorded, and one launch's host us against the usual launch's (~90 s)
+  step "step_capture_probe.py, bundled, K=2, 16 requests of 256 tokens"
+  timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-probe.json" engine/bundled/model 2>&1 \
+    | grep -v "Warning\|No registered" | tail -30 | cut -c1-900
+  step done
   ;;
 el)          # session 33: the bench's K=0 / K=2 / auto at C=16 (512 prompts, its own pools) in 3 interleaved rounds, one engine per K built once: the ratio on a host that drifts (~120 s)
   step "bench, 3 rounds interleaved"

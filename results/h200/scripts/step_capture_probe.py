@@ -1,0 +1,224 @@
+"""Can a whole steady K=2 draft continuation (the head's drafting, the verify, the accept, the
+commit, the readback: ~15 device calls and three ORT runs, ~650 us of host time a step at C=16 in
+session 30's py-spy) be recorded as ONE CUDA graph of ours, with ORT's runs eager (graph id -1)
+inside it, and is the step it computes exact?
+
+    python3 step_capture_probe.py OUT.json [MODEL_DIR] [--captures N] [--requests B] [--tokens T]
+
+Two CUDA engines in turn (bundled, K=2, as served), each a closed batch of B greedy requests of T
+tokens (EOS ignored), the same prompts:
+  reference  stepped as usual
+  probed     stepped as usual, except that N of its steady draft continuations (a draft step
+             continuing one with the same requests, staged from it on the device) are launched by
+             recording ``Engine._launch_drafting`` in a stream capture of ours (relaxed mode),
+             with every ORT replay swapped for an eager run of the same binding, then launching
+             the recorded graph once; the loop goes on as usual.
+What it writes:
+  captures   per attempt: "ok" or where the capture broke (the exception and its trace); a
+             failed capture leaves the probed engine's host state ahead of its device, so the
+             probe stops there
+  exact      requests whose tokens equal the reference's, and the probed engine's integrity check
+  cost       host us of a usual steady launch (median of the probed run's others) against the
+             recording's launch call; GPU us from events around each (a usual launch's events
+             include the device's idle gaps while the host launches: what a host-bound step costs)
+It does not replay a graph twice: a real engine would re-stage the inputs between replays (the
+design in results/h200/README.md, session 32); this asks only whether a step can be one graph and
+what one launch then costs.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import cupy as cp
+import onnxruntime as ort
+
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload
+from mtpserve.engine import cuda_graphs
+from mtpserve.engine.config import EngineConfig, SpecConfig
+from mtpserve.engine.engine import Engine
+from mtpserve.engine.sampler import SamplingParams
+
+
+def eager_options() -> ort.RunOptions:
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", "-1")                      # no capture, no replay
+    options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return options
+
+
+def run(model_dir: str, prompts, tokens: int, probe: dict | None) -> dict[str, list[int]]:
+    """One engine's closed batch; with ``probe``, ``probe["captures"]`` steady continuations
+    recorded and launched as graphs of ours (results into ``probe``)."""
+    engine = Engine(EngineConfig(model_dir, device="cuda", spec=SpecConfig(2)))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    if probe is not None:
+        _probe_launches(engine, probe)
+    out: dict[str, list[int]] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+        if probe is not None and probe.get("stopped"):
+            break
+    if probe is not None and not probe.get("stopped"):
+        engine.check_integrity()
+        probe["integrity"] = "ok"
+    del engine
+    gc.collect()
+    return out
+
+
+class _Unrecorded:
+    """An event's stand-in while recording: an event recorded inside a capture is "last recorded
+    in a capturing stream", and its next wait fails (cudaErrorCapturedEvent). The stream is
+    synchronised before the capture and after the graph's launch, so the real events' last
+    records are done and what they guard is in place: skipping the records loses nothing."""
+    done = True
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _swap_events(engine: Engine) -> list:
+    """Every event the step path records (staged inputs' uploads, the commit's index copies, the
+    readback's copies) swapped for ``_Unrecorded``; what ``_restore`` puts back."""
+    owners = [(g.inputs, "_sent") for graphs in (engine.graphs, getattr(engine.proposer, "graphs", None))
+              if graphs is not None for g in graphs._graphs.values()]
+    if engine.state_bank.fused_replay is not None:
+        owners.append((engine.state_bank.fused_replay, "_sent"))
+    owners.append((engine._readback, "_done"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name in owners]
+    for owner, name, value in saved:
+        setattr(owner, name, [_Unrecorded() for _ in value] if isinstance(value, list) else _Unrecorded())
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+
+
+def _probe_launches(engine: Engine, probe: dict) -> None:
+    usual = engine._launch_drafting
+    stream, eager = engine._stream, eager_options()
+    probe.update(attempts=[], usual_host_us=[], usual_gpu_us=[], graph_launch_host_us=[], graph_gpu_us=[],
+                 eligible=0)
+
+    def eager_replay(self, graph):
+        self.session.run_with_iobinding(graph.binding.io, eager)
+        self.num_replays += 1
+
+    def launch(plan, after=None):
+        steady = (after is not None and after.num_drafts and after.staging is not None
+                  and tuple(plan.request_ids) == tuple(after.plan.request_ids)
+                  and len(plan.request_ids) == probe["requests"])
+        if not steady or probe.get("stopped"):
+            return usual(plan, after)
+        probe["eligible"] += 1
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        record = probe["eligible"] > 16 and probe["eligible"] % 8 == 0 and len(probe["attempts"]) < probe["captures"]
+        if not record:
+            start.record(stream)
+            t0 = time.perf_counter()
+            flight = usual(plan, after)
+            probe["usual_host_us"].append((time.perf_counter() - t0) * 1e6)
+            end.record(stream)
+            end.synchronize()      # (the probe's own wait: the next launch's host time starts clean)
+            probe["usual_gpu_us"].append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            return flight
+        saved = cuda_graphs._GraphSet._replay
+        attempt = {"at_eligible": probe["eligible"]}
+        probe["attempts"].append(attempt)
+        step = "begin_capture"
+        stream.synchronize()
+        events = _swap_events(engine)
+        cuda_graphs._GraphSet._replay = eager_replay
+        try:
+            stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+            step = "Engine._launch_drafting under capture"
+            flight = usual(plan, after)
+            step = "end_capture"
+            graph = stream.end_capture()
+        except Exception as e:     # noqa: BLE001 - where it broke is the finding
+            attempt["capture"] = f"failed at {step}: {type(e).__name__}: {e}"[:1500]
+            attempt["trace"] = traceback.format_exc()[-3000:]
+            try:
+                if stream.is_capturing():
+                    stream.end_capture()
+            except Exception as e2:    # noqa: BLE001
+                attempt["end_after_failure"] = f"{type(e2).__name__}: {e2}"[:500]
+            probe["stopped"] = True    # host state ran ahead of a device that never ran the step
+            _restore(events)
+            raise
+        finally:
+            cuda_graphs._GraphSet._replay = saved
+        attempt["capture"] = "ok"
+        start.record(stream)
+        t0 = time.perf_counter()
+        graph.launch(stream)
+        attempt["launch_host_us"] = (time.perf_counter() - t0) * 1e6
+        end.record(stream)
+        end.synchronize()
+        _restore(events)
+        attempt["gpu_us"] = cp.cuda.get_elapsed_time(start, end) * 1e3
+        probe["graph_launch_host_us"].append(attempt["launch_host_us"])
+        probe["graph_gpu_us"].append(attempt["gpu_us"])
+        attempt["graph"] = graph       # kept alive until the step has landed (dropped in the report)
+        return flight
+
+    engine._launch_drafting = launch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("model_dir", nargs="?", default="engine/bundled/model")
+    p.add_argument("--captures", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=256)
+    args = p.parse_args()
+    prompts = text_workload(BUNDLED_PROMPTS, _tokenizer(args.model_dir), args.requests).prompt_ids
+    result: dict = {"requests": args.requests, "tokens": args.tokens}
+    reference = run(args.model_dir, prompts, args.tokens, None)
+    probe = {"captures": args.captures, "requests": args.requests}
+    try:
+        probed = run(args.model_dir, prompts, args.tokens, probe)
+    except Exception as e:         # noqa: BLE001 - a failed capture ends the probed run
+        probed = {}
+        result["probed_run_error"] = f"{type(e).__name__}: {e}"[:1500]
+    for a in probe.get("attempts", []):
+        a.pop("graph", None)
+    same = sum(probed.get(rid) == toks for rid, toks in reference.items())
+    result.update(
+        attempts=probe.get("attempts"), eligible=probe.get("eligible"), integrity=probe.get("integrity"),
+        requests_equal=f"{same} of {len(reference)}" if probed else None,
+        usual_host_us_median=_median(probe.get("usual_host_us")), usual_gpu_us_median=_median(probe.get("usual_gpu_us")),
+        graph_launch_host_us=[round(x, 1) for x in probe.get("graph_launch_host_us", [])],
+        graph_gpu_us=[round(x, 1) for x in probe.get("graph_gpu_us", [])])
+    print(json.dumps({k: v for k, v in result.items() if k != "attempts"}, indent=1))
+    for a in result["attempts"] or []:
+        print(json.dumps({k: v for k, v in a.items() if k != "trace"})[:1500])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def _median(xs):
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def _tokenizer(model_dir: str):
+    from mtpserve.engine.tokenizer import Tokenizer
+    return Tokenizer(model_dir).encode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
