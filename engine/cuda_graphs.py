@@ -448,6 +448,11 @@ class StepGraphs(_GraphSet):
                                     self.captures.recurrent_capsule[:, :B])
         return MainOutputs(self.logits[:T], hidden, present, captures, staging=self._latest)
 
+    def shares(self, hidden) -> bool:
+        """Whether ``hidden`` is rows of the replays' own hidden buffer (a step run with
+        ``copy_hidden=False``): valid only until the next replay writes it."""
+        return getattr(hidden, "base", None) is self.hidden
+
     def _steady(self, follows: StagedStep | None, request_ids: Sequence[str], n: int, width: int) -> bool:
         """Whether ``follows`` (the launched step this one continues) is the latest staging and
         holds this step's requests in order, ``n`` rows each, at table width ``width`` (its block
@@ -478,7 +483,9 @@ class _RowCopies:
 
     ``ndarray.copy()`` of the rows cost ~59 us of host time a step on the H200's host, this 9 us
     (cProfile, ``results/h200/scripts/auto_k0_profile.py``): every step of an MTP engine pays it,
-    drafting or not (``--draft-tokens auto`` at a load where no depth pays)."""
+    drafting or not (``--draft-tokens auto`` at a load where no depth pays), but a draft
+    continuation, whose rows its own continuation's head reads before the next replay (copied
+    only when it lands with none, ``Engine._land_drafting``)."""
 
     def __init__(self, width: int, dtype, chunk_rows: int, xp):
         self.width, self.dtype, self.chunk_rows, self.xp = width, dtype, chunk_rows, xp

@@ -584,12 +584,13 @@ def _accept_scratch(rows: int, requests: int):
     return target, done
 
 
-def accept_logits(logits, drafts, synthetic=None):
+def accept_logits(logits, drafts, synthetic=None, out=None):
     """``accept_drafts(row argmaxes of logits, drafts, synthetic)`` in one launch: ``(accepted
     [B, K + 2], kept [B])`` int64 on the device from a uniform draft step's logits [B * (K + 1),
     V] (float16 or float32, C-contiguous: request b's rows b*(K+1) ..) and its drafts [B, K]
     (int64, contiguous), in place of an argmax launch, two allocations and the accept launch
-    (each CuPy launch ~10-15 us of host time in session 29's py-spy on the H100)."""
+    (each CuPy launch ~10-15 us of host time in session 29's py-spy on the H100). ``out``: the
+    ``(accepted, kept)`` arrays to write (contiguous int64 of those shapes), else new ones."""
     import cupy
     B, K = int(drafts.shape[0]), int(drafts.shape[1])
     assert logits.flags.c_contiguous and logits.ndim == 2 and logits.shape[0] >= B * (K + 1), "[B * (K + 1), V]"
@@ -598,7 +599,12 @@ def accept_logits(logits, drafts, synthetic=None):
     _int64(drafts)
     kernel = _kernel(_ARGMAX_SOURCE, f"accept_logits_{_LOGIT_SUFFIX[np.dtype(logits.dtype)]}")
     target, done = _accept_scratch(B * (K + 1), B)
-    accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
+    if out is None:
+        accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
+    else:
+        accepted, kept = out
+        assert accepted.shape == (B, K + 2) and kept.shape == (B,), "out: accepted [B, K + 2], kept [B]"
+        _int64(accepted, kept)
     if synthetic is not None:
         synthetic = cupy.asarray(synthetic, cupy.int64)
     if B:
@@ -608,12 +614,13 @@ def accept_logits(logits, drafts, synthetic=None):
     return accepted, kept
 
 
-def accept_step_on_device(logits, drafts, synthetic=None):
+def accept_step_on_device(logits, drafts, synthetic=None, out=None):
     """A uniform draft step's ``(accepted [B, K + 2], kept [B])`` on the device from its logits
-    [B * (K + 1), V] and drafts [B, K]: ``accept_logits`` (one launch) for float16 / float32
-    C-contiguous logits, else each row's argmax then ``accept_drafts``."""
+    [B * (K + 1), V] and drafts [B, K]: ``accept_logits`` (one launch, into ``out`` when given)
+    for float16 / float32 C-contiguous logits, else each row's argmax then ``accept_drafts``
+    (new arrays)."""
     if logits.flags.c_contiguous and logits.ndim == 2 and logits.dtype in (np.float16, np.float32):
-        return accept_logits(logits, drafts, synthetic)
+        return accept_logits(logits, drafts, synthetic, out)
     B, K = int(drafts.shape[0]), int(drafts.shape[1])
     return accept_drafts(logits[:B * (K + 1)].argmax(axis=1).reshape(B, K + 1), drafts, synthetic)
 

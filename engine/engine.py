@@ -186,6 +186,7 @@ class Engine:
         self.overlap = config.overlap_decode if config.overlap_decode is not None else config.device == "cuda"
         # a step's tokens: one a request, or a draft step's K + 1 emitted and the kept count
         self._readback = TokenReadback(config.cache.max_resident_requests * (self.max_drafts + 2), self.xp)
+        self._accept_out: dict[tuple[int, int], tuple] = {}      # (batch, K) -> a draft step's accept arrays
         self._in_flight: LaunchedStep | None = None     # launched, not landed (overlapped decoding)
         self.num_continuations = 0                       # steps launched before the one they follow landed
         self.num_draft_continuations = 0                 # ... of them draft steps after a draft step
@@ -628,13 +629,23 @@ class Engine:
             accepted, kept = accept_drafts(row_argmax(out.logits, xp).reshape(B, K + 1), draft_ids, synthetic)
         else:
             from mtpserve.engine.cuda_kernels import accept_step_on_device
-            accepted, kept = accept_step_on_device(out.logits, draft_ids, synthetic)
+            accepted, kept = accept_step_on_device(out.logits, draft_ids, synthetic, self._accept_buffers(B, K))
         self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
         flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
                               num_drafts=K, hidden=out.hidden, source=self._readback,
                               num_head_rows=head_rows, staging=out.staging)
         flight.readback = self._readback.send(accepted.reshape(-1))
         return flight
+
+    def _accept_buffers(self, batch: int, k: int):
+        """A draft step's ``(accepted [batch, k + 2], kept [batch])`` device arrays: one pair a
+        shape for the engine's life, not two allocations a step. Step n + 1's accept overwrites
+        step n's pair only after what reads it on the device (n's readback copy, n + 1's follow
+        kernels) was queued before it on the engine's one stream; the host reads the readback."""
+        pair = self._accept_out.get((batch, k))
+        if pair is None:
+            pair = self._accept_out[batch, k] = (self.xp.empty((batch, k + 2), np.int64), self.xp.empty(batch, np.int64))
+        return pair
 
     def _verify_after(self, plan: StepPlan, drafts: dict, on_device, after: LaunchedStep):
         """The verify of a draft continuation: a captured step staged as if ``after`` kept all
@@ -648,7 +659,7 @@ class Engine:
         if self.graphs is not None and on_device is not None:       # (ids on the device: no row objects)
             past = np.fromiter((s.request.num_computed for s in plan.scheduled), np.int64, len(tables))
             out = self.graphs.run_after(plan.request_ids, past + (k1 - behind), tuple(tables),
-                                        1 + plan.scheduled[0].num_drafts, copy_hidden=True,
+                                        1 + plan.scheduled[0].num_drafts, copy_hidden=False,
                                         device_drafts=on_device.array, after=(after.accepted(), k1),
                                         follows=after.staging)
             if out is not None:
@@ -656,7 +667,7 @@ class Engine:
         elif self.graphs is not None:          # (the host's drafts: staged from row objects)
             rows = [PackedRows([0] + drafts[rid].tokens, s.request.num_computed - behind + k1, t)
                     for s, rid, t in zip(plan.scheduled, plan.request_ids, tables)]
-            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=True,
+            out = self.graphs.run(plan.request_ids, rows, [1] * len(rows), copy_hidden=False,
                                   after=(after.accepted(), k1), follows=after.staging)
             if out is not None:
                 return out
@@ -683,7 +694,13 @@ class Engine:
             self._in_flight.num_head_rows = sum(kept)
         if not flight.followed:
             alive = [i for i, x in enumerate(live) if x]
-            self.proposer.keep_step([plan.request_ids[i] for i in alive], flight.hidden,
+            hidden = flight.hidden
+            if self.graphs is not None and self.graphs.shares(hidden):
+                # a continuation's verify leaves its hidden rows in the replays' own buffer (its
+                # continuation's head reads them there, before its own verify writes it); with
+                # none launched, nothing has written it since: the rows the head needs later, copied
+                hidden = self.graphs.hidden_copies.copy(hidden, hidden.shape[0])
+            self.proposer.keep_step([plan.request_ids[i] for i in alive], hidden,
                                     [plan.layout.row_start[i] for i in alive], [kept[i] for i in alive])
         sampled = {rid: (row[:n], n - 1) for rid, row, n in zip(plan.request_ids, accepted, kept)}
         updates = self.scheduler.append_tokens(plan, sampled, kept)

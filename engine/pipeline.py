@@ -158,6 +158,8 @@ class LaunchedStep:
     readback: tuple | None = None   # TokenReadback handle of ``tokens``
     num_drafts: int = 0             # K of a draft step (every request verified K drafts)
     hidden: object = None           # its main hidden rows (MTP on; a draft step's [B * (K + 1), H]): the head's next catch-up
+                                    # (a captured draft continuation's: rows of the replays' own buffer, copied when it lands
+                                    # unfollowed, ``StepGraphs.shares``)
     followed: bool = False          # a draft step's continuation caught the head up on its rows
     num_head_rows: int = 0          # head rows its drafting caught up on (the step's timing)
     staging: object = None          # its captured forward's ``cuda_graphs.StagedStep`` (None: eager, or

@@ -386,6 +386,32 @@ def test_accept_from_logits_in_one_launch_matches_argmax_then_accept():
         np.testing.assert_array_equal(kept.get(), want_kept)
 
 
+@needs_cuda
+def test_accept_logits_into_one_pair_of_arrays_step_after_step():
+    """An engine's draft steps reuse one ``(accepted, kept)`` pair a shape
+    (``Engine._accept_buffers``): ``accept_logits`` writes the pair it is given and returns it,
+    and what reads a step's values on the stream before the next step's launch (the readback's
+    copy, the next step's follow kernels) sees that step's, launch after launch."""
+    import cupy as cp
+
+    from mtpserve.engine.cuda_kernels import accept_logits
+    from mtpserve.engine.pipeline import accept_drafts as host_accept
+    rng = np.random.default_rng(11)
+    B, K = 6, 2
+    out = (cp.empty((B, K + 2), cp.int64), cp.empty(B, cp.int64))
+    read = []
+    for _ in range(5):
+        logits = rng.standard_normal((B * (K + 1), 5000)).astype(np.float16)
+        target = logits.argmax(axis=1).reshape(B, K + 1)
+        drafts = np.where(rng.random((B, K)) < 0.6, target[:, :K], (target[:, :K] + 1) % 5000)
+        got, kept = accept_logits(cp.asarray(logits), cp.asarray(drafts), None, out)
+        assert got is out[0] and kept is out[1]
+        read.append((got.copy(), kept.copy(), host_accept(target, drafts)))    # queued before the next launch
+    for got, kept, (want, want_kept) in read:
+        np.testing.assert_array_equal(got.get(), want)
+        np.testing.assert_array_equal(kept.get(), want_kept)
+
+
 def _graph_share(engine) -> float:
     g = engine.graphs
     return g.num_replays / max(1, engine.num_steps)
