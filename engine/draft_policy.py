@@ -228,12 +228,16 @@ class AdaptiveDraftPolicy(DraftPolicy):
                  idle_explore_interval: int = 1024, min_prior_trials: int = 16, min_request_trials: int = 4,
                  probe_interval: int = 32,
                  explore_burst: int = 1, fit_pipelined_only: bool = False,
-                 cost_table: StepCostTable | None = None):
+                 cost_table: StepCostTable | None = None, calibration_burst: int | None = None):
         """explore_burst: an exploring (or calibrating) depth is held for this many steps in a
         row; with fit_pipelined_only (the fits leave out steps an overlapping engine ran alone)
         only a burst's later steps are measured, at the cost its depth has when held. Both are
         off by default: an experiment for the H200, where auto has two stable states at 16
-        requests (README, "A known gap"), not yet measured there. cost_table: the replica's
+        requests (README, "A known gap"), not yet measured there. calibration_burst: the same
+        for the calibrating steps alone (depths 0 and 1 by turns while a batch-size class has no
+        fit; default ``explore_burst``): an engine that overlaps its steps stops its pipeline at
+        each change of depth, so calibrating by single steps stops it every other step (the
+        engine holds them 4 steps). cost_table: the replica's
         timed step costs (``set_cost_table``); min_request_trials, probe_interval: how a policy
         on a table measures the acceptance of requests it does not draft for
         (``_table_depth``)."""
@@ -250,6 +254,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if explore_burst < 1 or (explore_interval and explore_burst >= explore_interval):
             raise ValueError(f"explore_burst must be in 1..explore_interval - 1, got {explore_burst}")
         self.explore_burst = explore_burst
+        if calibration_burst is not None and calibration_burst < 1:
+            raise ValueError(f"calibration_burst must be >= 1, got {calibration_burst}")
+        self.calibration_burst = explore_burst if calibration_burst is None else calibration_burst
         self.fit_pipelined_only = fit_pipelined_only
         self.cost_table = None                    # timed at start-up: judges every depth when set
         self._batch = 1                           # the latest step's requests (the planner's draft cost)
@@ -498,7 +505,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
                 depth = None         # "no depth pays" judged on the prior alone: measure it first
         if depth is None:                                # calibration: 0, 1, 0, 1, ...
             c = batch_class(len(requests))
-            depth = self._num_calibration.get(c, 0) // self.explore_burst % 2
+            depth = self._num_calibration.get(c, 0) // self.calibration_burst % 2
             self._num_calibration[c] = self._num_calibration.get(c, 0) + 1
             return depth, False
         if self.explores(depth):

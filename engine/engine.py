@@ -53,6 +53,12 @@ from mtpserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("mtpserve")
 
+# --draft-tokens auto calibrates a new batch size's step costs at depths 0 and 1 by turns; with
+# overlapped decoding each change of depth stops the pipeline (the next step launches alone), so
+# it holds each depth this many steps (on the CPU under CUDA's rules, C=16 after a C=4 warm-up:
+# 7 -> 2 steps launched alone among a load's first 40)
+CALIBRATION_BURST = 4
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -166,8 +172,10 @@ class Engine:
                                             snapshot_all=config.cache.prefix_snapshots == "all",
                                             hidden_row=(m.hidden_size, self.runner.hidden_dtype) if use_mtp else None)
         self.max_drafts = min(MAX_NUM_DRAFTS, m.capture_capacity) if use_mtp else 0
+        self.overlap = config.overlap_decode if config.overlap_decode is not None else config.device == "cuda"
         if draft_policy is None and config.spec.adaptive:
-            draft_policy = AdaptiveDraftPolicy(self.max_drafts)
+            # overlapped, a change of depth stops the pipeline: calibrate a batch size's depths in runs
+            draft_policy = AdaptiveDraftPolicy(self.max_drafts, calibration_burst=CALIBRATION_BURST if self.overlap else 1)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
         if self.graphs is not None and self.proposer is not None:
@@ -183,7 +191,6 @@ class Engine:
         self.scheduler.uniform_drafts = self.graphs is not None     # a captured verify has one shape
         self.limits = RequestLimits(m.context_length, m.block_size, self.kv_pool.num_usable_blocks, m.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.overlap = config.overlap_decode if config.overlap_decode is not None else config.device == "cuda"
         # a step's tokens: one a request, or a draft step's K + 1 emitted and the kept count
         self._readback = TokenReadback(config.cache.max_resident_requests * (self.max_drafts + 2), self.xp)
         self._accept_out: dict[tuple[int, int], tuple] = {}      # (batch, K) -> a draft step's accept arrays

@@ -479,6 +479,25 @@ def test_exploring_and_calibrating_depths_are_held_for_a_burst_of_steps():
         AdaptiveDraftPolicy(4, explore_interval=8, explore_burst=8)
 
 
+def test_calibration_bursts_hold_the_calibrating_depths_and_leave_exploring_single():
+    """``calibration_burst`` (what an overlapped engine's auto uses): a batch size without a fit
+    is calibrated at depths 0 and 1 in runs of that many steps; once fitted, its exploring steps
+    stay single (``explore_burst``)."""
+    reqs = [_request(f"r{i}") for i in range(4)]
+    fresh = AdaptiveDraftPolicy(4, prior=0.9, calibration_burst=4)
+    assert [fresh.step_drafts(reqs, uniform=True)[0] for _ in range(10)] == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+    policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8, calibration_burst=4), 1e-3, 1e-5, 2e-4)
+    ks = []
+    for _ in range(24):
+        for r in reqs:
+            policy._track(r.request_id).value = 0.6            # K = 2 is best
+        ks.append(policy.step_drafts(reqs, uniform=True)[0])
+        policy.observe_step(None)
+    assert [k for i, k in enumerate(ks) if (i + 1) % 8 != 0] == [2] * 21 and 2 not in ks[7::8], ks
+    with pytest.raises(ValueError, match="calibration_burst"):
+        AdaptiveDraftPolicy(4, calibration_burst=0)
+
+
 def _burst_policy():
     return AdaptiveDraftPolicy(4, explore_interval=64, explore_burst=4, fit_pipelined_only=True)
 

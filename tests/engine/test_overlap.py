@@ -811,3 +811,35 @@ def test_a_continuation_carries_dead_rows_only_when_told_and_never_runs_on_dead_
     assert why([True, True, True], 3, carry=True) == "a request reaches the context end"     # r1 live: checked
     assert why([True, False, True], 3, carry=True) == finished          # a running request is not in the step
     assert why([False, False, False], 0, carry=True) == finished        # dead rows alone
+
+
+def test_auto_calibrates_a_new_batch_size_in_runs_of_a_depth_launching_fewer_steps_alone(model_dir):
+    """``--draft-tokens auto`` calibrates a batch size it has no step-cost fit for at depths 0
+    and 1 by turns; overlapped, each change of depth stops the pipeline and the next step
+    launches alone (on the H100 the bench flagged such steps at the start of every auto load as
+    3-6x their shape's median). An overlapped engine's policy holds each depth for runs of
+    ``CALIBRATION_BURST`` steps: after 4 requests, 16 at once calibrate with a handful of steps
+    launched alone instead of one every other step, and the tokens stay MTP off's."""
+    from mtpserve.engine.draft_policy import AdaptiveDraftPolicy
+    from mtpserve.engine.engine import CALIBRATION_BURST
+    warm = [(f"w{i}", p, dataclasses.replace(GREEDY, max_tokens=8)) for i, p in enumerate(PROMPTS[:4])]
+    load = [(f"r{i}", PROMPTS[i % len(PROMPTS)], dataclasses.replace(GREEDY, max_tokens=24)) for i in range(16)]
+    plain = run(make(model_dir, False, budget=128), load)
+
+    def calibrating(burst: int | None):
+        engine = make(model_dir, True, k="auto", uniform=True, budget=128)
+        if burst is not None:                     # (the scheduler plans with the policy it was built with)
+            engine = Engine(engine.config, AdaptiveDraftPolicy(engine.max_drafts, calibration_burst=burst))
+            engine.scheduler.uniform_drafts = True
+        engine.draft_after_decode = True
+        run(engine, warm)
+        alone = []
+        tokens = run(engine, load, during=lambda e, i: alone.append(
+            i < 16 and e.last_step is not None and e.last_step.pipelined is False and not e.last_step.has_prefill))
+        return tokens, sum(alone)
+
+    assert CALIBRATION_BURST > 1
+    runs, alone_runs = calibrating(None)            # the engine's own policy: overlapped, so in runs
+    single, alone_single = calibrating(1)
+    assert runs == plain and single == plain
+    assert alone_single >= 5 and alone_runs <= alone_single - 3, (alone_runs, alone_single)
