@@ -55,8 +55,8 @@ logger = logging.getLogger("mtpserve")
 
 # --draft-tokens auto calibrates a new batch size's step costs at depths 0 and 1 by turns; with
 # overlapped decoding each change of depth stops the pipeline (the next step launches alone), so
-# it holds each depth this many steps (on the CPU under CUDA's rules, C=16 after a C=4 warm-up:
-# 7 -> 2 steps launched alone among a load's first 40)
+# it holds each depth this many steps (on the CPU under CUDA's rules, 16 requests after 4: 7 -> 2
+# of the load's first 16 steps launched alone, test_overlap)
 CALIBRATION_BURST = 4
 
 
