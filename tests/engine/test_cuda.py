@@ -609,6 +609,27 @@ def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(m
 
 
 @needs_cuda
+def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptance(model_dir):
+    """A captured draft continuation leaves its hidden rows in the replays' own buffer (its own
+    continuation's head reads them there); one the pipeline stops after (an arrival, a finish)
+    copies them as it lands, for the head's later catch-up. Wrong rows would leave the tokens as
+    they are (the drafts rejected) but lose acceptance: with newcomers stopping the pipeline
+    every few steps, acceptance with graphs stays the eager engine's (hidden rows its own)."""
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
+    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    engine = engine_on(model_dir, "cuda", k=2, budget=48)
+    _greedy_run(engine, params, arrivals=arrivals)
+    eager = engine_on(model_dir, "cuda", k=2, budget=48, cuda_graphs=False)
+    _greedy_run(eager, params, arrivals=arrivals)
+    stops = {why: n for why, n in engine.overlap_blockers.items() if "waiting" in why or "finished" in why}
+    print(f"stops {stops}; {engine.num_draft_continuations} draft continuations; acceptance with graphs "
+          f"{engine.stats.acceptance_rate:.3f}, eager {eager.stats.acceptance_rate:.3f}")
+    assert engine.num_draft_continuations > 0 and sum(stops.values()) >= 5
+    assert engine.stats.acceptance_rate >= 0.95 * eager.stats.acceptance_rate
+
+
+@needs_cuda
 def test_cuda_draft_calibration_times_every_depth_on_graphs_and_leaves_output_exact(model_dir):
     """--draft-calibration on with CUDA graphs and overlapped decoding: every (size, depth) of
     the table timed from steps that replayed graphs, the engine idle, empty and intact
