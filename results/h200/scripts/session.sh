@@ -1129,6 +1129,10 @@ ek)          # session 33, first: test_cuda (session 32's readback wait counter:
   bash "$0" cj
   bash "$0" eo
   ;;
+ep)          # session 33: session 32's start (.base/ = 6e343b2) against this head (draft steps' accept arrays and hidden rows, the readback's wait counter), host_ab 3 rounds alternating, waves (~330 s; eh's bench cannot run a base older than 646dfcb: the bench reads engine.device_wait_s)
+  host_ab_rounds 3
+  step done
+  ;;
 eo)          # session 32's probe: a whole steady K=2 continuation (head drafting, verify, accept, commit, readback) recorded as one CUDA graph of ours with ORT's runs eager inside, launched once, 4 times in a C=16 batch; tokens against an engine that never recorded, and one launch's host us against the usual launch's (~90 s)
   step "step_capture_probe.py, bundled, K=2, 16 requests of 256 tokens"
   timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-probe.json" engine/bundled/model 2>&1 \
