@@ -625,7 +625,7 @@ def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptan
     stops = {why: n for why, n in engine.overlap_blockers.items() if "waiting" in why or "finished" in why}
     print(f"stops {stops}; {engine.num_draft_continuations} draft continuations; acceptance with graphs "
           f"{engine.stats.acceptance_rate:.3f}, eager {eager.stats.acceptance_rate:.3f}")
-    assert engine.num_draft_continuations > 0 and sum(stops.values()) >= 5
+    assert engine.num_draft_continuations > 0 and sum(stops.values()) >= 2
     assert engine.stats.acceptance_rate >= 0.95 * eager.stats.acceptance_rate
 
 
