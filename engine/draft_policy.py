@@ -236,8 +236,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
         requests (README, "A known gap"), not yet measured there. calibration_burst: the same
         for the calibrating steps alone (depths 0 and 1 by turns while a batch-size class has no
         fit; default ``explore_burst``): an engine that overlaps its steps stops its pipeline at
-        each change of depth, so calibrating by single steps stops it every other step (the
-        engine holds them 4 steps). cost_table: the replica's
+        each change of depth, so calibrating by single steps stops it every other step (such an
+        engine holds them ``engine.CALIBRATION_BURST`` steps). cost_table: the replica's
         timed step costs (``set_cost_table``); min_request_trials, probe_interval: how a policy
         on a table measures the acceptance of requests it does not draft for
         (``_table_depth``)."""

@@ -232,7 +232,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     for r in requests:
         stats = stats.merged(r.stats)
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
-    extra = {"num_steps": engine.num_steps - steps0, "num_preemptions": engine.num_preemptions - preempt0,
+    num_steps = engine.num_steps - steps0
+    extra = {"num_steps": num_steps, "num_preemptions": engine.num_preemptions - preempt0,
              "prompt_steps": prompt_steps,
              "step_ms": distribution_ms(step_times),
              "slow_steps": slow_steps(step_times, step_shapes),
@@ -254,7 +255,6 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                  "snapshots": engine.prefix_cache.num_snapshots,
                                  "snapshot_bytes": engine.prefix_cache.num_snapshots
                                  * engine.state_bank.spec.bytes_per_row(num_banks=1)}
-    num_steps = engine.num_steps - steps0
     extra["overlap"] = {"on": engine.overlap, "continuations": engine.num_continuations - continuations0,
                         "draft_continuations": engine.num_draft_continuations - draft_continuations0,
                         "dead_rows_carried": engine.num_dead_carried - dead0,

@@ -459,17 +459,24 @@ def _closed_loop_against_fixed(costs, uniform, alphas, bound, batch, overlap=0.0
 # ---- overlapped steps: exploring in bursts, fitting the steps that ran behind another ----------
 
 
+def _planned_depths(policy, reqs, steps: int) -> list[int]:
+    """The depth ``policy`` plans for ``reqs`` step after step, every request's acceptance held
+    at 0.6 (K = 2 is the best depth with ``measured``'s costs)."""
+    ks = []
+    for _ in range(steps):
+        for r in reqs:
+            policy._track(r.request_id).value = 0.6
+        ks.append(policy.step_drafts(reqs, uniform=True)[0])
+        policy.observe_step(None)
+    return ks
+
+
 def test_exploring_and_calibrating_depths_are_held_for_a_burst_of_steps():
     """``explore_burst``: the depth of an exploring (or calibrating) step is held for that many
     steps in a row, so that all but the first of them run behind one of their kind."""
     policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8, explore_burst=3), 1e-3, 1e-5, 2e-4)
     reqs = [_request(f"r{i}") for i in range(4)]
-    ks = []
-    for _ in range(32):
-        for r in reqs:
-            policy._track(r.request_id).value = 0.6            # K = 2 is best
-        ks.append(policy.step_drafts(reqs, uniform=True)[0])
-        policy.observe_step(None)
+    ks = _planned_depths(policy, reqs, 32)
     runs = [ks[i:i + 3] for i in range(7, 32, 8)]              # steps 8, 16, 24, 32 and the two after each
     assert all(len(set(run)) == 1 and run[0] != 2 for run in runs if len(run) == 3), ks
     assert [k for i, k in enumerate(ks) if (i + 1) % 8 not in (0, 1, 2)] == [2] * 20, ks
@@ -487,12 +494,7 @@ def test_calibration_bursts_hold_the_calibrating_depths_and_leave_exploring_sing
     fresh = AdaptiveDraftPolicy(4, prior=0.9, calibration_burst=4)
     assert [fresh.step_drafts(reqs, uniform=True)[0] for _ in range(10)] == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
     policy = measured(AdaptiveDraftPolicy(4, prior=0.6, explore_interval=8, calibration_burst=4), 1e-3, 1e-5, 2e-4)
-    ks = []
-    for _ in range(24):
-        for r in reqs:
-            policy._track(r.request_id).value = 0.6            # K = 2 is best
-        ks.append(policy.step_drafts(reqs, uniform=True)[0])
-        policy.observe_step(None)
+    ks = _planned_depths(policy, reqs, 24)
     assert [k for i, k in enumerate(ks) if (i + 1) % 8 != 0] == [2] * 21 and 2 not in ks[7::8], ks
     with pytest.raises(ValueError, match="calibration_burst"):
         AdaptiveDraftPolicy(4, calibration_burst=0)

@@ -816,8 +816,8 @@ def test_a_continuation_carries_dead_rows_only_when_told_and_never_runs_on_dead_
 def test_auto_calibrates_a_new_batch_size_in_runs_of_a_depth_launching_fewer_steps_alone(model_dir):
     """``--draft-tokens auto`` calibrates a batch size it has no step-cost fit for at depths 0
     and 1 by turns; overlapped, each change of depth stops the pipeline and the next step
-    launches alone (on the H100 the bench flagged such steps at the start of every auto load as
-    3-6x their shape's median). An overlapped engine's policy holds each depth for runs of
+    launches alone (on the H100 the bench flagged such steps at the start of auto loads, 3 of the
+    5 runs read, at 3-6x their shape's median). An overlapped engine's policy holds each depth for runs of
     ``CALIBRATION_BURST`` steps: after 4 requests, 16 at once calibrate with a handful of steps
     launched alone instead of one every other step, and the tokens stay MTP off's."""
     from mtpserve.engine.draft_policy import AdaptiveDraftPolicy

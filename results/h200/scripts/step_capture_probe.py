@@ -15,8 +15,8 @@ tokens (EOS ignored), the same prompts:
              the recorded graph once; the loop goes on as usual.
 What it writes:
   captures   per attempt: "ok" or where the capture broke (the exception and its trace); a
-             failed capture leaves the probed engine's host state ahead of its device, so the
-             probe stops there
+             failed capture leaves the probed engine's host state ahead of its device, so its
+             exception ends the probed run
   exact      requests whose tokens equal the reference's, and the probed engine's integrity check
   cost       host us of a usual steady launch (median of the probed run's others) against the
              recording's launch call; GPU us from events around each (a usual launch's events
@@ -62,12 +62,10 @@ def run(model_dir: str, prompts, tokens: int, probe: dict | None) -> dict[str, l
     if probe is not None:
         _probe_launches(engine, probe)
     out: dict[str, list[int]] = {}
-    while engine.has_work:
+    while engine.has_work:                 # (a failed capture raises out of here)
         for ev in engine.step():
             out.setdefault(ev.request_id, []).extend(ev.token_ids)
-        if probe is not None and probe.get("stopped"):
-            break
-    if probe is not None and not probe.get("stopped"):
+    if probe is not None:
         engine.check_integrity()
         probe["integrity"] = "ok"
     del engine
@@ -122,7 +120,7 @@ def _probe_launches(engine: Engine, probe: dict) -> None:
         steady = (after is not None and after.num_drafts and after.staging is not None
                   and tuple(plan.request_ids) == tuple(after.plan.request_ids)
                   and len(plan.request_ids) == probe["requests"])
-        if not steady or probe.get("stopped"):
+        if not steady:
             return usual(plan, after)
         probe["eligible"] += 1
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -157,9 +155,8 @@ def _probe_launches(engine: Engine, probe: dict) -> None:
                     stream.end_capture()
             except Exception as e2:    # noqa: BLE001
                 attempt["end_after_failure"] = f"{type(e2).__name__}: {e2}"[:500]
-            probe["stopped"] = True    # host state ran ahead of a device that never ran the step
             _restore(events)
-            raise
+            raise                      # host state ran ahead of a device that never ran the step
         finally:
             cuda_graphs._GraphSet._replay = saved
         attempt["capture"] = "ok"
