@@ -1124,6 +1124,10 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
+eq)          # session 33, second: eo again, every timed launch behind a GPU spin (its events time the GPU's work alone) and each recording uploaded before its timed launch, then ei (~420 s)
+  bash "$0" eo
+  bash "$0" ei
+  ;;
 ek)          # session 33, first: test_cuda (session 32's readback wait counter: the device path), then whether our own CUDA graph records ORT's eager runs exactly (cj, not run since its probe staged real rows), then eo (~400 s); then ei, then el
   bash "$0" cl
   bash "$0" cj
