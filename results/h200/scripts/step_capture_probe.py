@@ -129,7 +129,66 @@ def _restore(saved: list) -> None:
         setattr(owner, name, value)
 
 
+class _Phases:
+    """Events on the stream between a usual launch's parts (the head's drafting, the verify, the
+    accept, the commit, the readback) and around each ORT replay inside them, for one launch at a
+    time (``start`` .. ``stop``); behind the spin, each gap is GPU time: "ORT: part" a part's ORT
+    replays, "ours: part" our kernels in it, "ours: between parts" the kernels outside them."""
+
+    def __init__(self, engine: Engine, stream):
+        self.stream, self.armed, self.marks, self.part = stream, False, [], "between parts"
+        self.phase_us: dict[str, list[float]] = {}
+        self._wrap(engine.proposer, "propose", "head drafting")
+        self._wrap(engine, "_verify_after", "verify")
+        self._wrap(engine.scheduler, "commit_states_on_device", "commit")
+        self._wrap(engine._readback, "send", "readback")
+        from mtpserve.engine import cuda_kernels
+        self._wrap(cuda_kernels, "accept_step_on_device", "accept")
+        replay, phases = cuda_graphs._GraphSet._replay, self
+
+        def timed_replay(graph_set, graph):
+            phases.mark(f"ours: {phases.part}")
+            replay(graph_set, graph)
+            phases.mark(f"ORT: {phases.part}")
+        cuda_graphs._GraphSet._replay = timed_replay
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        fn, phases = getattr(owner, name), self
+
+        def wrapped(*a, **kw):
+            phases.mark("ours: between parts")
+            phases.part = label
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases.mark(f"ours: {label}")
+                phases.part = "between parts"
+        setattr(owner, name, wrapped)
+
+    def mark(self, key: str) -> None:
+        """An event now; the GPU time since the one before goes to ``key``."""
+        if self.armed:
+            event = cp.cuda.Event()
+            event.record(self.stream)
+            self.marks.append((key, event))
+
+    def start(self) -> None:
+        self.armed, self.marks = True, []
+        self.mark("start")
+
+    def stop(self) -> None:
+        """After the launch's end has synchronised: the us of each key, summed over the launch."""
+        self.armed = False
+        totals: dict[str, float] = {}
+        for (_, a), (key, b) in zip(self.marks, self.marks[1:]):
+            totals[key] = totals.get(key, 0.0) + cp.cuda.get_elapsed_time(a, b) * 1e3
+        for key, us in totals.items():
+            self.phase_us.setdefault(key, []).append(us)
+
+
 def _probe_launches(engine: Engine, probe: dict) -> None:
+    phases = _Phases(engine, engine._stream) if probe.get("phases") else None
+    probe["phase_split"] = phases
     usual = engine._launch_drafting
     stream, eager = engine._stream, eager_options()
     probe.update(attempts=[], usual_host_us=[], usual_gpu_us=[], graph_launch_host_us=[], graph_gpu_us=[],
@@ -149,14 +208,21 @@ def _probe_launches(engine: Engine, probe: dict) -> None:
         start, end = cp.cuda.Event(), cp.cuda.Event()
         record = probe["eligible"] > 16 and probe["eligible"] % 8 == 0 and len(probe["attempts"]) < probe["captures"]
         if not record:
+            split = phases is not None and probe["eligible"] % 2 == 1    # (the others: the launch's time untouched)
             spin(stream, probe["spin_ms"])
             start.record(stream)
+            if split:
+                phases.start()
             t0 = time.perf_counter()
             flight = usual(plan, after)
-            probe["usual_host_us"].append((time.perf_counter() - t0) * 1e6)
+            host_us = (time.perf_counter() - t0) * 1e6
             end.record(stream)
             end.synchronize()      # (the probe's own wait: the next launch's host time starts clean)
-            probe["usual_gpu_us"].append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            if split:
+                phases.stop()
+            else:
+                probe["usual_host_us"].append(host_us)
+                probe["usual_gpu_us"].append(cp.cuda.get_elapsed_time(start, end) * 1e3)
             return flight
         saved = cuda_graphs._GraphSet._replay
         attempt = {"at_eligible": probe["eligible"]}
@@ -211,12 +277,14 @@ def main() -> None:
     p.add_argument("--captures", type=int, default=4)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--phases", action="store_true",
+                   help="every other usual launch split into its parts' GPU time (events between them)")
     p.add_argument("--spin-ms", type=float, default=3.0, help="a GPU spin before each timed launch (0: none)")
     args = p.parse_args()
     prompts = text_workload(BUNDLED_PROMPTS, _tokenizer(args.model_dir), args.requests).prompt_ids
     result: dict = {"requests": args.requests, "tokens": args.tokens, "spin_ms": args.spin_ms}
     reference = run(args.model_dir, prompts, args.tokens, None)
-    probe = {"captures": args.captures, "requests": args.requests, "spin_ms": args.spin_ms}
+    probe = {"captures": args.captures, "requests": args.requests, "spin_ms": args.spin_ms, "phases": args.phases}
     try:
         probed = run(args.model_dir, prompts, args.tokens, probe)
     except Exception as e:         # noqa: BLE001 - a failed capture ends the probed run
@@ -224,6 +292,10 @@ def main() -> None:
         result["probed_run_error"] = f"{type(e).__name__}: {e}"[:1500]
     for a in probe.get("attempts", []):
         a.pop("graph", None)
+    split = probe.get("phase_split")
+    if split is not None:
+        result["phase_gpu_us_median"] = {k: _median(v) for k, v in split.phase_us.items()}
+        result["phase_launches"] = max(map(len, split.phase_us.values()), default=0)
     same = sum(probed.get(rid) == toks for rid, toks in reference.items())
     result.update(
         attempts=probe.get("attempts"), eligible=probe.get("eligible"), integrity=probe.get("integrity"),
