@@ -1124,13 +1124,13 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
-er)          # session 33, third: eo with every other usual launch split into its parts' GPU time (ORT's replays and our kernels in each part, behind the spin), then the same at C=1 (~150 s)
-  step "step_capture_probe.py --phases, bundled, K=2, 16 requests of 256 tokens"
-  timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases.json" engine/bundled/model --phases 2>&1 \
-    | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
-  step "the same at C=1 (1 request of 512 tokens): is a lone K=2 step host-bound, and by how much"
+er)          # session 33, third: eo with every other usual launch split into its parts' GPU time (ORT's replays and our kernels in each part, behind the spin), at C=1 first (is a lone K=2 step host-bound, and by how much), then at C=16 (~150 s)
+  step "step_capture_probe.py --phases, bundled, K=2, 1 request of 512 tokens"
   timeout 150 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases-c1.json" engine/bundled/model --phases \
     --requests 1 --tokens 512 2>&1 | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
+  step "the same at C=16 (16 requests of 256 tokens)"
+  timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases.json" engine/bundled/model --phases 2>&1 \
+    | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
 eq)          # session 33, second: eo again, every timed launch behind a GPU spin (its events time the GPU's work alone) and each recording uploaded before its timed launch, then ei (~420 s)
