@@ -1124,6 +1124,16 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
+es)          # session 34, first: er (where a K=2 step's GPU time goes, C=1 and C=16), then et (~250 s)
+  bash "$0" er
+  bash "$0" et
+  ;;
+et)          # session 33's probe: can ORT capture a varlen step (prompt chunks and decode rows of different lengths, the ranges on the device) and replay it exactly for other lengths of the same total rows (~60 s)
+  step "prompt_capture_probe.py, bundled: a varlen step captured by ORT, replayed on other lengths"
+  timeout 200 python3 results/h200/scripts/prompt_capture_probe.py "$OUT/prompt-capture-probe.json" engine/bundled/model 2>&1 \
+    | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
+  step done
+  ;;
 er)          # session 33, third: eo with every other usual launch split into its parts' GPU time (ORT's replays and our kernels in each part, behind the spin), at C=1 first (is a lone K=2 step host-bound, and by how much), then at C=16 (~150 s)
   step "step_capture_probe.py --phases, bundled, K=2, 1 request of 512 tokens"
   timeout 150 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases-c1.json" engine/bundled/model --phases \
