@@ -71,14 +71,14 @@ def is_out_of_memory(error: BaseException) -> bool:
             or "out of memory" in text.lower() or "cudaErrorMemoryAllocation" in text)
 
 
-def capture_memory_message(what: str, shape: GraphShape, block_size: int, index: int, count: int,
+def capture_memory_message(what: str, shape: str, index: int, count: int,
                            taken_bytes: int, free_bytes: int, total_bytes: int, advice: str) -> str:
-    """``CaptureOutOfMemory``'s message (``advice``: the engine's settings to change)."""
+    """``CaptureOutOfMemory``'s message (``shape``: the catalog's ``describe``; ``advice``: the
+    engine's settings to change)."""
     gib = 2 ** 30
-    return (f"capturing CUDA graphs ran out of device memory at the {what} graph of {shape.batch} requests x "
-            f"{shape.tokens} rows, KV bucket {shape.table_width * block_size} tokens ({index + 1} of {count}, "
-            f"largest first): the captures had taken {taken_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB of "
-            f"{total_bytes / gib:.1f} GiB is free. {advice}".rstrip())
+    return (f"capturing CUDA graphs ran out of device memory at the {what} graph of {shape} ({index + 1} of "
+            f"{count}, largest first): the captures had taken {taken_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB "
+            f"of {total_bytes / gib:.1f} GiB is free. {advice}".rstrip())
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,79 @@ def table_width_buckets(block_size: int, context_length: int, smallest: int = SM
     return tuple(sorted(w for w in widths if w <= full))
 
 
+def prompt_batch_sizes(largest: int) -> tuple[int, ...]:
+    """Padded batches of captured prompt steps (``PromptCatalog``): powers of two from 2 below
+    ``largest + 1``, then ``largest + 1`` itself. A prompt step of B requests takes a batch of at
+    least B + 1: its padding rows go to the slots after them (the last one, at B = ``largest``,
+    is the state bank's scratch row)."""
+    sizes = {b for b in (2 ** i for i in range(1, largest.bit_length() + 1)) if b < largest + 1} | {largest + 1}
+    return tuple(sorted(sizes))
+
+
+def prompt_row_buckets(budget: int, smallest: int = 64) -> tuple[int, ...]:
+    """Total rows of captured prompt steps: powers of two from ``smallest`` below the step's
+    token budget, then the budget itself."""
+    rows, sizes = smallest, set()
+    while rows < budget:
+        sizes.add(rows)
+        rows *= 2
+    sizes.add(budget)
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class PromptCatalog:
+    """Which prompt steps are captured, and which one a step uses (no GPU in here). A prompt step
+    (a prompt chunk, alone or beside decode rows; no drafts) is *varlen*: its requests feed
+    different numbers of rows, their ranges staged on the device, so one graph serves every
+    split of up to ``rows`` rows among up to ``batch - 1`` requests. ``GraphShape.tokens`` is the
+    step's total rows here (``PromptGraphs``)::
+
+        slots     | r0: 40 rows | r1: 1 | r2: 1 | pad: 11 | pad: 11 |     batch 5, 64 rows
+        ranges    0            40      41      42        53        64
+    """
+    batch_sizes: tuple[int, ...]
+    row_buckets: tuple[int, ...]
+    table_widths: tuple[int, ...]
+    block_size: int
+    banks: tuple[int, ...] = (0, 1)
+
+    def shapes(self) -> list[GraphShape]:
+        return [GraphShape(b, t, w, bank) for t in self.row_buckets for w in self.table_widths
+                for b in self.batch_sizes for bank in self.banks]
+
+    def capture_order(self) -> list[GraphShape]:
+        """Largest first (``GraphCatalog.capture_order``: ORT's arena then cuts the later
+        shapes' buffers from the first ones' free chunks)."""
+        return sorted(self.shapes(), key=lambda s: (s.tokens, s.batch * s.table_width, s.bank), reverse=True)
+
+    def summary(self) -> str:
+        return (f"batch {list(self.batch_sizes)}, rows in all {list(self.row_buckets)}, KV buckets "
+                f"{[w * self.block_size for w in self.table_widths]} tokens, {len(self.banks)} state bank(s)")
+
+    def describe(self, shape: GraphShape) -> str:
+        return (f"{shape.batch} requests, {shape.tokens} rows in all, KV bucket "
+                f"{shape.table_width * self.block_size} tokens")
+
+    def choose(self, lengths: Sequence[int], kv_lens: Sequence[int]) -> tuple[int, int, int] | None:
+        """``(batch, rows, table_width)`` for a step whose request i feeds ``lengths[i]`` rows and
+        reaches ``kv_lens[i]`` tokens of KV, or None when no captured shape fits: the smallest
+        row bucket that holds them all, the smallest batch with a slot to spare, and a table
+        width that holds the longest KV and each padding slot's rows (they sit at positions 0..
+        on the scratch block: a row past the table's width would write outside it)."""
+        B, n = len(lengths), sum(lengths)
+        if not B or not n:
+            return None
+        rows = next((t for t in self.row_buckets if t >= n), None)
+        batch = next((b for b in self.batch_sizes if b >= B + 1), None)
+        if rows is None or batch is None:
+            return None
+        per_slot = -(-(rows - n) // (batch - B))
+        blocks = -(-max(max(kv_lens), per_slot) // self.block_size)
+        width = next((w for w in self.table_widths if w >= blocks), None)
+        return None if width is None else (batch, rows, width)
+
+
 @dataclass(frozen=True)
 class GraphCatalog:
     """Which step shapes are captured, and which one a step uses (no GPU in here)."""
@@ -139,6 +212,14 @@ class GraphCatalog:
 
     def batch_for(self, num_requests: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= num_requests), None)
+
+    def summary(self) -> str:
+        return (f"batch {list(self.batch_sizes)}, rows per request {list(self.token_counts)}, KV buckets "
+                f"{[w * self.block_size for w in self.table_widths]} tokens, {len(self.banks)} state bank(s)")
+
+    def describe(self, shape: GraphShape) -> str:
+        return (f"{shape.batch} requests x {shape.tokens} rows, KV bucket "
+                f"{shape.table_width * self.block_size} tokens")
 
     def fill_groups(self, lengths: Sequence[int], fill_counts: Sequence[int]) -> list[tuple[list[int], int, int]]:
         """Captured forwards for catch-up pieces of ``lengths`` rows, one piece a request:
@@ -251,6 +332,7 @@ def _bound_run(session: ort.InferenceSession, binding: _Binding, options: ort.Ru
 class _GraphSet:
     """The captured graphs of one session, by shape, and what capturing and replaying them cost."""
     what = "graph"
+    graph_id_base = 0
 
     def __init__(self, session: ort.InferenceSession, catalog: GraphCatalog):
         self.session, self.catalog = session, catalog
@@ -276,7 +358,8 @@ class _GraphSet:
     def _add(self, shape: GraphShape, binding: _Binding, inputs: _StaticInputs, host_arrays: list) -> None:
         """Capture ``binding`` as the graph of ``shape``: ORT's warm-up runs, then the capture."""
         options = ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))   # 0 is ORT's default id
+        # 0 is ORT's default id; sets of one session keep apart by their base (PromptGraphs')
+        options.add_run_config_entry("gpu_graph_id", str(self.graph_id_base + len(self._graphs) + 1))
         # a replay returns once it is queued: everything after it runs on the same stream, and the
         # host waits only where it reads a result (the step's drafts, its accepted tokens)
         options.add_run_config_entry("disable_synchronize_execution_providers", "1")
@@ -462,6 +545,181 @@ class StepGraphs(_GraphSet):
                 and follows.request_ids == tuple(request_ids))
 
 
+class PromptGraphs(_GraphSet):
+    """Captured prompt steps (``PromptCatalog``): a step that feeds a prompt chunk, alone or
+    beside decode rows, with no drafts, replays the graph of its padded batch, total rows and KV
+    bucket instead of running ORT eagerly (~2.3 ms of host time a prompt step on the bundled
+    model: session 30's py-spy, results/h200 session 33). The rows are staged varlen
+    (``_stage_varlen``); the state rows are the bank's ``[0, batch)``, placed as a decode
+    graph's (``StateBank.padded_in_place``), the padding slots' rows free, outside the step or
+    the bank's scratch row. Opt-in (``EngineConfig.prompt_graphs``): start-up checks a replay
+    against the eager forward (``check``) and keeps the eager path if they differ."""
+
+    what = "prompt"
+    graph_id_base = 1_000_000        # after the decode graphs' ids on the same session
+
+    def __init__(self, runner: Runner, bank: StateBank, catalog: PromptCatalog, xp):
+        if not runner.cuda_graphs:
+            raise AssertionError("the runner's main session was made without enable_cuda_graph")
+        if max(catalog.batch_sizes) > bank.max_rows:
+            raise ValueError(f"prompt graph batch {max(catalog.batch_sizes)} > the state bank's {bank.max_rows} rows")
+        super().__init__(runner.session, catalog)
+        self.runner, self.bank, self.xp = runner, bank, xp
+        m = runner.manifest
+        rows, batch = max(catalog.row_buckets), max(catalog.batch_sizes)
+        self.logits = xp.empty((rows, m.vocab_size), m.compute_dtype)
+        self.hidden = xp.empty((rows, m.hidden_size), runner.hidden_dtype)
+        conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
+        ids = bank.spec.layer_ids
+        self.captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
+                                     xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
+        self.num_eager = 0            # prompt steps no captured shape or placement fitted
+
+    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
+        """Capture every shape (the bank must be empty: a capture writes rows)."""
+        if self.bank.num_resident_rows:
+            raise AssertionError("graphs are captured before any request holds a state row")
+        super().capture_all(progress, advice)
+
+    def _capture(self, shape: GraphShape) -> None:
+        r, m, xp = self.runner, self.runner.manifest, self.xp
+        B, T = shape.batch, shape.tokens
+        b, inputs, host_arrays = _paged_graph_inputs(r.session, r.kv, r.main_input_names, shape, m.block_size, xp,
+                                                     {"state_update_active": np.array([0], np.int32)}, varlen=True)
+        index = {layer_id: i for i, layer_id in enumerate(self.bank.spec.layer_ids)}
+        past, present = shape.bank, 1 - shape.bank
+        for layer in m.conv_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, self.bank.conv[i, past, :B])
+            b.bind_at(layer.state_output, self.bank.conv[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.conv_value[i, :B], output=True)
+        for layer in m.recurrent_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, self.bank.recurrent[i, past, :B])
+            b.bind_at(layer.state_output, self.bank.recurrent[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
+        b.bind_at(m.logits_output, self.logits[:T], output=True)
+        b.bind_at(m.hidden_output, self.hidden[:T], output=True)
+        self._add(shape, b, inputs, host_arrays)
+
+    def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], copy_hidden: bool) -> MainOutputs | None:
+        """Replay the graph of a prompt step (rows in the step's order, no drafts); None when no
+        captured shape fits or its requests do not hold state rows ``0 .. B-1`` in one bank (the
+        step then runs eagerly). ``copy_hidden``: the hidden rows are kept past this step."""
+        lengths = [len(r.token_ids) for r in rows]
+        choice = self.catalog.choose(lengths, [r.past_len + n for r, n in zip(rows, lengths)])
+        placed = None if choice is None else self.bank.padded_in_place(request_ids, choice[0])
+        if placed is None:
+            self.num_eager += 1
+            return None
+        (batch, total, width), (bank, present) = choice, placed
+        graph = self._graphs[GraphShape(batch, total, width, bank)]
+        _stage_varlen(graph.inputs.writable(), rows, batch, total, width, graph.inputs.staged)
+        graph.inputs.upload()
+        self._replay(graph)
+        n, B = sum(lengths), len(rows)
+        hidden = self.hidden[:n].copy() if copy_hidden else self.hidden[:n]
+        captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
+                                self.captures.recurrent_capsule[:, :B])
+        return MainOutputs(self.logits[:n], hidden, present, captures)
+
+    def check(self, num_blocks: int) -> str | None:
+        """Whether a replay computes what the eager forward does, on steps of two splits of one
+        shape's rows (prompts from an empty state on free KV blocks ``1 ..``, state rows ``0 ..``
+        of the empty bank): None when logits and present states are equal, else what differed.
+        Call it after ``capture_all``, before any request holds a row."""
+        # the fewest rows and the tightest bucket, with as many requests as leave each ~4 rows
+        small = min((s.tokens, s.table_width) for s in self._graphs)
+        shape = max((s for s in self._graphs if s.bank == 0 and (s.tokens, s.table_width) == small
+                     and s.batch - 1 <= s.tokens // 4), key=lambda s: s.batch)
+        B, bs = shape.batch - 1, self.catalog.block_size
+        try:
+            return self._check(shape, B, bs, num_blocks)
+        finally:
+            self.bank.conv[:] = 0
+            self.bank.recurrent[:] = 0
+
+    def _check(self, shape: GraphShape, B: int, bs: int, num_blocks: int) -> str | None:
+        """``check`` on ``shape``'s graph: for two splits of its rows among ``B`` prompts, the
+        prompts' step, then a mixed step after it (request 0 a 3-row chunk, the others a decode
+        row each, from the prompts' states and KV)."""
+        from mtpserve.engine.state_bank import StepStates
+        xp, m, ids = self.xp, self.runner.manifest, self.bank.spec.layer_ids
+        graph = self._graphs[shape]
+        rng = np.random.default_rng(0)
+        more = [3] + [1] * (B - 1)
+        for seed, first in enumerate((shape.tokens // 2, shape.tokens // 2 + 1)):
+            split = _split(first, B, seed)
+            starts = np.concatenate([[1], 1 + np.cumsum([-(-(k + j) // bs) for k, j in zip(split, more)])])
+            if starts[-1] > num_blocks:
+                return None                      # (no pool to check it on: a test's tiny one)
+            tables = [list(range(int(starts[b]), int(starts[b + 1]))) for b in range(B)]
+            past = self.bank.spec.zero_states(B, xp)
+            for lengths, past_lens in ((split, [0] * B), (more, split)):
+                rows = [PackedRows(rng.integers(1, m.vocab_size, k).tolist(), p, t)
+                        for k, p, t in zip(lengths, past_lens, tables)]
+                self.bank.conv[:, 0, :B] = past.conv
+                self.bank.recurrent[:, 0, :B] = past.recurrent
+                eager = self.runner.run_main(rows, past, np.zeros(B, np.int32))
+                n = sum(lengths)
+                reference = (eager.logits[:n].copy(), eager.present.conv.copy(), eager.present.recurrent.copy())
+                _stage_varlen(graph.inputs.writable(), rows, shape.batch, shape.tokens, shape.table_width,
+                              graph.inputs.staged)
+                graph.inputs.upload()
+                self._replay(graph)
+                replayed = (self.logits[:n], self.bank.conv[:, 1, :B], self.bank.recurrent[:, 1, :B])
+                for name, a, b in zip(("logits", "conv states", "recurrent states"), replayed, reference):
+                    if not bool((a == b).all()):
+                        err = float(xp.abs(a.astype(np.float32) - b.astype(np.float32)).max())
+                        return (f"{name} differ from the eager forward's (max error {err:g}) for rows {lengths} "
+                                f"at past lengths {past_lens}")
+                past = StepStates(ids, reference[1], reference[2])
+        return None
+
+
+def _split(rows: int, requests: int, seed: int) -> list[int]:
+    """``rows`` rows among ``requests`` requests, each at least one (``PromptGraphs.check``)."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, rows), requests - 1, replace=False)) if requests > 1 else np.array([], int)
+    return np.diff(np.concatenate([[0], cuts, [rows]])).astype(int).tolist()
+
+
+def _stage_varlen(host: dict[str, np.ndarray], rows: Sequence[PackedRows], batch: int, total: int, width: int,
+                  staged: _StagedTables | None = None) -> None:
+    """A prompt step's rows into a varlen graph's staging (``PromptCatalog``): request b's rows
+    in slot b, then the rows left to ``total`` spread over the padding slots B .. batch-1 (past 0
+    on the scratch block 0, token 0)::
+
+        input_ids      r0: t t .. t | r1: t | .. | pad: 0 .. 0 | pad: 0 .. 0
+        ranges         0 .. cumulative lengths .. total
+        positions      past_b + i of each row (padding slots: 0 .. their rows - 1)
+        block_table    row b: request b's first `width` blocks, then 0 (scratch)
+    """
+    B = len(rows)
+    lengths = np.zeros(batch, np.int64)
+    lengths[:B] = [len(r.token_ids) for r in rows]
+    n = int(lengths.sum())
+    spare = total - n
+    if B >= batch or spare < 0:
+        raise AssertionError(f"{B} requests of {n} rows do not fit a prompt graph of batch {batch}, {total} rows")
+    pads = batch - B
+    lengths[B:] = spare // pads
+    lengths[B:B + spare % pads] += 1
+    ids = host["input_ids"]
+    ids[:n] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, n)
+    ids[n:] = 0
+    ranges = host["cumulative_sequence_lengths"]
+    ranges[0] = 0
+    np.cumsum(lengths, out=ranges[1:])
+    past = np.zeros(batch, np.int64)
+    past[:B] = [r.past_len for r in rows]
+    host["past_sequence_lengths"][:] = past
+    positions = host["position_ids"]
+    positions[0] = np.repeat(past - ranges[:-1], lengths) + np.arange(total)
+    positions[1:] = positions[0]
+    _fill_tables(host, tuple(r.block_table for r in rows), width, staged)
+
+
 @dataclass(eq=False)
 class StagedStep:
     """What a replayed main-model step's inputs hold on the device (``StepGraphs.run``'s token:
@@ -516,9 +774,7 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
     import cupy
     shapes = [s for s in catalog.capture_order() if s not in graphs]
     say = progress or logger.info
-    say(f"cuda graphs: capturing {len(shapes)} {what} shapes (batch {list(catalog.batch_sizes)}, rows per "
-        f"request {list(catalog.token_counts)}, KV buckets {[w * catalog.block_size for w in catalog.table_widths]} "
-        f"tokens, {len(catalog.banks)} state bank(s))")
+    say(f"cuda graphs: capturing {len(shapes)} {what} shapes ({catalog.summary()})")
     stream = cupy.cuda.get_current_stream()
     stream.synchronize()
     free_before = cupy.cuda.runtime.memGetInfo()[0]
@@ -530,7 +786,7 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
             if not is_out_of_memory(e):
                 raise
             free, total = cupy.cuda.runtime.memGetInfo()
-            raise CaptureOutOfMemory(capture_memory_message(what, shape, catalog.block_size, i, len(shapes),
+            raise CaptureOutOfMemory(capture_memory_message(what, catalog.describe(shape), i, len(shapes),
                                                             max(0, free_before - free), free, total, advice)) from e
         now = time.perf_counter()
         if now - last > 5 and i + 1 < len(shapes):
@@ -543,22 +799,29 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
 
 
 def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape, block_size: int, xp,
-                        host_extra: dict[str, np.ndarray], extra: dict | None = None):
+                        host_extra: dict[str, np.ndarray], extra: dict | None = None, varlen: bool = False):
     """A new binding of ``session`` for one captured shape, with the paged inputs every graph has
     (packed ranges constant per shape, the rest zero: a step of padding rows on the scratch
     block), the KV ``pool`` in place, and ``attention_metadata`` + ``host_extra`` fixed on the
     host. ``extra``: more entries of the staging block, sent with the step's one copy but not
-    bound (e.g. index arrays the step's device ops use). Returns (binding, inputs, host arrays)."""
+    bound (e.g. index arrays the step's device ops use). ``varlen``: ``shape.tokens`` rows in all
+    (``PromptCatalog``), ranges staged each step (all rows in the last slot until then), and
+    the bounds loose: at most all the rows a request. Returns (binding, inputs, host arrays)."""
     B, n, W = shape.batch, shape.tokens, shape.table_width
-    T = B * n
+    T = n if varlen else B * n
     layout = {"input_ids": (np.int64, (T,)), "position_ids": (np.int64, (3, T)),
               "cumulative_sequence_lengths": (np.int32, (B + 1,)), "past_sequence_lengths": (np.int32, (B,)),
               "block_table": (np.int32, (B, W)), "state_update_capture_count": (np.int32, (B,))}
     layout = {k: v for k, v in layout.items() if k in input_names}
     inputs = _StaticInputs({**layout, **(extra or {})}, xp)
     host = inputs.writable()
-    host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
-    _fill_positions(host, n)
+    if varlen:
+        host["cumulative_sequence_lengths"][:] = 0
+        host["cumulative_sequence_lengths"][-1] = T
+        host["position_ids"][:] = np.arange(T)
+    else:
+        host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
+        _fill_positions(host, n)
     inputs.upload()
     b = _Binding(session, xp, "cuda")
     pool.bind(b)

@@ -110,6 +110,8 @@ class Engine:
             if self.graphs is not None:
                 advice = self.capture_memory_advice()
                 self.graphs.capture_all(advice=advice)
+                if self.prompt_graphs is not None:
+                    self._capture_prompt_graphs(advice)
                 if self.proposer is not None and self.proposer.graphs is not None:
                     self.proposer.graphs.capture_all(advice=advice)
             if self._stream is not None and config.warm_up:
@@ -157,8 +159,10 @@ class Engine:
                 fused = CommitReplay(spec.capacity, s.num_v_heads, s.v_head_dim, s.num_k_heads, s.k_head_dim,
                                      config.cache.max_resident_requests)
         num_snapshots = _num_snapshots(config, spec)
-        self.state_bank = StateBank(spec, config.cache.max_resident_requests, self.xp, fused_replay=fused,
-                                    num_snapshots=num_snapshots)
+        # captured prompt steps pad with a request of their own: one scratch row past the residents'
+        scratch = 1 if graphs and config.prompt_graphs else 0
+        self.state_bank = StateBank(spec, config.cache.max_resident_requests + scratch, self.xp, fused_replay=fused,
+                                    num_snapshots=num_snapshots, scratch_rows=scratch)
         self.prefix_cache = None
         if config.cache.prefix_cache:
             from mtpserve.engine.prefix_cache import PrefixCache
@@ -178,6 +182,7 @@ class Engine:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, calibration_burst=CALIBRATION_BURST if self.overlap else 1)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
+        self.prompt_graphs = self._prompt_graphs(config) if graphs and config.prompt_graphs else None
         if self.graphs is not None and self.proposer is not None:
             from mtpserve.engine.cuda_graphs import HEAD_FILL_ROWS, GraphCatalog, HeadGraphs
             c = self.graphs.catalog
@@ -238,6 +243,30 @@ class Engine:
         catalog = GraphCatalog(graph_batch_sizes(largest), counts,
                                table_width_buckets(m.block_size, m.context_length), m.block_size)
         return StepGraphs(self.runner, self.state_bank, catalog, self.xp)
+
+    def _prompt_graphs(self, config: EngineConfig):
+        """The captured prompt steps (``EngineConfig.prompt_graphs``): batches up to the step's
+        request limit plus the padding request's slot, total rows in powers of two up to the
+        step's token budget, the decode graphs' KV buckets."""
+        from mtpserve.engine.cuda_graphs import PromptCatalog, PromptGraphs, prompt_batch_sizes, prompt_row_buckets
+        largest = min(config.scheduler.max_requests_per_step, config.cache.max_resident_requests)
+        c = self.graphs.catalog
+        catalog = PromptCatalog(prompt_batch_sizes(largest), prompt_row_buckets(config.scheduler.max_tokens_per_step),
+                                c.table_widths, c.block_size)
+        return PromptGraphs(self.runner, self.state_bank, catalog, self.xp)
+
+    def _capture_prompt_graphs(self, advice: str) -> None:
+        """Capture the prompt steps, then check a replay against the eager forward; on a
+        difference, say so and keep prompt steps eager."""
+        self.prompt_graphs.capture_all(advice=advice)
+        why = self.prompt_graphs.check(self.kv_pool.num_blocks)
+        if why is not None:
+            logger.warning("engine: captured prompt steps are off: a replay %s; prompt steps run eagerly", why)
+            self.prompt_graphs = None
+
+    def _num_replays(self) -> int:
+        """Captured forwards of the main model so far (decode / verify and prompt graphs)."""
+        return sum(g.num_replays for g in (self.graphs, self.prompt_graphs) if g is not None)
 
     def _warm_up_shapes(self) -> None:
         """One eager decode-shaped forward (one token per request, on the scratch block, states
@@ -340,11 +369,13 @@ class Engine:
         self.scheduler.num_preemptions = 0
         if self.prefix_cache is not None:
             self.prefix_cache.stats = type(self.prefix_cache.stats)()
-        for graphs in (self.graphs, self.proposer.graphs if self.proposer is not None else None):
+        for graphs in (self.graphs, self.prompt_graphs, self.proposer.graphs if self.proposer is not None else None):
             if graphs is not None:
                 graphs.num_replays = 0
         if self.graphs is not None:
             self.graphs.num_eager = self.graphs.num_device_drafts = self.graphs.num_steady = 0
+        if self.prompt_graphs is not None:
+            self.prompt_graphs.num_eager = 0
 
     def export_prefix(self, prompt: str | list[int]) -> list[tuple[bytes, bytes]]:
         """The cached prefix of ``prompt`` as msgpack records another engine of this model can
@@ -378,6 +409,8 @@ class Engine:
         tips.append(f"--max-model-len below {m.context_length} (the largest KV bucket)")
         if self.proposer is not None:
             tips.append("--draft-tokens 0 (no verify or MTP-head graphs)")
+        if self.config.prompt_graphs:
+            tips.append("--prompt-graphs off (prompt steps eager)")
         tips.append("--cuda-graphs off (every step eager: slower decoding)")
         return "Try " + "; ".join(tips) + "."
 
@@ -491,7 +524,7 @@ class Engine:
         drafts goes to ``_launch_drafting``."""
         if plan.scheduled[0].num_drafts:
             return self._launch_drafting(plan, after)
-        replays = self.graphs.num_replays if self.graphs is not None else 0
+        replays = self._num_replays()
         if after is None:
             self._keep_prefix_hits(plan)
             out = self._verify(plan, {})
@@ -499,7 +532,7 @@ class Engine:
         else:
             out = self._verify_continuation(plan, after)
             logits = out.logits
-        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, logits,
+        flight = LaunchedStep(plan, self._num_replays() > replays, logits,
                               hidden=out.hidden if self.proposer is not None else None)
         if after is None or all(s.request.params.is_greedy for s in plan.scheduled):
             self._pick_tokens(flight)
@@ -616,7 +649,7 @@ class Engine:
         ``after``: the launched step it continues, a draft step or (``draft_after_decode``) a
         decode step (its rows are drafted and verified from that step's acceptance on the device)."""
         xp, B, K = self.xp, len(plan.scheduled), plan.scheduled[0].num_drafts
-        replays = self.graphs.num_replays if self.graphs is not None else 0
+        replays = self._num_replays()
         # the head's catch-up rows: known now, but after a draft step (set when it lands: its kept rows)
         head_rows = 0 if after is not None and after.num_drafts else \
             sum(s.request.num_computed - s.request.num_head for s in plan.scheduled)
@@ -638,7 +671,7 @@ class Engine:
             from mtpserve.engine.cuda_kernels import accept_step_on_device
             accepted, kept = accept_step_on_device(out.logits, draft_ids, synthetic, self._accept_buffers(B, K))
         self.scheduler.commit_states_on_device(plan, out.present, kept, out.captures)
-        flight = LaunchedStep(plan, self.graphs is not None and self.graphs.num_replays > replays, tokens=accepted,
+        flight = LaunchedStep(plan, self._num_replays() > replays, tokens=accepted,
                               num_drafts=K, hidden=out.hidden, source=self._readback,
                               num_head_rows=head_rows, staging=out.staging)
         flight.readback = self._readback.send(accepted.reshape(-1))
@@ -768,7 +801,7 @@ class Engine:
         drafting = [s for s in plan.scheduled if s.num_drafts]
         head_rows = sum(s.request.num_computed - s.request.num_head for s in drafting)
         drafts = self.proposer.propose(drafting) if drafting else {}
-        replays = self.graphs.num_replays if self.graphs is not None else 0
+        replays = self._num_replays()
         out = self._verify(plan, drafts, self._device_drafts(plan, drafts))
         sampled = accept_step(plan.scheduled, plan.layout.target_row, drafts, self._processed(plan, drafts, out.logits),
                               self.xp,
@@ -783,7 +816,7 @@ class Engine:
         events = self._events(updates, self._logprobs(plan, updates, out.logits))
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, max((s.num_drafts for s in drafting), default=0),
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
-                                    graphed=self.graphs is not None and self.graphs.num_replays > replays,
+                                    graphed=self._num_replays() > replays,
                                     num_head_rows=head_rows, pipelined=False if self.overlap else None)
         return events
 
@@ -903,6 +936,10 @@ class Engine:
                 return out
             if on_device is not None:          # no graph for this step after all: the host's ids
                 rows = self._step_rows(plan, drafts, placeholders=False)
+            if self.prompt_graphs is not None and not any(s.num_drafts for s in plan.scheduled):
+                out = self.prompt_graphs.run(plan.request_ids, rows, copy_hidden=self.proposer is not None)
+                if out is not None:
+                    return out
         io = self.state_bank.step_buffers(plan.request_ids)
         capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
         return self.runner.run_main(rows, io.past, capture, present_into=io.present)

@@ -261,13 +261,19 @@ class StateBank:
     """
 
     def __init__(self, spec: FixedStateSpec, max_rows: int, xp=np, replay_chunk_bytes: int = 512 << 20,
-                 fused_replay=None, num_snapshots: int = 0):
+                 fused_replay=None, num_snapshots: int = 0, scratch_rows: int = 0):
         """fused_replay: optional ``cuda_kernels.CommitReplay``, which replays a commit's
         partial-keep rows (conv and recurrent) in two kernels from host index arrays, instead
         of the array code (CuPy's indexing: ~0.9 ms of host time a step).
-        num_snapshots: slots for copies of committed rows (the prefix cache's state snapshots)."""
-        if max_rows <= 0 or spec.capacity < 0:
-            raise ValueError(f"bad bank shape: max_rows={max_rows} capacity={spec.capacity}")
+        num_snapshots: slots for copies of committed rows (the prefix cache's state snapshots).
+        scratch_rows: the last rows of the ``max_rows``, never admitted: a captured prompt step's
+        padding request reads and writes one when every other row is a request's
+        (``cuda_graphs.PromptGraphs``). With them a new row also starts active in row 0's bank,
+        not always bank 0 (it is zero in both), so a step of running and new requests can stay
+        in one bank (``padded_in_place``)."""
+        if max_rows <= 0 or spec.capacity < 0 or not 0 <= scratch_rows < max_rows:
+            raise ValueError(f"bad bank shape: max_rows={max_rows} capacity={spec.capacity} "
+                             f"scratch_rows={scratch_rows}")
         self.spec, self.max_rows, self.xp = spec, max_rows, xp
         self.replay_chunk_bytes = replay_chunk_bytes
         self.fused_replay = fused_replay
@@ -278,7 +284,8 @@ class StateBank:
         self._conv_flat = self.conv.reshape(L, 2 * max_rows, *s.conv_shape)
         self._rec_flat = self.recurrent.reshape(L, 2 * max_rows, *s.recurrent_shape)
         self._rows: dict[str, int] = {}
-        self._free_rows: list[int] = list(range(max_rows))       # a heap: the lowest free row first
+        self.scratch_rows = scratch_rows
+        self._free_rows: list[int] = list(range(max_rows - scratch_rows))    # a heap: the lowest free row first
         self._in_place: StepStates | None = None                  # present of the open in-place step
         self._present_views: dict[tuple[int, int], StepStates] = {}   # (bank, batch) -> padded_in_place's present
         self._active = np.zeros(max_rows, np.int8)
@@ -316,7 +323,8 @@ class StateBank:
             return None
         row = heapq.heappop(self._free_rows)
         self._zero_row(row)
-        self._active[row], self._committed[row] = 0, 0
+        bank = int(self._active[0]) if self.scratch_rows and row and self._rows else 0
+        self._active[row], self._committed[row] = bank, 0
         self._rows[request_id] = row
         return row
 
@@ -656,12 +664,12 @@ class StateBank:
 
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + resident rows == max_rows with no row used twice,
-        active-bank flags are 0/1 and committed lengths are non-negative."""
+        """Raise AssertionError unless free + resident + scratch rows == max_rows with no row used
+        twice, active-bank flags are 0/1 and committed lengths are non-negative."""
         used = list(self._rows.values()) + list(self._free_rows)
-        if sorted(used) != list(range(self.max_rows)):
-            raise AssertionError(f"rows: {len(self._rows)} resident + {len(self._free_rows)} free "
-                                 f"!= {self.max_rows}, or a row is held twice")
+        if sorted(used) != list(range(self.max_rows - self.scratch_rows)):
+            raise AssertionError(f"rows: {len(self._rows)} resident + {len(self._free_rows)} free + "
+                                 f"{self.scratch_rows} scratch != {self.max_rows}, or a row is held twice")
         if not np.isin(self._active, (0, 1)).all():
             raise AssertionError(f"active-bank flags not in {{0, 1}}: {self._active}")
         if (self._committed < 0).any():

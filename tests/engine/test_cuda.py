@@ -28,12 +28,14 @@ def _cuda_available() -> bool:
 needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU with onnxruntime-gpu and cupy")
 
 
-def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True, overlap=None, block_size=None):
+def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True, overlap=None, block_size=None,
+              prompt_graphs=False):
     return Engine(EngineConfig(str(model_dir), device=device,
                                cache=CacheConfig(num_blocks=512, max_resident_requests=32, prefix_cache=prefix_cache,
                                                  snapshot_interval=block_size or 16, kv_block_size=block_size),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
-                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs, overlap_decode=overlap))
+                               spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs, overlap_decode=overlap,
+                               prompt_graphs=prompt_graphs))
 
 
 def _prefill_logits(engine, prompts):
@@ -579,6 +581,26 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
         assert engine.num_draft_continuations > 0
     if cuda_graphs:
         assert engine.graphs.num_replays > engine.num_continuations / 2
+
+
+@needs_cuda
+@pytest.mark.parametrize("k", [0, 2])
+def test_cuda_captured_prompt_steps_are_token_identical_to_eager_prompt_steps(model_dir, k):
+    """``prompt_graphs``: prompt steps (several prompts at once, and late arrivals beside running
+    requests' decode rows, chunked by a 48-token budget) replay varlen graphs; the start-up check
+    passed, the tokens, finish reasons and pools are those of an engine whose prompt steps run
+    eagerly, and most prompt steps replayed."""
+    params = [SamplingParams(temperature=0, max_tokens=24 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    arrivals = {3: [5, 6], 6: [7], 9: [8, 9, 10], 14: [11]}
+    ref, ref_reasons, _ = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48), params, arrivals=arrivals)
+    engine = engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=True)
+    assert engine.prompt_graphs is not None, "the start-up check of a replay against the eager forward failed"
+    g = engine.prompt_graphs
+    out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
+    print(f"prompt graphs (K={k}): {g.num_graphs} captured in {g.capture_seconds:.1f} s "
+          f"({g.memory_bytes / 2**20:.0f} MiB); {g.num_replays} prompt steps replayed, {g.num_eager} eager")
+    assert [r for r in ref if out.get(r) != ref[r]] == [] and reasons == ref_reasons
+    assert g.num_replays > g.num_eager
 
 
 @needs_cuda

@@ -292,3 +292,113 @@ def test_a_continuations_verify_staging_in_arrays_is_the_row_objects_staging():
     cuda_graphs._stage_uniform(got, past, tables, n, width)
     for name in want:
         assert (want[name] == got[name]).all(), name
+
+
+# ---------------------------------------------------------------------- captured prompt steps
+PROMPTS = cuda_graphs.PromptCatalog(batch_sizes=(2, 4, 8, 17), row_buckets=(64, 128, 256), table_widths=(16, 32, 63),
+                                    block_size=16)
+
+
+def test_prompt_batches_keep_a_slot_for_the_padding_request():
+    assert cuda_graphs.prompt_batch_sizes(16) == (2, 4, 8, 16, 17)
+    assert cuda_graphs.prompt_batch_sizes(64) == (2, 4, 8, 16, 32, 64, 65)
+    assert cuda_graphs.prompt_batch_sizes(1) == (2,)
+    assert cuda_graphs.prompt_row_buckets(2048) == (64, 128, 256, 512, 1024, 2048)
+    assert cuda_graphs.prompt_row_buckets(300) == (64, 128, 256, 300)
+
+
+def test_a_prompt_step_takes_the_fewest_rows_a_spare_slot_and_a_bucket_its_padding_fits():
+    assert PROMPTS.choose([40, 1, 1], [40, 300, 120]) == (4, 64, 32)         # 42 rows: 22 padding in one slot
+    assert PROMPTS.choose([64], [64]) == (2, 64, 16)                          # every row real: an empty padding slot
+    assert PROMPTS.choose([1] * 16, [500] * 16) == (17, 64, 32)               # all 16 slots: the scratch row pads
+    assert PROMPTS.choose([10, 10], [10, 10]) == (4, 64, 16)
+    # 129 rows in 256: 127 padding rows over one slot fit a 256-token bucket (the padding sits at
+    # positions 0..126 on the scratch block; it must stay inside the table)
+    assert PROMPTS.choose([129], [129]) == (2, 256, 16)
+    assert PROMPTS.choose([100, 29], [100, 29]) == (4, 256, 16)
+    assert PROMPTS.choose([257], [257]) is None                              # more rows than any bucket
+    assert PROMPTS.choose([1] * 17, [10] * 17) is None                       # no slot to spare
+    assert PROMPTS.choose([5], [1009]) is None                               # KV past the context
+    assert PROMPTS.choose([], []) is None
+
+
+def test_narrow_tables_push_the_padding_to_a_wider_bucket():
+    narrow = cuda_graphs.PromptCatalog((2, 4), (1024,), (16, 64), 16)
+    # 24 real rows leave 1000 padding rows: over one slot they need 63 blocks, a 64-block table
+    assert narrow.choose([24], [24]) == (2, 1024, 64)
+    assert narrow.choose([8, 8, 8], [8, 8, 8]) == (4, 1024, 64)              # one slot, 1000 rows: still wide
+    assert cuda_graphs.PromptCatalog((2, 4), (1024,), (16,), 16).choose([24], [24]) is None
+
+
+def test_prompt_shapes_are_every_batch_rows_bucket_and_bank():
+    shapes = PROMPTS.shapes()
+    assert len(shapes) == len(set(shapes)) == 4 * 3 * 3 * 2
+    order = PROMPTS.capture_order()
+    assert order[0].tokens == 256 and order[-1].tokens == 64 and sorted(order, key=repr) == sorted(shapes, key=repr)
+    assert "17 requests, 256 rows in all, KV bucket 1008 tokens" == PROMPTS.describe(cuda_graphs.GraphShape(17, 256, 63, 0))
+
+
+def _varlen_host(batch: int, total: int, width: int):
+    import numpy as np
+    return {"input_ids": np.full(total, -1, np.int64), "position_ids": np.full((3, total), -1, np.int64),
+            "cumulative_sequence_lengths": np.full(batch + 1, -1, np.int32),
+            "past_sequence_lengths": np.full(batch, -1, np.int32), "block_table": np.full((batch, width), -1, np.int32)}
+
+
+def test_a_prompt_steps_staging_puts_its_rows_first_and_spreads_the_padding():
+    import numpy as np
+
+    from mtpserve.engine.runner import PackedRows
+    host = _varlen_host(5, 16, 4)
+    rows = [PackedRows([5, 6, 7], 0, np.array([1], np.int32)), PackedRows([8], 30, np.array([2, 3], np.int32))]
+    cuda_graphs._stage_varlen(host, rows, batch=5, total=16, width=4)
+    assert host["input_ids"].tolist() == [5, 6, 7, 8] + [0] * 12
+    assert host["cumulative_sequence_lengths"].tolist() == [0, 3, 4, 8, 12, 16]     # 12 padding rows, 4 a slot
+    assert host["past_sequence_lengths"].tolist() == [0, 30, 0, 0, 0]
+    assert host["position_ids"].tolist() == [[0, 1, 2, 30, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]] * 3
+    assert host["block_table"].tolist() == [[1, 0, 0, 0], [2, 3, 0, 0]] + [[0] * 4] * 3
+    host = _varlen_host(5, 5, 4)
+    cuda_graphs._stage_varlen(host, rows, batch=5, total=5, width=4)      # one padding row: the other slots empty
+    assert host["cumulative_sequence_lengths"].tolist() == [0, 3, 4, 5, 5, 5]
+    with pytest.raises(AssertionError, match="do not fit"):
+        cuda_graphs._stage_varlen(host, rows, batch=2, total=16, width=4)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_prompt_steps_staging_computes_what_the_eager_forward_does(model_dir, monkeypatch, mixed):
+    """The varlen staging run through the model (ORT's CPU kernels, as the staging would feed a
+    captured prompt step on CUDA): the real rows' logits and the real requests' present states
+    equal the eager forward's over the rows alone. ``mixed``: after the prompts, a step of a
+    3-row chunk and decode rows at their past lengths, from the prompts' states and KV."""
+    import numpy as np
+
+    from mtpserve.engine import runner as runner_mod
+    from mtpserve.engine.config import EngineConfig
+    from mtpserve.engine.engine import Engine
+    from mtpserve.engine.runner import PackedRows
+    from mtpserve.engine.state_bank import StepStates
+    engine = Engine(EngineConfig(str(model_dir), num_threads=1, max_model_len=512))
+    r, spec, bs = engine.runner, engine.state_bank.spec, engine.manifest.block_size
+    lengths, batch, total, width = [40, 7, 1, 3, 20], 8, 128, 8
+    tables = [list(range(1 + b * width, 1 + (b + 1) * width)) for b in range(len(lengths))]
+    rng = np.random.default_rng(0)
+    rows = [PackedRows(rng.integers(3, 4000, k).tolist(), 0, t) for k, t in zip(lengths, tables)]
+    past = spec.zero_states(len(rows), np)
+    if mixed:
+        past = r.run_main(rows, past, np.zeros(len(rows), np.int32)).present
+        rows = [PackedRows(rng.integers(3, 4000, 3 if b == 0 else 1).tolist(), k, t)
+                for b, (k, t) in enumerate(zip(lengths, tables))]
+    reference = r.run_main(rows, past, np.zeros(len(rows), np.int32))
+    reference = (reference.logits.copy(), reference.present.conv.copy(), reference.present.recurrent.copy())
+    host = _varlen_host(batch, total, width)
+    cuda_graphs._stage_varlen(host, rows, batch, total, width)
+    staged = {**host, "attention_metadata": np.array([total, width * bs, 1], np.int32)}   # a graph's loose bounds
+    monkeypatch.setattr(runner_mod, "pack_rows", lambda *a, **k: {name: a.copy() for name, a in staged.items()})
+    padded = StepStates(spec.layer_ids, np.zeros((len(spec.layer_ids), batch, *past.conv.shape[2:]), past.conv.dtype),
+                        np.zeros((len(spec.layer_ids), batch, *past.recurrent.shape[2:]), past.recurrent.dtype))
+    padded.conv[:, :len(rows)], padded.recurrent[:, :len(rows)] = past.conv, past.recurrent
+    out = r.run_main([None] * batch, padded, np.zeros(batch, np.int32))
+    n = sum(len(x.token_ids) for x in rows)
+    assert (out.logits[:n] == reference[0]).all()
+    assert (out.present.conv[:, :len(rows)] == reference[1]).all()
+    assert (out.present.recurrent[:, :len(rows)] == reference[2]).all()

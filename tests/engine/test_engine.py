@@ -554,3 +554,13 @@ def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no
     auto = make_engine(model_dir, k="auto", budget=48)
     auto.warm_up_requests()      # its steps pay one-time costs: --draft-tokens auto must not fit them
     assert auto.draft_policy.estimator.num_steps == 0
+
+
+def test_prompt_graphs_need_cuda_graphs_and_leave_the_cpu_engine_as_it_was(model_dir):
+    """``prompt_graphs`` (captured prompt steps) is refused without CUDA graphs, and on the CPU,
+    where nothing is captured, it changes nothing: no scratch row in the state bank."""
+    with pytest.raises(ValueError, match="prompt_graphs needs cuda_graphs"):
+        EngineConfig(str(model_dir), prompt_graphs=True, cuda_graphs=False).validate()
+    engine = Engine(EngineConfig(str(model_dir), num_threads=1, prompt_graphs=True,
+                                 cache=CacheConfig(max_resident_requests=3)))
+    assert engine.prompt_graphs is None and engine.state_bank.max_rows == 3 and engine.state_bank.scratch_rows == 0

@@ -457,6 +457,30 @@ def test_padded_in_place_binds_rows_from_zero_only_when_padding_is_harmless():
     assert bank.padded_in_place(["a", "b", "c"], 4) is None          # banks differ within the step
 
 
+def test_a_scratch_row_is_never_admitted_and_pads_a_full_step():
+    """``scratch_rows``: the bank's last row is no request's (a captured prompt step's padding
+    request reads and writes it when every other row is a request's); a new row starts active
+    in row 0's bank, so running and new requests can share one in-place step."""
+    bank = StateBank(SPEC, max_rows=3, scratch_rows=1)
+    assert bank.admit("a") == 0 and bank.num_free_rows == 1
+    toks = {"a": {s.layer_id: random_tokens(np.random.default_rng(0), s, 1) for s in LAYERS}}
+    present, caps = run_step(bank, ["a"], toks)
+    bank.commit_step(["a"], present, [1], [1], caps)
+    assert bank.active_bank("a") == 1
+    assert bank.admit("b") == 1 and bank.active_bank("b") == 1       # row 0's bank, not bank 0
+    assert not bank.gather_step_inputs(["b"]).recurrent.any()          # zero in it
+    assert not bank.can_admit() and bank.admit("c") is None           # row 2 is scratch
+    b, _ = bank.padded_in_place(["a", "b"], 3)                         # both in bank 1; the scratch row pads
+    assert b == 1
+    bank.check_integrity()
+    plain = StateBank(SPEC, max_rows=3)
+    plain.admit("a")
+    plain.commit_step(["a"], run_step(plain, ["a"], toks)[0], [1], [1])
+    assert plain.admit("b") == 1 and plain.active_bank("b") == 0       # without scratch rows: bank 0, as before
+    with pytest.raises(ValueError, match="scratch_rows"):
+        StateBank(SPEC, max_rows=2, scratch_rows=2)
+
+
 def test_warm_up_kernels_changes_no_row():
     """Start-up runs the multi-row gather and scatter once (their first use on the GPU builds a
     kernel): every row, resident or not, in both banks, keeps its state."""
