@@ -149,8 +149,10 @@ class PromptCatalog:
     banks: tuple[int, ...] = (0, 1)
 
     def shapes(self) -> list[GraphShape]:
+        """Every (batch, rows, width, bank) whose rows fit its slots: ``batch`` slots of at most
+        ``width`` blocks each hold ``rows`` (no step ``choose``s a shape they do not)."""
         return [GraphShape(b, t, w, bank) for t in self.row_buckets for w in self.table_widths
-                for b in self.batch_sizes for bank in self.banks]
+                for b in self.batch_sizes for bank in self.banks if t <= b * w * self.block_size]
 
     def capture_order(self) -> list[GraphShape]:
         """Largest first (``GraphCatalog.capture_order``: ORT's arena then cuts the later
@@ -805,7 +807,7 @@ def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape,
     block), the KV ``pool`` in place, and ``attention_metadata`` + ``host_extra`` fixed on the
     host. ``extra``: more entries of the staging block, sent with the step's one copy but not
     bound (e.g. index arrays the step's device ops use). ``varlen``: ``shape.tokens`` rows in all
-    (``PromptCatalog``), ranges staged each step (all rows in the last slot until then), and
+    (``PromptCatalog``), ranges staged each step (padding spread over every slot until then), and
     the bounds loose: at most all the rows a request. Returns (binding, inputs, host arrays)."""
     B, n, W = shape.batch, shape.tokens, shape.table_width
     T = n if varlen else B * n
@@ -815,10 +817,8 @@ def _paged_graph_inputs(session, pool, input_names: set[str], shape: GraphShape,
     layout = {k: v for k, v in layout.items() if k in input_names}
     inputs = _StaticInputs({**layout, **(extra or {})}, xp)
     host = inputs.writable()
-    if varlen:
-        host["cumulative_sequence_lengths"][:] = 0
-        host["cumulative_sequence_lengths"][-1] = T
-        host["position_ids"][:] = np.arange(T)
+    if varlen:                 # every slot padding, the rows spread so that each fits its table
+        _stage_varlen(host, (), B, T, W)
     else:
         host["cumulative_sequence_lengths"][:] = np.arange(B + 1) * n
         _fill_positions(host, n)

@@ -330,9 +330,13 @@ def test_narrow_tables_push_the_padding_to_a_wider_bucket():
     assert cuda_graphs.PromptCatalog((2, 4), (1024,), (16,), 16).choose([24], [24]) is None
 
 
-def test_prompt_shapes_are_every_batch_rows_bucket_and_bank():
+def test_prompt_shapes_are_every_batch_rows_bucket_and_bank_whose_slots_hold_the_rows():
     shapes = PROMPTS.shapes()
+    # batch 2 at 16 blocks (256 tokens a slot) holds 256 rows at most: every combination does here
     assert len(shapes) == len(set(shapes)) == 4 * 3 * 3 * 2
+    narrow = cuda_graphs.PromptCatalog((2, 4), (64, 1024), (4, 64), 16)
+    assert cuda_graphs.GraphShape(2, 1024, 4, 0) not in narrow.shapes()          # 2 slots x 64 tokens < 1024
+    assert cuda_graphs.GraphShape(2, 64, 4, 0) in narrow.shapes() and len(narrow.shapes()) == (4 + 2) * 2
     order = PROMPTS.capture_order()
     assert order[0].tokens == 256 and order[-1].tokens == 64 and sorted(order, key=repr) == sorted(shapes, key=repr)
     assert "17 requests, 256 rows in all, KV bucket 1008 tokens" == PROMPTS.describe(cuda_graphs.GraphShape(17, 256, 63, 0))
