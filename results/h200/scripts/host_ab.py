@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--resident", type=int, default=None,
                    help="state rows and step slots (the bench's pools: its concurrency); default the engine's")
     p.add_argument("--cuda-rules", action="store_true", help="CUDA's scheduling rules on another device")
+    p.add_argument("--prompt-graphs", action="store_true", help="EngineConfig.prompt_graphs: captured prompt steps")
     args = p.parse_args()
     cache, scheduler = CacheConfig(), SchedulerConfig()
     if args.resident:
@@ -59,7 +60,8 @@ def main() -> None:
         k, c, n = (int(x) for x in config.split(":"))
         if k not in engines:
             engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k), cache=cache,
-                                             scheduler=scheduler, overlap_decode=True if args.cuda_rules else None))
+                                             scheduler=scheduler, overlap_decode=True if args.cuda_rules else None,
+                                             prompt_graphs=args.prompt_graphs))
             if args.cuda_rules:
                 engines[k].scheduler.uniform_drafts = bool(k)
                 engines[k].draft_after_decode = engines[k].overlap
@@ -84,13 +86,17 @@ def main() -> None:
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
         warm_up(engine, prompts[:max(32, 2 * c)], c, 128)
         stops0, carried0 = dict(engine.overlap_blockers), getattr(engine, "num_dead_carried", 0)
+        prompt_graphs = getattr(engine, "prompt_graphs", None)
+        replays0 = prompt_graphs.num_replays if prompt_graphs is not None else 0
         r = measured(engine, prompts, c, 128)
         stops = {why: n - stops0.get(why, 0) for why, n in engine.overlap_blockers.items() if n > stops0.get(why, 0)}
         print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
                           "ms_per_step": r["ms_per_step"], "step_p50_ms": r["step_p50_ms"], "steps": r["steps"],
                           "prompt_steps": r["prompt_steps"], "seconds_by_step": r["seconds_by_step"],
                           "ttft_p50_ms": r.get("ttft_p50_ms"), "stops": stops,
-                          "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0}), flush=True)
+                          "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0,
+                          "prompt_replays": prompt_graphs.num_replays - replays0 if prompt_graphs is not None else None}),
+              flush=True)
         engine.check_integrity()
 
 

@@ -304,7 +304,9 @@ switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL o
       local label=${spec%%:*} sets=() xs=()
       [[ $spec == *:* ]] && IFS=, read -ra xs <<< "${spec#*:}"
       for x in "${xs[@]}"; do
-        if [[ $x == scheduler.* ]]; then sets+=(--scheduler "${x#scheduler.}"); else sets+=(--set "$x"); fi
+        if [[ $x == scheduler.* ]]; then sets+=(--scheduler "${x#scheduler.}")
+        elif [[ $x == --* ]]; then sets+=("$x")             # a host_ab.py option (--prompt-graphs)
+        else sets+=(--set "$x"); fi
       done
       step "host_ab.py $label, round $round"
       timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model "$label" "${sets[@]}" "${host_ab_extra[@]}" \
@@ -1123,6 +1125,16 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
         --concurrency 16 --num-prompts 512 --max-tokens 128 2>&1 | grep -E "speedup_vs_k0|^mtpserve (K=.|auto) +C=16 |prompt steps|Error" | cut -c1-200
     done
   done
+  ;;
+eu)          # session 34, first: test_cuda's prompt-graph tests (engine.prompt_graphs: captured prompt steps, built session 33, never run on a GPU), et, then host_ab eager prompt steps against captured ones in the bench's pools, 3 rounds (~450 s)
+  step "test_cuda, the captured prompt steps' tests"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py -k "prompt" -s 2>&1 | grep -v Warning \
+    > "$OUT/test-cuda-prompt.txt"
+  grep -E "^E  |^FAILED|passed|failed|prompt graphs|captured prompt steps are off" "$OUT/test-cuda-prompt.txt" | cut -c1-400 | tail -20
+  bash "$0" et
+  host_ab_extra=(--resident 16)
+  switch_ab_rounds 3 eager "graphs:--prompt-graphs"
+  step done
   ;;
 es)          # session 34, first: er (where a K=2 step's GPU time goes, C=1 and C=16), then et (~250 s)
   bash "$0" er
