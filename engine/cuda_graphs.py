@@ -615,7 +615,10 @@ class PromptGraphs(_GraphSet):
             self.num_eager += 1
             return None
         (batch, total, width), (bank, present) = choice, placed
-        graph = self._graphs[GraphShape(batch, total, width, bank)]
+        graph = self._graphs.get(GraphShape(batch, total, width, bank))
+        if graph is None:               # (choose takes only shapes whose slots hold the rows: all captured)
+            self.num_eager += 1
+            return None
         _stage_varlen(graph.inputs.writable(), rows, batch, total, width, graph.inputs.staged)
         graph.inputs.upload()
         self._replay(graph)

@@ -263,6 +263,8 @@ class Engine:
         if why is not None:
             logger.warning("engine: captured prompt steps are off: a replay %s; prompt steps run eagerly", why)
             self.prompt_graphs = None
+        else:
+            logger.info("engine: captured prompt steps replay what the eager forward computes (start-up check)")
 
     def _num_replays(self) -> int:
         """Captured forwards of the main model so far (decode / verify and prompt graphs)."""
