@@ -179,6 +179,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "no-overlap')")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
+    g.add_argument("--prompt-graphs", default=False, type=on_off, metavar="on|off",
+                   help="CUDA, in process: replay captured prompt steps too (default off; the engine's "
+                        "--prompt-graphs)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
     g.add_argument("--rounds", type=int, default=1,
                    help="in process: every draft count's engine built once, then this many rounds of every "
@@ -418,7 +421,7 @@ def _bench(args) -> int:
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
                                 "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap,
-                                kv_block_size=args.kv_block_size)
+                                kv_block_size=args.kv_block_size, prompt_graphs=args.prompt_graphs)
             from mtpserve.engine.manifest import with_block_size
             block_size = with_block_size(manifest, args.kv_block_size).block_size
             if args.rounds > 1:
