@@ -224,8 +224,8 @@ class EngineConfig:
                                          "rows, no drafts: varlen graphs by padded batch, total rows and KV "
                                          "bucket) at start and replay them instead of ORT's eager run (~2.3 ms "
                                          "of host time a prompt step on the bundled model); start-up checks a "
-                                         "replay against the eager forward and keeps the eager path if they "
-                                         "differ. Off by default until measured on a GPU")
+                                         "replay against ORT's eager run of the same inputs and keeps the eager "
+                                         "path if they differ. Off by default until measured on a GPU")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "
                                                 "are read, so the GPU runs it while the host handles those "
                                                 "(steps without drafts, greedy or sampled; exact). Default: on with "

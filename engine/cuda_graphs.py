@@ -555,7 +555,8 @@ class PromptGraphs(_GraphSet):
     (``_stage_varlen``); the state rows are the bank's ``[0, batch)``, placed as a decode
     graph's (``StateBank.padded_in_place``), the padding slots' rows free, outside the step or
     the bank's scratch row. Opt-in (``EngineConfig.prompt_graphs``): start-up checks a replay
-    against the eager forward (``check``) and keeps the eager path if they differ."""
+    against ORT's eager run of the same inputs on new ranges (``check``) and keeps the eager
+    path if they differ."""
 
     what = "prompt"
     graph_id_base = 1_000_000        # after the decode graphs' ids on the same session
@@ -576,6 +577,7 @@ class PromptGraphs(_GraphSet):
         self.captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
                                      xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
         self.num_eager = 0            # prompt steps no captured shape or placement fitted
+        self.forward_error = 0.0      # ``check``'s largest logit difference from the unpadded eager forward
 
     def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
         """Capture every shape (the bank must be empty: a capture writes rows)."""
@@ -629,30 +631,35 @@ class PromptGraphs(_GraphSet):
         return MainOutputs(self.logits[:n], hidden, present, captures)
 
     def check(self, num_blocks: int) -> str | None:
-        """Whether a replay computes what the eager forward does, on steps of two splits of one
-        shape's rows (prompts from an empty state on free KV blocks ``1 ..``, state rows ``0 ..``
-        of the empty bank): None when logits and present states are equal, else what differed.
-        Call it after ``capture_all``, before any request holds a row."""
+        """Whether a replay computes what ORT's eager run of the same binding computes on new
+        ranges (a capture that kept the ranges it was captured with would not): two splits of one
+        shape's rows, each a step of prompts from an empty state on free KV blocks ``1 ..`` and
+        state rows ``0 ..`` of the empty bank, then a mixed step after it (request 0 a 3-row
+        chunk, the others a decode row each). None when logits and present states are equal bit
+        for bit, else what differed. ``forward_error``: the largest logit difference from the
+        engine's eager forward over the rows alone (``Runner.run_main``: no padding, tight bounds;
+        a kernel may round differently at another row count). Call it after ``capture_all``,
+        before any request holds a row."""
         # the fewest rows and the tightest bucket, with as many requests as leave each ~4 rows
         small = min((s.tokens, s.table_width) for s in self._graphs)
         shape = max((s for s in self._graphs if s.bank == 0 and (s.tokens, s.table_width) == small
                      and s.batch - 1 <= s.tokens // 4), key=lambda s: s.batch)
-        B, bs = shape.batch - 1, self.catalog.block_size
         try:
-            return self._check(shape, B, bs, num_blocks)
+            return self._check(shape, shape.batch - 1, self.catalog.block_size, num_blocks)
         finally:
             self.bank.conv[:] = 0
             self.bank.recurrent[:] = 0
 
     def _check(self, shape: GraphShape, B: int, bs: int, num_blocks: int) -> str | None:
-        """``check`` on ``shape``'s graph: for two splits of its rows among ``B`` prompts, the
-        prompts' step, then a mixed step after it (request 0 a 3-row chunk, the others a decode
-        row each, from the prompts' states and KV)."""
         from mtpserve.engine.state_bank import StepStates
         xp, m, ids = self.xp, self.runner.manifest, self.bank.spec.layer_ids
         graph = self._graphs[shape]
+        eager = ort.RunOptions()
+        eager.add_run_config_entry("gpu_graph_id", "-1")                 # no capture, no replay
+        eager.add_run_config_entry("disable_synchronize_execution_providers", "1")
         rng = np.random.default_rng(0)
         more = [3] + [1] * (B - 1)
+        self.forward_error = 0.0
         for seed, first in enumerate((shape.tokens // 2, shape.tokens // 2 + 1)):
             split = _split(first, B, seed)
             starts = np.concatenate([[1], 1 + np.cumsum([-(-(k + j) // bs) for k, j in zip(split, more)])])
@@ -663,21 +670,24 @@ class PromptGraphs(_GraphSet):
             for lengths, past_lens in ((split, [0] * B), (more, split)):
                 rows = [PackedRows(rng.integers(1, m.vocab_size, k).tolist(), p, t)
                         for k, p, t in zip(lengths, past_lens, tables)]
+                n = sum(lengths)
+                forward = self.runner.run_main(rows, past, np.zeros(B, np.int32)).logits[:n].copy()
                 self.bank.conv[:, 0, :B] = past.conv
                 self.bank.recurrent[:, 0, :B] = past.recurrent
-                eager = self.runner.run_main(rows, past, np.zeros(B, np.int32))
-                n = sum(lengths)
-                reference = (eager.logits[:n].copy(), eager.present.conv.copy(), eager.present.recurrent.copy())
                 _stage_varlen(graph.inputs.writable(), rows, shape.batch, shape.tokens, shape.table_width,
                               graph.inputs.staged)
                 graph.inputs.upload()
+                self.session.run_with_iobinding(graph.binding.io, eager)
+                reference = (self.logits[:n].copy(), self.bank.conv[:, 1, :B].copy(), self.bank.recurrent[:, 1, :B].copy())
                 self._replay(graph)
                 replayed = (self.logits[:n], self.bank.conv[:, 1, :B], self.bank.recurrent[:, 1, :B])
                 for name, a, b in zip(("logits", "conv states", "recurrent states"), replayed, reference):
                     if not bool((a == b).all()):
                         err = float(xp.abs(a.astype(np.float32) - b.astype(np.float32)).max())
-                        return (f"{name} differ from the eager forward's (max error {err:g}) for rows {lengths} "
-                                f"at past lengths {past_lens}")
+                        return (f"'s {name} differ from ORT's eager run of the same inputs (max error {err:g}) for "
+                                f"rows {lengths} at past lengths {past_lens}")
+                self.forward_error = max(self.forward_error, float(xp.abs(
+                    reference[0].astype(np.float32) - forward.astype(np.float32)).max()))
                 past = StepStates(ids, reference[1], reference[2])
         return None
 
