@@ -588,18 +588,24 @@ def test_cuda_overlapped_decoding_is_token_identical_to_stepping_one_at_a_time(m
 def test_cuda_captured_prompt_steps_are_token_identical_to_eager_prompt_steps(model_dir, k):
     """``prompt_graphs``: prompt steps (several prompts at once, and late arrivals beside running
     requests' decode rows, chunked by a 48-token budget) replay varlen graphs; the start-up check
-    passed, the tokens, finish reasons and pools are those of an engine whose prompt steps run
-    eagerly, and most prompt steps replayed."""
+    (a replay on new ranges against ORT's eager run of the same inputs) passed, most prompt steps
+    replayed, pools intact, and the tokens and finish reasons are those of an engine whose prompt
+    steps run eagerly, but where its two best tokens were a near-tie: a padded step's matrix
+    products see more rows, and a kernel may round differently at another row count (as MTP's
+    verify shapes do)."""
     params = [SamplingParams(temperature=0, max_tokens=24 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     arrivals = {3: [5, 6], 6: [7], 9: [8, 9, 10], 14: [11]}
-    ref, ref_reasons, _ = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48), params, arrivals=arrivals)
+    ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48),
+                                         [dataclasses.replace(p, logprobs=2) for p in params], arrivals=arrivals)
     engine = engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=True)
-    assert engine.prompt_graphs is not None, "the start-up check of a replay against the eager forward failed"
+    assert engine.prompt_graphs is not None, "the start-up check of a replay against ORT's eager run failed"
     g = engine.prompt_graphs
     out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
     print(f"prompt graphs (K={k}): {g.num_graphs} captured in {g.capture_seconds:.1f} s "
-          f"({g.memory_bytes / 2**20:.0f} MiB); {g.num_replays} prompt steps replayed, {g.num_eager} eager")
-    assert [r for r in ref if out.get(r) != ref[r]] == [] and reasons == ref_reasons
+          f"({g.memory_bytes / 2**20:.0f} MiB); {g.num_replays} prompt steps replayed, {g.num_eager} eager; "
+          f"start-up logits {g.forward_error:.3g} from the unpadded forward")
+    parted = near_tie_partings(ref, ref_reasons, tops, out, reasons)
+    print(f"{len(parted)} of {len(ref)} sequences part from eager prompt steps: {parted}")
     assert g.num_replays > g.num_eager
 
 
