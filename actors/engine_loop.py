@@ -263,7 +263,7 @@ class EngineLoop:
         self.snapshot_interval_s = snapshot_interval_s
         self.limits, self.manifest, self.max_drafts = engine.limits, engine.manifest, engine.max_drafts
         self.num_usable_blocks = engine.limits.num_usable_blocks
-        self.num_rows = engine.state_bank.max_rows
+        self.num_rows = engine.state_bank.num_request_rows
         self.ledger = ReservationLedger(self.num_usable_blocks, self.num_rows)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[_Add] = deque()
@@ -557,7 +557,7 @@ class EngineLoop:
             integrity = str(e)
         return {"integrity": integrity, "idle_and_empty": engine.is_idle_and_empty(),
                 "num_free_blocks": engine.kv_pool.num_free_blocks, "num_usable_blocks": engine.kv_pool.num_usable_blocks,
-                "num_free_rows": engine.state_bank.num_free_rows, "num_rows": engine.state_bank.max_rows,
+                "num_free_rows": engine.state_bank.num_free_rows, "num_rows": engine.state_bank.num_request_rows,
                 "num_blocks_granted": self.ledger.num_blocks_granted,
                 "peak_reserved_blocks": self.ledger.peak_reserved_blocks,
                 "peak_reserved_rows": self.ledger.peak_reserved_rows,

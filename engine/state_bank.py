@@ -298,6 +298,11 @@ class StateBank:
 
     # ---- residency ----------------------------------------------------------------------
     @property
+    def num_request_rows(self) -> int:
+        """Rows requests can hold (``max_rows`` less the scratch rows)."""
+        return self.max_rows - self.scratch_rows
+
+    @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 

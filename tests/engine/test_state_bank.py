@@ -462,7 +462,7 @@ def test_a_scratch_row_is_never_admitted_and_pads_a_full_step():
     request reads and writes it when every other row is a request's); a new row starts active
     in row 0's bank, so running and new requests can share one in-place step."""
     bank = StateBank(SPEC, max_rows=3, scratch_rows=1)
-    assert bank.admit("a") == 0 and bank.num_free_rows == 1
+    assert bank.admit("a") == 0 and bank.num_free_rows == 1 and bank.num_request_rows == 2
     toks = {"a": {s.layer_id: random_tokens(np.random.default_rng(0), s, 1) for s in LAYERS}}
     present, caps = run_step(bank, ["a"], toks)
     bank.commit_step(["a"], present, [1], [1], caps)
