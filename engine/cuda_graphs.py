@@ -19,7 +19,9 @@ A graph is keyed by ``GraphShape(batch, tokens, table_width, bank)``. A step of 
 feeding 1 token plus the same number of drafts, runs the graph of the smallest captured batch
 >= B and table width >= its longest KV; rows B.. are padding (token 0 at position 0 on the
 scratch block 0, state rows that nobody reads). Every other step (prefill chunks, mixed draft
-counts, rows not at 0..B-1) runs eagerly on the same session (``gpu_graph_id = -1``).
+counts, rows not at 0..B-1) runs eagerly on the same session (``gpu_graph_id = -1``), but with
+``EngineConfig.prompt_graphs`` a step of prompt chunks (and decode rows), no drafts, replays a
+varlen graph (``PromptGraphs``: its ranges staged on the device, ``PromptCatalog``).
 
 Every graph is captured at start-up (``StepGraphs.capture_all``), while the bank is empty: no
 live step pays ORT's first-call cost of a new shape (0.5-0.85 s on the 1.4 B model).
