@@ -276,7 +276,6 @@ class _StaticInputs:
     """
 
     def __init__(self, layout: dict[str, tuple[type, tuple[int, ...]]], xp):
-        import cupy
         offsets, end = {}, 0
         for name, (dtype, shape) in layout.items():
             offsets[name] = end
@@ -284,17 +283,26 @@ class _StaticInputs:
         self._ranges = {name: (offsets[name], int(np.prod(shape)) * np.dtype(dtype).itemsize)
                         for name, (dtype, shape) in layout.items()}
         self.nbytes = max(end, 8)
-        self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
-        self._host_bytes = np.frombuffer(self._pinned, np.uint8, self.nbytes)
-        self._host_bytes[:] = 0
-        self.device_bytes = xp.zeros(self.nbytes, np.uint8)
+        self.on_device = xp is not np
+        if self.on_device:
+            import cupy
+            self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
+            self._host_bytes = np.frombuffer(self._pinned, np.uint8, self.nbytes)
+            self._host_bytes[:] = 0
+            self.device_bytes = xp.zeros(self.nbytes, np.uint8)
+        else:                  # (the CPU: one block, staged where it is read; uploads are no-ops)
+            self._host_bytes = self.device_bytes = np.zeros(self.nbytes, np.uint8)
         self.host, self.device = {}, {}
         for name, (dtype, shape) in layout.items():
             at, size = offsets[name], int(np.prod(shape)) * np.dtype(dtype).itemsize
             self.host[name] = self._host_bytes[at:at + size].view(dtype).reshape(shape)
             self.device[name] = self.device_bytes[at:at + size].view(dtype).reshape(shape)
-        self._sent = cupy.cuda.Event(block=False, disable_timing=True)
-        self._sent.record()
+        if self.on_device:
+            import cupy
+            self._sent = cupy.cuda.Event(block=False, disable_timing=True)
+            self._sent.record()
+        else:
+            self._sent = _NoEvent()
         self.staged = _StagedTables()       # the block tables the staging holds
 
     def writable(self) -> dict[str, np.ndarray]:
@@ -305,6 +313,8 @@ class _StaticInputs:
     def upload(self, name: str | None = None) -> None:
         """One host -> device copy of the whole block (or of input ``name`` alone), on the current
         stream (asynchronous)."""
+        if not self.on_device:
+            return
         import cupy
         stream = cupy.cuda.get_current_stream()
         at, size = (0, self.nbytes) if name is None else self._ranges[name]
@@ -337,6 +347,7 @@ class _GraphSet:
     """The captured graphs of one session, by shape, and what capturing and replaying them cost."""
     what = "graph"
     graph_id_base = 0
+    on_device = True         # False: bindings on the CPU, run eagerly (PromptGraphs' CPU mode, for tests)
 
     def __init__(self, session: ort.InferenceSession, catalog: GraphCatalog):
         self.session, self.catalog = session, catalog
@@ -352,7 +363,8 @@ class _GraphSet:
     def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
         """Capture every shape of the catalog (``_capture`` binds one, ``_add`` captures it);
         ``CaptureOutOfMemory`` (with ``advice``) when one does not fit."""
-        seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress, advice)
+        seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress, advice,
+                                          on_device=self.on_device)
         self.capture_seconds += seconds
         self.memory_bytes += nbytes
 
@@ -564,7 +576,11 @@ class PromptGraphs(_GraphSet):
     graph_id_base = 1_000_000        # after the decode graphs' ids on the same session
 
     def __init__(self, runner: Runner, bank: StateBank, catalog: PromptCatalog, xp):
-        if not runner.cuda_graphs:
+        """On the CPU (``xp`` numpy) nothing is captured: each shape's binding runs eagerly, the
+        same padded step, so the staging, the placement and the engine's use of them run in
+        tests without a GPU (slower than the plain eager step: the padding rows are computed)."""
+        self.on_device = xp is not np
+        if self.on_device and not runner.cuda_graphs:
             raise AssertionError("the runner's main session was made without enable_cuda_graph")
         if max(catalog.batch_sizes) > bank.max_rows:
             raise ValueError(f"prompt graph batch {max(catalog.batch_sizes)} > the state bank's {bank.max_rows} rows")
@@ -783,18 +799,39 @@ class _RowCopies:
         return copy
 
 
+class _NoEvent:
+    """An event or stream that is always done (a CPU ``_StaticInputs``: no copy to wait for)."""
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Callable[[GraphShape], None],
-                    progress: Callable[[str], None] | None, advice: str = "") -> tuple[float, int]:
+                    progress: Callable[[str], None] | None, advice: str = "", on_device: bool = True) -> tuple[float, int]:
     """Capture every shape of ``catalog`` not in ``graphs`` with ``capture``, saying how it goes;
     (seconds, device bytes the captures took: graphs and ORT's arena growth). A capture that runs
-    out of device memory raises ``CaptureOutOfMemory`` (ORT's own error says only a buffer size)."""
-    import cupy
+    out of device memory raises ``CaptureOutOfMemory`` (ORT's own error says only a buffer size).
+    ``on_device`` False: bindings on the CPU (nothing captured, no device memory to count)."""
+    if on_device:
+        import cupy
+
+        def sync() -> None:
+            cupy.cuda.get_current_stream().synchronize()
+        memory = cupy.cuda.runtime.memGetInfo
+    else:
+        def sync() -> None:
+            pass
+
+        def memory() -> tuple[int, int]:
+            return 0, 0
     shapes = [s for s in catalog.capture_order() if s not in graphs]
     say = progress or logger.info
-    say(f"cuda graphs: capturing {len(shapes)} {what} shapes ({catalog.summary()})")
-    stream = cupy.cuda.get_current_stream()
-    stream.synchronize()
-    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    say(f"cuda graphs: capturing {len(shapes)} {what} shapes ({catalog.summary()})" if on_device else
+        f"cuda graphs: binding {len(shapes)} {what} shapes on the CPU (run eagerly: no capture) ({catalog.summary()})")
+    sync()
+    free_before = memory()[0]
     started = last = time.perf_counter()
     for i, shape in enumerate(shapes):
         try:
@@ -802,15 +839,15 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-            free, total = cupy.cuda.runtime.memGetInfo()
+            free, total = memory()
             raise CaptureOutOfMemory(capture_memory_message(what, catalog.describe(shape), i, len(shapes),
                                                             max(0, free_before - free), free, total, advice)) from e
         now = time.perf_counter()
         if now - last > 5 and i + 1 < len(shapes):
             say(f"cuda graphs: {i + 1}/{len(shapes)} {what} shapes captured, {now - started:.1f} s")
             last = now
-    stream.synchronize()
-    seconds, nbytes = time.perf_counter() - started, max(0, free_before - cupy.cuda.runtime.memGetInfo()[0])
+    sync()
+    seconds, nbytes = time.perf_counter() - started, max(0, free_before - memory()[0])
     say(f"cuda graphs: {len(shapes)} {what} graphs in {seconds:.1f} s, {nbytes / 2**20:.0f} MiB of device memory")
     return seconds, nbytes
 

@@ -110,10 +110,10 @@ class Engine:
             if self.graphs is not None:
                 advice = self.capture_memory_advice()
                 self.graphs.capture_all(advice=advice)
-                if self.prompt_graphs is not None:
-                    self._capture_prompt_graphs(advice)
                 if self.proposer is not None and self.proposer.graphs is not None:
                     self.proposer.graphs.capture_all(advice=advice)
+            if self.prompt_graphs is not None:
+                self._capture_prompt_graphs(self.capture_memory_advice())
             if self._stream is not None and config.warm_up:
                 self._warm_up_shapes()
                 self._warm_up_gemms()
@@ -160,7 +160,9 @@ class Engine:
                                      config.cache.max_resident_requests)
         num_snapshots = _num_snapshots(config, spec)
         # captured prompt steps pad with a request of their own: one scratch row past the residents'
-        scratch = 1 if graphs and config.prompt_graphs else 0
+        # (on the CPU their bindings run eagerly, padded the same way: what the tests exercise)
+        prompt_graphs = config.prompt_graphs and (graphs or self._stream is None)
+        scratch = 1 if prompt_graphs else 0
         self.state_bank = StateBank(spec, config.cache.max_resident_requests + scratch, self.xp, fused_replay=fused,
                                     num_snapshots=num_snapshots, scratch_rows=scratch)
         self.prefix_cache = None
@@ -182,7 +184,7 @@ class Engine:
             draft_policy = AdaptiveDraftPolicy(self.max_drafts, calibration_burst=CALIBRATION_BURST if self.overlap else 1)
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
-        self.prompt_graphs = self._prompt_graphs(config) if graphs and config.prompt_graphs else None
+        self.prompt_graphs = self._prompt_graphs(config) if prompt_graphs else None
         if self.graphs is not None and self.proposer is not None:
             from mtpserve.engine.cuda_graphs import HEAD_FILL_ROWS, GraphCatalog, HeadGraphs
             c = self.graphs.catalog
@@ -248,11 +250,17 @@ class Engine:
         """The captured prompt steps (``EngineConfig.prompt_graphs``): batches up to the step's
         request limit plus the padding request's slot, total rows in powers of two up to the
         step's token budget, the decode graphs' KV buckets."""
-        from mtpserve.engine.cuda_graphs import PromptCatalog, PromptGraphs, prompt_batch_sizes, prompt_row_buckets
+        from mtpserve.engine.cuda_graphs import (
+            PromptCatalog,
+            PromptGraphs,
+            prompt_batch_sizes,
+            prompt_row_buckets,
+            table_width_buckets,
+        )
+        m = self.manifest
         largest = min(config.scheduler.max_requests_per_step, config.cache.max_resident_requests)
-        c = self.graphs.catalog
         catalog = PromptCatalog(prompt_batch_sizes(largest), prompt_row_buckets(config.scheduler.max_tokens_per_step),
-                                c.table_widths, c.block_size)
+                                table_width_buckets(m.block_size, m.context_length), m.block_size)
         return PromptGraphs(self.runner, self.state_bank, catalog, self.xp)
 
     def _capture_prompt_graphs(self, advice: str) -> None:
@@ -940,10 +948,11 @@ class Engine:
                 return out
             if on_device is not None:          # no graph for this step after all: the host's ids
                 rows = self._step_rows(plan, drafts, placeholders=False)
-            if self.prompt_graphs is not None and not any(s.num_drafts for s in plan.scheduled):
-                out = self.prompt_graphs.run(plan.request_ids, rows, copy_hidden=self.proposer is not None)
-                if out is not None:
-                    return out
+        if (self.prompt_graphs is not None and any(s.num_tokens > 1 for s in plan.scheduled)
+                and not any(s.num_drafts for s in plan.scheduled)):          # a prompt chunk, no drafts
+            out = self.prompt_graphs.run(plan.request_ids, rows, copy_hidden=self.proposer is not None)
+            if out is not None:
+                return out
         io = self.state_bank.step_buffers(plan.request_ids)
         capture = np.array([s.num_drafts for s in plan.scheduled], np.int32)
         return self.runner.run_main(rows, io.past, capture, present_into=io.present)

@@ -556,11 +556,26 @@ def test_warm_up_requests_leave_the_engine_idle_with_zero_counters_and_change_no
     assert auto.draft_policy.estimator.num_steps == 0
 
 
-def test_prompt_graphs_need_cuda_graphs_and_leave_the_cpu_engine_as_it_was(model_dir):
-    """``prompt_graphs`` (captured prompt steps) is refused without CUDA graphs, and on the CPU,
-    where nothing is captured, it changes nothing: no scratch row in the state bank."""
+def test_prompt_graphs_need_cuda_graphs(model_dir):
     with pytest.raises(ValueError, match="prompt_graphs needs cuda_graphs"):
         EngineConfig(str(model_dir), prompt_graphs=True, cuda_graphs=False).validate()
-    engine = Engine(EngineConfig(str(model_dir), num_threads=1, prompt_graphs=True,
-                                 cache=CacheConfig(max_resident_requests=3)))
-    assert engine.prompt_graphs is None and engine.state_bank.max_rows == 3 and engine.state_bank.scratch_rows == 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(model_dir, greedy_reference, k):
+    """``prompt_graphs`` on the CPU: every step that feeds a prompt chunk runs through a varlen
+    binding (padded slots, the bank's scratch row, rows placed in one bank: what a captured
+    prompt step replays on CUDA), here eagerly. 22 prompts on 16 state rows with a 48-token
+    budget: prompt chunks beside decode rows, arrivals as requests end. Tokens are MTP off's
+    (the reference runs no prompt binding), pools intact after every step, and every prompt step
+    takes a binding (a new request's row starts in the running rows' bank)."""
+    config = EngineConfig(str(model_dir), num_threads=2, prompt_graphs=True,
+                          cache=CacheConfig(num_blocks=512, max_resident_requests=16),
+                          scheduler=SchedulerConfig(max_tokens_per_step=48, max_requests_per_step=16),
+                          spec=SpecConfig(draft_tokens=k))
+    engine = Engine(config)
+    g = engine.prompt_graphs
+    assert g is not None and engine.state_bank.scratch_rows == 1 and engine.state_bank.num_request_rows == 16
+    tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
+    assert [r for r in greedy_reference if tokens[r] != greedy_reference[r]] == []
+    assert g.num_replays > 0 and g.num_eager == 0, (g.num_replays, g.num_eager)
