@@ -22,11 +22,12 @@ from test_engine import PROMPTS
 
 
 def make(model_dir, overlap: bool, num_blocks=512, max_rows=16, budget=48, batch=16, k=0,
-         max_model_len=None, synthetic=None, uniform=False, hold=0, lookahead=0) -> Engine:
+         max_model_len=None, synthetic=None, uniform=False, hold=0, lookahead=0, prompt_graphs=False) -> Engine:
     """``uniform``: the scheduler plans one K for every request of a step, as with CUDA graphs;
     ``hold``: admission_hold_steps (CUDA's default holds arrivals; the CPU's does not);
-    ``lookahead``: admission_lookahead."""
+    ``lookahead``: admission_lookahead; ``prompt_graphs``: prompt steps through varlen bindings."""
     engine = Engine(EngineConfig(str(model_dir), num_threads=2, overlap_decode=overlap, max_model_len=max_model_len,
+                                 prompt_graphs=prompt_graphs,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=max_rows),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=batch,
                                                          admission_hold_steps=hold,
@@ -307,6 +308,25 @@ def test_held_arrivals_share_prompt_steps_within_the_hold_and_change_no_output(m
         return
     assert held[2] < at_once[2], "held arrivals did not share prompt steps"
     assert max(held[1]) <= 6 + max(at_once[1]), "a request waited past its hold"
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_steps_through_varlen_bindings_under_steps_in_flight_keep_every_token(model_dir, k):
+    """``prompt_graphs`` with overlapped steps, CUDA's draft rules and holds: 9 clients over 24
+    requests of staggered lengths (arrivals beside decoding and draft steps in flight, a prompt
+    step landing before its continuation); every prompt step takes a varlen binding (run eagerly
+    on the CPU, as a captured one replays on CUDA) and every token is MTP off's, admitting at once."""
+    requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13,
+                                                                    ignore_eos=True)) for i in range(24)]
+    reference = closed_loop(make(model_dir, True), requests, 9)[0]
+    engine = make(model_dir, True, k=k, uniform=bool(k), hold=6 if k else 0, prompt_graphs=True)
+    tokens = closed_loop(engine, requests, 9)[0]
+    g = engine.prompt_graphs
+    print(f"K={k}: {g.num_replays} prompt steps bound, {g.num_eager} eager; {engine.num_continuations} of "
+          f"{engine.num_steps} steps launched in flight")
+    assert tokens == reference
+    assert g.num_replays > 0 and g.num_eager == 0
+    assert engine.num_continuations > 0
 
 
 def test_the_reasons_a_step_had_no_continuation_are_counted_by_reason_not_by_request(model_dir):
