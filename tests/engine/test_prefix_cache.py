@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def engine_with(model_dir, cache: bool, k=0, num_blocks=512, budget=64, rows=16, interval=16, host_gib=4.0,
-                snapshot_gib=1.0, host_policy="all", snapshots="all"):
-    return Engine(EngineConfig(str(model_dir), num_threads=2,
+                snapshot_gib=1.0, host_policy="all", snapshots="all", prompt_graphs=False):
+    return Engine(EngineConfig(str(model_dir), num_threads=2, prompt_graphs=prompt_graphs,
                                cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=rows,
                                                  prefix_cache=cache, snapshot_interval=interval,
                                                  prefix_host_gib=host_gib, prefix_snapshot_gib=snapshot_gib,
@@ -91,6 +91,19 @@ def test_a_shared_system_prompt_with_different_suffixes(model_dir, k):
     assert all(c >= shared - 16 for c in cached[1]), cached
     if k:
         assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prefix_hits_through_varlen_prompt_bindings_keep_the_tokens(model_dir, k):
+    """``prompt_graphs``: a hit's rows start past its cached prefix (a restored snapshot in its
+    state row, shared KV blocks) and go through a varlen binding like any prompt step (run
+    eagerly on the CPU, as a captured one replays on CUDA): the tokens are the cache off's."""
+    rounds = [[SYSTEM + PROMPTS[0]], [SYSTEM + p for p in PROMPTS[1:8]], [SYSTEM + PROMPTS[0]]]
+    engine = engine_with(model_dir, True, k, prompt_graphs=True)
+    out, cached = serve(engine, rounds)
+    assert out == reference(model_dir, rounds, k)
+    assert all(c > 0 for c in cached[1] + cached[2]), cached
+    assert engine.prompt_graphs.num_replays > 0 and engine.prompt_graphs.num_eager == 0
 
 
 @pytest.mark.parametrize("k", [0, 3])
