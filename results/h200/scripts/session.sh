@@ -1126,12 +1126,11 @@ eh)          # session 31: the bench (K=0 / K=2 / auto, C=16, 512 prompts: as ma
     done
   done
   ;;
-eu)          # session 34, first: test_cuda's prompt-graph tests (engine.prompt_graphs: captured prompt steps, built session 33, never run on a GPU), et, then host_ab eager prompt steps against captured ones in the bench's pools, 3 rounds (~450 s)
-  step "test_cuda, the captured prompt steps' tests"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py -k "prompt" -s 2>&1 | grep -v Warning \
-    > "$OUT/test-cuda-prompt.txt"
-  grep -E "^E  |^FAILED|passed|failed|prompt graphs|captured prompt steps are off" "$OUT/test-cuda-prompt.txt" | cut -c1-400 | tail -20
+eu)          # session 34, first: the whole test_cuda (session 33 changed the device path: the graphs' staging blocks and capture loop, graph ids by set, and the new prompt graphs, none of it run on a GPU), then et (~270 s); then ev
+  bash "$0" cl
   bash "$0" et
+  ;;
+ev)          # session 34, second: host_ab with eager prompt steps against captured ones (--prompt-graphs) in the bench's pools, 3 rounds: tokens/s, prompt steps' share, TTFT p50 (~330 s)
   host_ab_extra=(--resident 16)
   switch_ab_rounds 3 eager "graphs:--prompt-graphs"
   step done
