@@ -48,7 +48,7 @@ from mtpserve.engine.cuda_kernels import (
     gather_rows,
 )
 from mtpserve.engine.row_gather import gather_into, plan_gather, segment_destinations
-from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding
+from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding, pack_rows
 from mtpserve.engine.state_bank import StateBank, StepCaptures
 
 logger = logging.getLogger("mtpserve")
@@ -387,7 +387,51 @@ class _GraphSet:
         self.num_replays += 1
 
 
-class StepGraphs(_GraphSet):
+class _MainGraphs(_GraphSet):
+    """A set of the main model's graphs over the state bank's rows ``[0, batch)`` (``StepGraphs``,
+    ``PromptGraphs``): the logits, hidden and capture buffers its graphs write prefixes of, and
+    how a graph binds them and the bank."""
+
+    def __init__(self, runner: Runner, bank: StateBank, catalog, xp, max_batch: int, max_rows: int):
+        if max_batch > bank.max_rows:
+            raise ValueError(f"{self.what} graph batch {max_batch} > the state bank's {bank.max_rows} rows")
+        super().__init__(runner.session, catalog)
+        self.runner, self.bank, self.xp = runner, bank, xp
+        m = runner.manifest
+        self.logits = xp.empty((max_rows, m.vocab_size), m.compute_dtype)
+        self.hidden = xp.empty((max_rows, m.hidden_size), runner.hidden_dtype)
+        conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
+        ids = bank.spec.layer_ids
+        self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
+                                     xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
+
+    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
+        """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
+        if self.bank.num_resident_rows:
+            raise AssertionError("graphs are captured before any request holds a state row")
+        super().capture_all(progress, advice)
+
+    def _bind_outputs(self, b: _Binding, shape: GraphShape, rows: int) -> None:
+        """Bind a graph's states (bank ``shape.bank``'s rows ``[0, batch)`` past, the other bank's
+        present), its captures, and ``rows`` rows of logits and hidden states."""
+        m, bank, B = self.runner.manifest, self.bank, shape.batch
+        index = {layer_id: i for i, layer_id in enumerate(bank.spec.layer_ids)}
+        past, present = shape.bank, 1 - shape.bank
+        for layer in m.conv_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, bank.conv[i, past, :B])
+            b.bind_at(layer.state_output, bank.conv[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.conv_value[i, :B], output=True)
+        for layer in m.recurrent_layers:
+            i = index[layer.layer_id]
+            b.bind_at(layer.state_input, bank.recurrent[i, past, :B])
+            b.bind_at(layer.state_output, bank.recurrent[i, present, :B], output=True)
+            b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
+        b.bind_at(m.logits_output, self.logits[:rows], output=True)
+        b.bind_at(m.hidden_output, self.hidden[:rows], output=True)
+
+
+class StepGraphs(_MainGraphs):
     """Every captured main-model step of one engine, and the buffers they share.
 
     ``run(request_ids, rows, num_tokens)`` replays the step's graph and returns its outputs, or
@@ -400,20 +444,11 @@ class StepGraphs(_GraphSet):
     def __init__(self, runner: Runner, bank: StateBank, catalog: GraphCatalog, xp):
         if not runner.cuda_graphs:
             raise AssertionError("the runner's main session was made without enable_cuda_graph")
-        super().__init__(runner.session, catalog)
-        self.runner, self.bank, self.xp = runner, bank, xp
-        m = runner.manifest
         max_batch = max(catalog.batch_sizes)
-        if max_batch > bank.max_rows:
-            raise ValueError(f"graph batch {max_batch} > the state bank's {bank.max_rows} rows")
         max_tokens = max_batch * max(catalog.token_counts)
-        self.logits = xp.empty((max_tokens, m.vocab_size), m.compute_dtype)
-        self.hidden = xp.empty((max_tokens, m.hidden_size), runner.hidden_dtype)
+        super().__init__(runner, bank, catalog, xp, max_batch, max_tokens)
+        m = runner.manifest
         self.hidden_copies = _RowCopies(m.hidden_size, runner.hidden_dtype, max(1024, 4 * max_tokens), xp)
-        conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
-        ids = bank.spec.layer_ids
-        self.captures = StepCaptures(ids, xp.empty((len(ids), max_batch, C, conv0.conv_dim), conv0.dtype),
-                                     xp.empty((len(ids), max_batch, C * rec0.capsule_width_per_token), np.float32))
         self.num_eager = 0
         self.num_device_drafts = 0     # verify steps whose drafts came from the device
         self.num_steady = 0            # draft continuations staged from the step before on the device
@@ -424,12 +459,6 @@ class StepGraphs(_GraphSet):
         self.steady_staging = True
 
     # ------------------------------------------------------------------ capture
-    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
-        """Capture every shape of the catalog (the bank must be empty: a capture writes rows)."""
-        if self.bank.num_resident_rows:
-            raise AssertionError("graphs are captured before any request holds a state row")
-        super().capture_all(progress, advice)
-
     def _capture(self, shape: GraphShape) -> None:
         r, m, xp = self.runner, self.runner.manifest, self.xp
         B, n = shape.batch, shape.tokens
@@ -439,20 +468,7 @@ class StepGraphs(_GraphSet):
         if "state_update_capture_count" in inputs.host:
             inputs.writable()["state_update_capture_count"][:] = n - 1
             inputs.upload()
-        bank, index = self.bank, {layer_id: i for i, layer_id in enumerate(self.bank.spec.layer_ids)}
-        past, present = shape.bank, 1 - shape.bank
-        for layer in m.conv_layers:
-            i = index[layer.layer_id]
-            b.bind_at(layer.state_input, bank.conv[i, past, :B])
-            b.bind_at(layer.state_output, bank.conv[i, present, :B], output=True)
-            b.bind_at(layer.capture_output, self.captures.conv_value[i, :B], output=True)
-        for layer in m.recurrent_layers:
-            i = index[layer.layer_id]
-            b.bind_at(layer.state_input, bank.recurrent[i, past, :B])
-            b.bind_at(layer.state_output, bank.recurrent[i, present, :B], output=True)
-            b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
-        b.bind_at(m.logits_output, self.logits[:T], output=True)
-        b.bind_at(m.hidden_output, self.hidden[:T], output=True)
+        self._bind_outputs(b, shape, T)
         self._add(shape, b, inputs, host_arrays)
 
     # ------------------------------------------------------------------ a step
@@ -561,7 +577,7 @@ class StepGraphs(_GraphSet):
                 and follows.request_ids == tuple(request_ids))
 
 
-class PromptGraphs(_GraphSet):
+class PromptGraphs(_MainGraphs):
     """Captured prompt steps (``PromptCatalog``): a step that feeds a prompt chunk, alone or
     beside decode rows, with no drafts, replays the graph of its padded batch, total rows and KV
     bucket instead of running ORT eagerly (~2.3 ms of host time a prompt step on the bundled
@@ -582,46 +598,15 @@ class PromptGraphs(_GraphSet):
         self.on_device = xp is not np
         if self.on_device and not runner.cuda_graphs:
             raise AssertionError("the runner's main session was made without enable_cuda_graph")
-        if max(catalog.batch_sizes) > bank.max_rows:
-            raise ValueError(f"prompt graph batch {max(catalog.batch_sizes)} > the state bank's {bank.max_rows} rows")
-        super().__init__(runner.session, catalog)
-        self.runner, self.bank, self.xp = runner, bank, xp
-        m = runner.manifest
-        rows, batch = max(catalog.row_buckets), max(catalog.batch_sizes)
-        self.logits = xp.empty((rows, m.vocab_size), m.compute_dtype)
-        self.hidden = xp.empty((rows, m.hidden_size), runner.hidden_dtype)
-        conv0, rec0, C = m.conv_layers[0], m.recurrent_layers[0], m.capture_capacity
-        ids = bank.spec.layer_ids
-        self.captures = StepCaptures(ids, xp.empty((len(ids), batch, C, conv0.conv_dim), conv0.dtype),
-                                     xp.empty((len(ids), batch, C * rec0.capsule_width_per_token), np.float32))
+        super().__init__(runner, bank, catalog, xp, max(catalog.batch_sizes), max(catalog.row_buckets))
         self.num_eager = 0            # prompt steps no captured shape or placement fitted
         self.forward_error = 0.0      # ``check``'s largest logit difference from the unpadded eager forward
 
-    def capture_all(self, progress: Callable[[str], None] | None = None, advice: str = "") -> None:
-        """Capture every shape (the bank must be empty: a capture writes rows)."""
-        if self.bank.num_resident_rows:
-            raise AssertionError("graphs are captured before any request holds a state row")
-        super().capture_all(progress, advice)
-
     def _capture(self, shape: GraphShape) -> None:
-        r, m, xp = self.runner, self.runner.manifest, self.xp
-        B, T = shape.batch, shape.tokens
-        b, inputs, host_arrays = _paged_graph_inputs(r.session, r.kv, r.main_input_names, shape, m.block_size, xp,
+        r, m = self.runner, self.runner.manifest
+        b, inputs, host_arrays = _paged_graph_inputs(r.session, r.kv, r.main_input_names, shape, m.block_size, self.xp,
                                                      {"state_update_active": np.array([0], np.int32)}, varlen=True)
-        index = {layer_id: i for i, layer_id in enumerate(self.bank.spec.layer_ids)}
-        past, present = shape.bank, 1 - shape.bank
-        for layer in m.conv_layers:
-            i = index[layer.layer_id]
-            b.bind_at(layer.state_input, self.bank.conv[i, past, :B])
-            b.bind_at(layer.state_output, self.bank.conv[i, present, :B], output=True)
-            b.bind_at(layer.capture_output, self.captures.conv_value[i, :B], output=True)
-        for layer in m.recurrent_layers:
-            i = index[layer.layer_id]
-            b.bind_at(layer.state_input, self.bank.recurrent[i, past, :B])
-            b.bind_at(layer.state_output, self.bank.recurrent[i, present, :B], output=True)
-            b.bind_at(layer.capture_output, self.captures.recurrent_capsule[i, :B], output=True)
-        b.bind_at(m.logits_output, self.logits[:T], output=True)
-        b.bind_at(m.hidden_output, self.hidden[:T], output=True)
+        self._bind_outputs(b, shape, shape.tokens)
         self._add(shape, b, inputs, host_arrays)
 
     def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], copy_hidden: bool) -> MainOutputs | None:
@@ -672,9 +657,6 @@ class PromptGraphs(_GraphSet):
         from mtpserve.engine.state_bank import StepStates
         xp, m, ids = self.xp, self.runner.manifest, self.bank.spec.layer_ids
         graph = self._graphs[shape]
-        eager = ort.RunOptions()
-        eager.add_run_config_entry("gpu_graph_id", "-1")                 # no capture, no replay
-        eager.add_run_config_entry("disable_synchronize_execution_providers", "1")
         rng = np.random.default_rng(0)
         more = [3] + [1] * (B - 1)
         self.forward_error = 0.0
@@ -695,7 +677,7 @@ class PromptGraphs(_GraphSet):
                 _stage_varlen(graph.inputs.writable(), rows, shape.batch, shape.tokens, shape.table_width,
                               graph.inputs.staged)
                 graph.inputs.upload()
-                self.session.run_with_iobinding(graph.binding.io, eager)
+                self.session.run_with_iobinding(graph.binding.io, self.runner.eager_options)
                 reference = (self.logits[:n].copy(), self.bank.conv[:, 1, :B].copy(), self.bank.recurrent[:, 1, :B].copy())
                 self._replay(graph)
                 replayed = (self.logits[:n], self.bank.conv[:, 1, :B], self.bank.recurrent[:, 1, :B])
@@ -719,37 +701,24 @@ def _split(rows: int, requests: int, seed: int) -> list[int]:
 
 def _stage_varlen(host: dict[str, np.ndarray], rows: Sequence[PackedRows], batch: int, total: int, width: int,
                   staged: _StagedTables | None = None) -> None:
-    """A prompt step's rows into a varlen graph's staging (``PromptCatalog``): request b's rows
-    in slot b, then the rows left to ``total`` spread over the padding slots B .. batch-1 (past 0
-    on the scratch block 0, token 0)::
+    """A prompt step's rows into a varlen graph's staging (``PromptCatalog``): ``pack_rows`` of
+    request b's rows in slot b, then the rows left to ``total`` spread over the padding slots
+    B .. batch-1 (token 0 at past 0, on the scratch block 0)::
 
         input_ids      r0: t t .. t | r1: t | .. | pad: 0 .. 0 | pad: 0 .. 0
         ranges         0 .. cumulative lengths .. total
         positions      past_b + i of each row (padding slots: 0 .. their rows - 1)
         block_table    row b: request b's first `width` blocks, then 0 (scratch)
     """
-    B = len(rows)
-    lengths = np.zeros(batch, np.int64)
-    lengths[:B] = [len(r.token_ids) for r in rows]
-    n = int(lengths.sum())
+    B, n = len(rows), sum(len(r.token_ids) for r in rows)
     spare = total - n
     if B >= batch or spare < 0:
         raise AssertionError(f"{B} requests of {n} rows do not fit a prompt graph of batch {batch}, {total} rows")
     pads = batch - B
-    lengths[B:] = spare // pads
-    lengths[B:B + spare % pads] += 1
-    ids = host["input_ids"]
-    ids[:n] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, n)
-    ids[n:] = 0
-    ranges = host["cumulative_sequence_lengths"]
-    ranges[0] = 0
-    np.cumsum(lengths, out=ranges[1:])
-    past = np.zeros(batch, np.int64)
-    past[:B] = [r.past_len for r in rows]
-    host["past_sequence_lengths"][:] = past
-    positions = host["position_ids"]
-    positions[0] = np.repeat(past - ranges[:-1], lengths) + np.arange(total)
-    positions[1:] = positions[0]
+    padding = [PackedRows([0] * (spare // pads + (i < spare % pads)), 0, ()) for i in range(pads)]
+    packed = pack_rows([*rows, *padding])
+    for name in ("input_ids", "position_ids", "cumulative_sequence_lengths", "past_sequence_lengths"):
+        host[name][:] = packed[name]
     _fill_tables(host, tuple(r.block_table for r in rows), width, staged)
 
 

@@ -221,10 +221,10 @@ class Runner:
         pass graph id -1."""
         self.manifest, self.xp, self.device = manifest, xp, device
         self.cuda_graphs = cuda_graphs and device == "cuda"
-        self._eager_options = None
+        self.eager_options = None       # a session's run without its graphs (None: no graphs to avoid)
         if self.cuda_graphs:
-            self._eager_options = ort.RunOptions()
-            self._eager_options.add_run_config_entry("gpu_graph_id", "-1")    # ORT: no capture, no replay
+            self.eager_options = ort.RunOptions()
+            self.eager_options.add_run_config_entry("gpu_graph_id", "-1")    # ORT: no capture, no replay
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.add_session_config_entry("session.set_denormal_as_zero", "1")   # decayed recurrent state
@@ -315,7 +315,7 @@ class Runner:
             b.output(layer.state_output, None, None, into=present.recurrent[i])
             b.output(layer.capture_output, None, None, into=captures.recurrent_capsule[i])
         self._bind_logits_hidden(b, num_tokens, m.logits_output, m.hidden_output)
-        out = b.run(self.session, self._eager_options)
+        out = b.run(self.session, self.eager_options)
         return MainOutputs(out[m.logits_output], out[m.hidden_output], present,
                            captures if capture else None)
 
@@ -326,7 +326,7 @@ class Runner:
         num_tokens = self._begin(b, rows, self.head_input_names, self.table_width)
         b.input(head.hidden_input, hidden.astype(self.hidden_dtype, copy=False))
         self._bind_logits_hidden(b, num_tokens, head.logits_output, head.hidden_output)
-        out = b.run(self.head_session, self._eager_options)
+        out = b.run(self.head_session, self.eager_options)
         return HeadOutputs(out[head.logits_output], out[head.hidden_output])
 
     @staticmethod

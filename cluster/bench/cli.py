@@ -180,8 +180,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
     g.add_argument("--prompt-graphs", default=False, type=on_off, metavar="on|off",
-                   help="CUDA, in process: replay captured prompt steps too (default off; the engine's "
-                        "--prompt-graphs)")
+                   help="in process: prompt steps through varlen graphs (default off; the engine's "
+                        "--prompt-graphs: captured on CUDA, bound and run eagerly on the CPU)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
     g.add_argument("--rounds", type=int, default=1,
                    help="in process: every draft count's engine built once, then this many rounds of every "
@@ -350,6 +350,11 @@ def _bench(args) -> int:
         raise ValueError("--max-tokens must be >= 1")
     if args.url and args.compare:
         raise ValueError("--compare ortgenai runs in process; drop --url")
+    if args.prompt_graphs and (args.url or args.replicas):
+        raise ValueError("--prompt-graphs sets the in-process engine; a server takes it as "
+                         "'mtpserve serve --prompt-graphs on': drop --url and --replicas")
+    if args.prompt_graphs and not args.cuda_graphs:
+        raise ValueError("--prompt-graphs needs --cuda-graphs on")
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root

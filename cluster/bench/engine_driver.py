@@ -45,7 +45,7 @@ class EngineSweep:
     phases: str = "off"                     # per-phase step times (engine/phase_timers.py): off, on or sync
     overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
     kv_block_size: int | None = None        # CacheConfig.kv_block_size (None: the export's)
-    prompt_graphs: bool = False             # EngineConfig.prompt_graphs: captured prompt steps (CUDA)
+    prompt_graphs: bool = False             # EngineConfig.prompt_graphs: captured prompt steps (CPU: bound, eager)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
@@ -76,7 +76,7 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
                                         synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs,
                         overlap_decode=sweep.overlap_decode,
-                        prompt_graphs=sweep.prompt_graphs and sweep.cuda_graphs and sweep.device == "cuda")
+                        prompt_graphs=sweep.prompt_graphs)
 
 
 def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:

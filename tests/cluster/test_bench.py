@@ -390,6 +390,10 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "drop --range-ratio" in capsys.readouterr().err
     assert bench(["--range-ratio", "0.5", "--serving-overhead", "--requests", "1", "--results-dir", str(tmp_path)]) == 2
     assert "--serving-overhead sends requests of its own" in capsys.readouterr().err
+    assert bench(["--prompt-graphs", "on", "--url", "http://127.0.0.1:9", "--results-dir", str(tmp_path)]) == 2
+    assert "--prompt-graphs sets the in-process engine" in capsys.readouterr().err
+    assert bench(["--prompt-graphs", "on", "--cuda-graphs", "off", "--results-dir", str(tmp_path)]) == 2
+    assert "--prompt-graphs needs --cuda-graphs on" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

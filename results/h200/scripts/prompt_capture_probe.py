@@ -31,17 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import traceback
 
 import cupy as cp
 import numpy as np
 import onnxruntime as ort
+from eager_capture_probe import maxerr, timed  # (this directory: the scripts run as files)
 
 from mtpserve.engine.config import EngineConfig
 from mtpserve.engine.cuda_graphs import GraphShape, _paged_graph_inputs
 from mtpserve.engine.engine import Engine
-from mtpserve.engine.runner import PackedRows, _Binding  # noqa: F401  (the binding type the helper makes)
+from mtpserve.engine.runner import PackedRows
 
 
 def options(graph_id: int) -> ort.RunOptions:
@@ -136,25 +136,6 @@ def present_states(bank, arrays):
     return StepStates(bank.spec.layer_ids, arrays[0], arrays[1])
 
 
-def maxerr(a, b) -> float:
-    return float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max()) if a.size else 0.0
-
-
-def timed(fn, stream, n: int = 50) -> tuple[float, float]:
-    for _ in range(5):
-        fn()
-    stream.synchronize()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    end.record(stream)
-    end.synchronize()
-    return round(host, 1), round(cp.cuda.get_elapsed_time(start, end) / n * 1e3, 1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -215,8 +196,8 @@ def main() -> None:
                 cases[name] = case
                 print(name, {k: v for k, v in case.items() if k != "present"}, flush=True)
             result["cases"] = {k: {kk: vv for kk, vv in v.items() if kk != "present"} for k, v in cases.items()}
-            result["eager_us"] = timed(lambda: step.run(-1), stream)
-            result["replay_us"] = timed(lambda: step.run(7001), stream)
+            result["eager_us"] = timed(lambda: step.run(-1), stream, 50)
+            result["replay_us"] = timed(lambda: step.run(7001), stream, 50)
         except Exception as e:      # noqa: BLE001 - where it broke is the finding
             result["error"] = f"{type(e).__name__}: {e}"[:1500]
             result["trace"] = traceback.format_exc()[-3000:]

@@ -44,21 +44,13 @@ import traceback
 from pathlib import Path
 
 import cupy as cp
-import onnxruntime as ort
+from eager_capture_probe import eager_options  # (this directory: the scripts run as files)
 
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload
 from mtpserve.engine import cuda_graphs
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
-
-
-def eager_options() -> ort.RunOptions:
-    options = ort.RunOptions()
-    options.add_run_config_entry("gpu_graph_id", "-1")                      # no capture, no replay
-    options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-    return options
-
 
 _SPIN = cp.RawKernel(r"""
 extern "C" __global__ void spin(long long cycles) {
