@@ -639,7 +639,7 @@ class PromptGraphs(_MainGraphs):
         shape's rows, each a step of prompts from an empty state on free KV blocks ``1 ..`` and
         state rows ``0 ..`` of the empty bank, then a mixed step after it (request 0 a 3-row
         chunk, the others a decode row each). None when logits and present states are equal bit
-        for bit, else what differed. ``forward_error``: the largest logit difference from the
+        for bit, else what differed (or that the pool is too small to check). ``forward_error``: the largest logit difference from the
         engine's eager forward over the rows alone (``Runner.run_main``: no padding, tight bounds;
         a kernel may round differently at another row count). Call it after ``capture_all``,
         before any request holds a row."""
@@ -663,8 +663,8 @@ class PromptGraphs(_MainGraphs):
         for seed, first in enumerate((shape.tokens // 2, shape.tokens // 2 + 1)):
             split = _split(first, B, seed)
             starts = np.concatenate([[1], 1 + np.cumsum([-(-(k + j) // bs) for k, j in zip(split, more)])])
-            if starts[-1] > num_blocks:
-                return None                      # (no pool to check it on: a test's tiny one)
+            if starts[-1] > num_blocks:          # (unchecked is not checked: off, with the reason)
+                return f"could not be checked: the check takes {int(starts[-1])} KV blocks, the pool has {num_blocks}"
             tables = [list(range(int(starts[b]), int(starts[b + 1]))) for b in range(B)]
             past = self.bank.spec.zero_states(B, xp)
             for lengths, past_lens in ((split, [0] * B), (more, split)):
