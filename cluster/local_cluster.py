@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -50,16 +51,41 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+RAY_WORKER_PORTS = range(10002, 20000)     # Ray's default --min/--max-worker-port
+
+
+def _quiet_ports() -> range:
+    """Ports no process is handed by the OS on its own: below the ephemeral range (where every
+    ``bind(0)`` and outgoing connection draws its port) and above Ray's worker ports."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(RAY_WORKER_PORTS.stop + 1, low)
+
+
 def free_ports(n: int, host: str = "127.0.0.1", avoid=()) -> list[int]:
     """``n`` distinct free ports on ``host``, none in ``avoid``: bound all at once, then let go.
+
     (One at a time, the OS may hand out the same port twice: CI once had a node's node manager
-    and runtime-env agent given one port, and `ray start` refused it.)"""
+    and runtime-env agent given one port, and `ray start` refused it.) They are drawn from the
+    ports below the OS's ephemeral range where it has one: a port the OS picked for ``bind(0)``
+    can be handed to any other process's socket before ours binds it again (CI once had Serve's
+    direct-ingress port taken that way, and Serve moved the replica to the next port)."""
+    quiet = _quiet_ports()
+    candidates = random.sample(quiet, len(quiet)) if len(quiet) >= 4 * n else []
     sockets, ports = [], []
     try:
         while len(ports) < n:
             s = socket.socket()
             sockets.append(s)
-            s.bind((host, 0))
+            want = candidates.pop() if candidates else 0
+            if want in avoid:
+                continue
+            try:
+                s.bind((host, want))
+            except OSError:
+                continue
             port = s.getsockname()[1]
             if port not in avoid:
                 ports.append(port)

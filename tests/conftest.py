@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -41,9 +40,8 @@ PORT_ENV = "MTPSERVE_TEST_HTTP_PORT"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mtpserve.cluster.local_cluster import free_port
+    return free_port()
 
 
 @pytest.fixture(scope="session")

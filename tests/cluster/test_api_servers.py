@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mtpserve.cluster.local_cluster import free_port
+    return free_port()
 
 
 @pytest.fixture(scope="module")

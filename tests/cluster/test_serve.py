@@ -673,15 +673,12 @@ def test_direct_port_serves_each_replica_without_the_proxy_hop(ray_cluster, mode
     """`--direct-port`: the replica answers on its own port too (Ray Serve's direct ingress), with
     the same greedy output as through the proxy; the flag is refused with --address."""
     import os
-    import socket
+
+    from mtpserve.cluster.local_cluster import free_ports
     refused = subprocess.run([sys.executable, "-m", "mtpserve.cluster.serve", "--address", ray_cluster["address"],
                               "--direct-port", "31000"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--direct-port needs a Ray of our own" in refused.stderr
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports(2)      # clear of the OS's ephemeral ports: Serve moves a replica off a taken one
     proc = subprocess.Popen([sys.executable, "-m", "mtpserve.cluster.serve", "--model", str(model_dir),
                              "--port", str(ports[0]), "--direct-port", str(ports[1]), "--num-threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
