@@ -1135,6 +1135,14 @@ ev)          # session 34, second: host_ab with eager prompt steps against captu
   switch_ab_rounds 3 eager "graphs:--prompt-graphs"
   step done
   ;;
+ew)          # session 34, fourth (if eu's start-up check passed): the 1.4 B model against og.Engine with captured prompt steps, K=0, C=1/8/32/64, fresh kernel cache: the tokens/s and TTFT p99 goals (~400 s with the model's making)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "1.4 B vs og.Engine, --prompt-graphs on, fresh kernel cache"
+  (fresh_cupy; timeout 420 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --prompt-graphs on --compare ortgenai --name mid-prompt-graphs-vs-ortgenai) 2>&1 \
+    | grep -v "prefill:\|Warning\|No registered" | tail -40 | cut -c1-400
+  step done
+  ;;
 es)          # session 34, first: er (where a K=2 step's GPU time goes, C=1 and C=16), then et (~250 s)
   bash "$0" er
   bash "$0" et
