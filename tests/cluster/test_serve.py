@@ -653,13 +653,25 @@ def test_bench_direct_ingress_drives_the_replica_on_its_own_port(tmp_path):
     its own HTTP port (no proxy hop), every request answered, and what HTTP adds per load."""
     import json
     import os
+    import socket
+
+    from mtpserve.cluster.local_cluster import free_ports
+
+    def pair_free(port: int) -> bool:        # the bench's proxy takes --port, the replica --port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return True
+            except OSError:
+                return False
+    port = next(p for p in free_ports(16) if pair_free(p))
     out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "bench", "--replicas", "0,1", "--direct-ingress",
                           "--concurrency", "1,4", "--num-prompts", "8", "--max-tokens", "8", "--draft-tokens", "2",
-                          "--port", "18310", "--no-plot", "--results-dir", str(tmp_path)],
+                          "--port", str(port), "--no-plot", "--results-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=240,
                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "direct ingress: replica" in out.stderr and "http://127.0.0.1:18311" in out.stderr, out.stderr[-3000:]
+    assert "direct ingress: replica" in out.stderr and f"http://127.0.0.1:{port + 1}" in out.stderr, out.stderr[-3000:]
     (path,) = tmp_path.glob("*.json")
     report = json.loads(path.read_text())
     served = [r for r in report["results"] if r["extra"].get("direct_ingress")]
