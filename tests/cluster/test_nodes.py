@@ -90,8 +90,9 @@ def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies(tmp_path):
     node manager and runtime-env agent the same port once, and `ray start` refused to start."""
     from mtpserve.cluster.local_cluster import NODE_PORTS, LocalCluster, free_ports
 
-    ports = free_ports(200, avoid={20000})
-    assert len(set(ports)) == 200 and 20000 not in ports
+    avoid = set(range(20000, 31000))
+    ports = free_ports(200, avoid=avoid)
+    assert len(set(ports)) == 200 and not set(ports) & avoid
     for _ in range(20):
         cluster = LocalCluster(num_workers=2, workdir=tmp_path / "c")      # nothing started
         head = [cluster.gcs_port, cluster.client_port, cluster.dashboard_port, *cluster.nodes[0].ports.values()]
