@@ -329,6 +329,21 @@ def test_prompt_steps_through_varlen_bindings_under_steps_in_flight_keep_every_t
     assert engine.num_continuations > 0
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_steps_through_varlen_bindings_under_preemption_keep_every_token(model_dir, k):
+    """``prompt_graphs`` when the KV pool runs out: 10 requests on 24 usable blocks, so the
+    scheduler preempts and the preempted requests' prompts are fed again on other state rows
+    (the pools checked after every step). Every token is MTP off's without prompt graphs; the
+    recomputed prompts go through the bindings too, or eagerly where their rows are not placed."""
+    crowded = [(f"g{i}", PROMPTS[i], GREEDY) for i in range(10)]
+    reference = run(make(model_dir, False, num_blocks=25), crowded)
+    engine = make(model_dir, True, k=k, uniform=bool(k), num_blocks=25, prompt_graphs=True)
+    assert run(engine, crowded) == reference
+    g = engine.prompt_graphs
+    print(f"K={k}: {engine.num_preemptions} preemptions, {g.num_replays} prompt steps bound, {g.num_eager} eager")
+    assert engine.num_preemptions > 0 and g.num_replays > 1
+
+
 def test_the_reasons_a_step_had_no_continuation_are_counted_by_reason_not_by_request(model_dir):
     """``overlap_blockers`` (the bench's report) holds one count per reason: requests ending at
     different lengths, with ids that hold spaces, add to the same few keys."""
