@@ -265,7 +265,8 @@ class Engine:
 
     def _capture_prompt_graphs(self, advice: str) -> None:
         """Capture the prompt steps, then check a replay against ORT's eager run of the same
-        inputs (``PromptGraphs.check``); on a difference, say so and keep prompt steps eager."""
+        inputs and the padded logits against the unpadded forward (``PromptGraphs.check``); on
+        a difference, say so and keep prompt steps eager."""
         self.prompt_graphs.capture_all(advice=advice)
         why = self.prompt_graphs.check(self.kv_pool.num_blocks)
         if why is not None:

@@ -320,6 +320,11 @@ def test_a_prompt_step_takes_the_fewest_rows_a_spare_slot_and_a_bucket_its_paddi
     assert PROMPTS.choose([1] * 17, [10] * 17) is None                       # no slot to spare
     assert PROMPTS.choose([5], [1009]) is None                               # KV past the context
     assert PROMPTS.choose([], []) is None
+    # no fewer rows than slots (ORT's varlen kernels refuse them): 64 decode rows take 65 slots,
+    # so 128 rows, not the 64-row bucket
+    wide = cuda_graphs.PromptCatalog((2, 4, 8, 16, 32, 64, 65), (64, 128), (16,), 16)
+    assert wide.choose([1] * 64, [10] * 64) == (65, 128, 16)
+    assert wide.choose([2] * 31, [10] * 31) == (32, 64, 16)
 
 
 def test_narrow_tables_push_the_padding_to_a_wider_bucket():
@@ -337,6 +342,9 @@ def test_prompt_shapes_are_every_batch_rows_bucket_and_bank_whose_slots_hold_the
     narrow = cuda_graphs.PromptCatalog((2, 4), (64, 1024), (4, 64), 16)
     assert cuda_graphs.GraphShape(2, 1024, 4, 0) not in narrow.shapes()          # 2 slots x 64 tokens < 1024
     assert cuda_graphs.GraphShape(2, 64, 4, 0) in narrow.shapes() and len(narrow.shapes()) == (4 + 2) * 2
+    wide = cuda_graphs.PromptCatalog((2, 64, 65), (64, 128), (16,), 16).shapes()
+    assert cuda_graphs.GraphShape(65, 64, 16, 0) not in wide and cuda_graphs.GraphShape(64, 64, 16, 0) in wide
+    assert all(s.batch <= s.tokens for s in wide) and len(wide) == (3 + 2) * 2
     order = PROMPTS.capture_order()
     assert order[0].tokens == 256 and order[-1].tokens == 64 and sorted(order, key=repr) == sorted(shapes, key=repr)
     assert "17 requests, 256 rows in all, KV bucket 1008 tokens" == PROMPTS.describe(cuda_graphs.GraphShape(17, 256, 63, 0))

@@ -561,6 +561,44 @@ def test_prompt_graphs_need_cuda_graphs(model_dir):
         EngineConfig(str(model_dir), prompt_graphs=True, cuda_graphs=False).validate()
 
 
+def _small_prompt_graphs_config(model_dir, num_blocks=64):
+    return EngineConfig(str(model_dir), num_threads=1, prompt_graphs=True, max_model_len=256,
+                        cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=4),
+                        scheduler=SchedulerConfig(max_tokens_per_step=64, max_requests_per_step=4))
+
+
+def test_prompt_graphs_start_up_check_turns_them_off_when_padding_moves_the_logits(model_dir, monkeypatch, caplog):
+    """The start-up check also holds a padded step's logits to the unpadded eager forward's (a
+    tolerance for rounding at another row count): a staging that gives a real request the wrong
+    past length (as a padding row or an empty slot reaching a real row would) leaves every replay
+    equal to its own eager run, yet turns captured prompt steps off with a warning saying why,
+    and the engine still serves. Untouched, the CPU's padded steps are exact; a pool too small
+    for the check turns them off too, with that reason."""
+    import logging
+
+    from mtpserve.engine import cuda_graphs
+    engine = Engine(_small_prompt_graphs_config(model_dir))
+    assert engine.prompt_graphs is not None and engine.prompt_graphs.forward_error == 0.0
+    staged = cuda_graphs._stage_varlen
+
+    def off_by_one(host, rows, *args, **kwargs):         # a mixed step's first request one token short
+        staged(host, rows, *args, **kwargs)
+        if rows and rows[0].past_len > 0:
+            host["past_sequence_lengths"][0] -= 1
+    monkeypatch.setattr(cuda_graphs, "_stage_varlen", off_by_one)
+    with caplog.at_level(logging.WARNING, logger="mtpserve"):
+        engine = Engine(_small_prompt_graphs_config(model_dir))
+    assert engine.prompt_graphs is None
+    assert "captured prompt steps are off" in caplog.text and "from the unpadded eager forward" in caplog.text
+    tokens, _ = run_all(engine, PROMPTS[:3], [GREEDY64] * 3)
+    assert all(tokens.values())
+    monkeypatch.setattr(cuda_graphs, "_stage_varlen", staged)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mtpserve"):
+        assert Engine(_small_prompt_graphs_config(model_dir, num_blocks=4)).prompt_graphs is None
+    assert "could not be checked" in caplog.text
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(model_dir, greedy_reference, k):
     """``prompt_graphs`` on the CPU: every step that feeds a prompt chunk runs through a varlen
