@@ -185,6 +185,7 @@ class Engine:
         self.draft_policy = draft_policy or FixedDraftPolicy(config.spec.num_draft_tokens)
         self.graphs = self._step_graphs(config) if graphs else None
         self.prompt_graphs = self._prompt_graphs(config) if prompt_graphs else None
+        self.prompt_graphs_off: str | None = None     # why the start-up check turned them off
         if self.graphs is not None and self.proposer is not None:
             from mtpserve.engine.cuda_graphs import HEAD_FILL_ROWS, GraphCatalog, HeadGraphs
             c = self.graphs.catalog
@@ -271,7 +272,7 @@ class Engine:
         why = self.prompt_graphs.check(self.kv_pool.num_blocks)
         if why is not None:
             logger.warning("engine: captured prompt steps are off: a replay %s; prompt steps run eagerly", why)
-            self.prompt_graphs = None
+            self.prompt_graphs, self.prompt_graphs_off = None, f"a replay {why}"
         else:
             logger.info("engine: captured prompt steps replay what ORT's eager run computes (start-up check; "
                         "against the unpadded eager forward the logits differ by %.3g at most)",

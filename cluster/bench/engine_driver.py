@@ -244,6 +244,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
              # prompt steps replayed from captured varlen graphs (--prompt-graphs; None: off)
              "prompt_graph_steps": prompt_graphs.num_replays - prompt_replays0 if prompt_graphs is not None else None,
+             "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None),
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}

@@ -598,7 +598,7 @@ def test_cuda_captured_prompt_steps_are_token_identical_to_eager_prompt_steps(mo
     ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48),
                                          [dataclasses.replace(p, logprobs=2) for p in params], arrivals=arrivals)
     engine = engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=True)
-    assert engine.prompt_graphs is not None, "the start-up check of a replay against ORT's eager run failed"
+    assert engine.prompt_graphs is not None, f"the start-up check turned them off: {engine.prompt_graphs_off}"
     g = engine.prompt_graphs
     out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
     print(f"prompt graphs (K={k}): {g.num_graphs} captured in {g.capture_seconds:.1f} s "

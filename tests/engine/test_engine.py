@@ -588,7 +588,7 @@ def test_prompt_graphs_start_up_check_turns_them_off_when_padding_moves_the_logi
     monkeypatch.setattr(cuda_graphs, "_stage_varlen", off_by_one)
     with caplog.at_level(logging.WARNING, logger="mtpserve"):
         engine = Engine(_small_prompt_graphs_config(model_dir))
-    assert engine.prompt_graphs is None
+    assert engine.prompt_graphs is None and "from the unpadded eager forward" in engine.prompt_graphs_off
     assert "captured prompt steps are off" in caplog.text and "from the unpadded eager forward" in caplog.text
     tokens, _ = run_all(engine, PROMPTS[:3], [GREEDY64] * 3)
     assert all(tokens.values())

@@ -95,7 +95,8 @@ def main() -> None:
                           "prompt_steps": r["prompt_steps"], "seconds_by_step": r["seconds_by_step"],
                           "ttft_p50_ms": r.get("ttft_p50_ms"), "stops": stops,
                           "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0,
-                          "prompt_replays": prompt_graphs.num_replays - replays0 if prompt_graphs is not None else None}),
+                          "prompt_replays": prompt_graphs.num_replays - replays0 if prompt_graphs is not None else None,
+                          "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None)}),
               flush=True)
         engine.check_integrity()
 
