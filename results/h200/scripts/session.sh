@@ -1141,6 +1141,9 @@ ew)          # session 34, fourth (if eu's start-up check passed): the 1.4 B mod
   (fresh_cupy; timeout 420 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
     --concurrency 1,8,32,64 --draft-tokens 0 --prompt-graphs on --compare ortgenai --name mid-prompt-graphs-vs-ortgenai) 2>&1 \
     | grep -v "prefill:\|Warning\|No registered" | tail -40 | cut -c1-400
+  python3 -c "import glob, json; d = json.load(open(sorted(glob.glob('$OUT/*mid-prompt-graphs-vs-ortgenai.json'))[-1])); \
+[print(r['label'], r['concurrency'], 'prompt steps', r['extra'].get('prompt_steps'), 'replayed', r['extra'].get('prompt_graph_steps'), \
+'off:', r['extra'].get('prompt_graphs_off')) for r in d['results'] if 'extra' in r]" 2>&1 | tail -8
   step done
   ;;
 es)          # session 34, first: er (where a K=2 step's GPU time goes, C=1 and C=16), then et (~250 s)
