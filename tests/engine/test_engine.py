@@ -1,6 +1,7 @@
 """The engine end to end on the real bundled model: exactness of MTP, batching, preemption, cancel."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -597,6 +598,24 @@ def test_prompt_graphs_start_up_check_turns_them_off_when_padding_moves_the_logi
     with caplog.at_level(logging.WARNING, logger="mtpserve"):
         assert Engine(_small_prompt_graphs_config(model_dir, num_blocks=4)).prompt_graphs is None
     assert "could not be checked" in caplog.text
+
+
+def test_prompt_graphs_with_64_requests_a_step_bind_every_shape_and_a_full_batch_of_prompts(model_dir):
+    """With ``serve``'s 64 requests a step (here a 128-token budget, for time), every prompt shape
+    is bound and run once at start on the CPU (on CUDA: captured), 65 slots included: a shape of
+    fewer rows than slots is refused by ORT's varlen kernels, and was once in the catalog. Then
+    64 two-token prompts in one step take the 65-slot shape and keep the tokens of an engine
+    without prompt graphs."""
+    config = EngineConfig(str(model_dir), num_threads=2, prompt_graphs=True,
+                          scheduler=SchedulerConfig(max_tokens_per_step=128))
+    engine = Engine(config)
+    g = engine.prompt_graphs
+    assert g is not None and max(s.batch for s in g._graphs) == 65, engine.prompt_graphs_off
+    prompts = [[11 + i, 400 + 3 * i] for i in range(64)]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 64
+    tokens, _ = run_all(engine, prompts, params)
+    assert g.num_replays >= 1 and g.num_eager == 0
+    assert tokens == run_all(Engine(dataclasses.replace(config, prompt_graphs=False)), prompts, params)[0]
 
 
 @pytest.mark.parametrize("k", [0, 2])
