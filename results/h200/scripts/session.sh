@@ -1146,6 +1146,14 @@ ew)          # session 34, fourth (if eu's start-up check passed): the 1.4 B mod
 'off:', r['extra'].get('prompt_graphs_off')) for r in d['results'] if 'extra' in r]" 2>&1 | tail -8
   step done
   ;;
+ex)          # session 34 (if eu's start-up check passed): el with captured prompt steps, then el as it was, on one machine: the issue's bundled K=2 / K=0 >= 1.3x at C=16 in the bench (~250 s)
+  step "bench, 3 rounds interleaved, --prompt-graphs on"
+  mkdir -p "$OUT/bench-rounds-prompt-graphs"
+  timeout 300 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench-rounds-prompt-graphs" --draft-tokens 0,2,auto \
+    --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --prompt-graphs on 2>&1 \
+    | grep -E "speedup_vs_k0|^round|median|Error|prompt steps are off" | cut -c1-200
+  bash "$0" el
+  ;;
 es)          # session 34, first: er (where a K=2 step's GPU time goes, C=1 and C=16), then et (~250 s)
   bash "$0" er
   bash "$0" et
