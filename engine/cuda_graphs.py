@@ -683,7 +683,7 @@ class PromptGraphs(_MainGraphs):
         split = _split(first, B, seed)
         starts = np.concatenate([[1], 1 + np.cumsum([-(-(k + j) // bs) for k, j in zip(split, more)])])
         if starts[-1] > num_blocks:          # (unchecked is not checked: off, with the reason)
-            return f"could not be checked: the check takes {int(starts[-1])} KV blocks, the pool has {num_blocks}"
+            return f"they could not be checked: the check takes {int(starts[-1])} KV blocks, the pool has {num_blocks}"
         tables = [list(range(int(starts[b]), int(starts[b + 1]))) for b in range(B)]
         past = self.bank.spec.zero_states(B, xp)
         for lengths, past_lens in ((split, [0] * B), (more, split)):
@@ -703,13 +703,13 @@ class PromptGraphs(_MainGraphs):
             for name, a, b in zip(("logits", "conv states", "recurrent states"), replayed, reference):
                 if not bool((a == b).all()):
                     err = float(xp.abs(a.astype(np.float32) - b.astype(np.float32)).max())
-                    return (f"'s {name} differ from ORT's eager run of the same inputs (max error {err:g}) for "
+                    return (f"a replay's {name} differ from ORT's eager run of the same inputs (max error {err:g}) for "
                             f"rows {lengths} at past lengths {past_lens}")
             err = float(xp.abs(reference[0].astype(np.float32) - forward.astype(np.float32)).max())
             self.forward_error = max(self.forward_error, err)
             tolerance = self.forward_tolerance(forward.astype(np.float32))
             if not err <= tolerance:
-                return (f"'s logits lie {err:g} from the unpadded eager forward (more than {tolerance:g}) for "
+                return (f"a replay's logits lie {err:g} from the unpadded eager forward (more than {tolerance:g}) for "
                         f"rows {lengths} at past lengths {past_lens} in {shape.batch} slots of {shape.tokens} rows")
             past = StepStates(ids, reference[1], reference[2])
         return None

@@ -271,8 +271,8 @@ class Engine:
         self.prompt_graphs.capture_all(advice=advice)
         why = self.prompt_graphs.check(self.kv_pool.num_blocks)
         if why is not None:
-            logger.warning("engine: captured prompt steps are off: a replay %s; prompt steps run eagerly", why)
-            self.prompt_graphs, self.prompt_graphs_off = None, f"a replay {why}"
+            logger.warning("engine: captured prompt steps are off: %s; prompt steps run eagerly", why)
+            self.prompt_graphs, self.prompt_graphs_off = None, why
         else:
             logger.info("engine: captured prompt steps replay what ORT's eager run computes (start-up check; "
                         "against the unpadded eager forward the logits differ by %.3g at most)",
