@@ -224,8 +224,9 @@ class EngineConfig:
                                          "rows, no drafts: varlen graphs by padded batch, total rows and KV "
                                          "bucket) at start and replay them instead of ORT's eager run (~2.3 ms "
                                          "of host time a prompt step on the bundled model); start-up checks a "
-                                         "replay against ORT's eager run of the same inputs and keeps the eager "
-                                         "path if they differ. Off by default until measured on a GPU. On the "
+                                         "replay against ORT's eager run of the same inputs and the padded "
+                                         "logits against the unpadded forward, and keeps the eager path if "
+                                         "either differs. Off by default until measured on a GPU. On the "
                                          "CPU the same padded steps run eagerly (slower: for tests)")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "
                                                 "are read, so the GPU runs it while the host handles those "

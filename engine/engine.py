@@ -161,7 +161,7 @@ class Engine:
         num_snapshots = _num_snapshots(config, spec)
         # captured prompt steps pad with a request of their own: one scratch row past the residents'
         # (on the CPU their bindings run eagerly, padded the same way: what the tests exercise)
-        prompt_graphs = config.prompt_graphs and (graphs or self._stream is None)
+        prompt_graphs = config.prompt_graphs       # (validate: only with cuda_graphs; on the CPU bound, eager)
         scratch = 1 if prompt_graphs else 0
         self.state_bank = StateBank(spec, config.cache.max_resident_requests + scratch, self.xp, fused_replay=fused,
                                     num_snapshots=num_snapshots, scratch_rows=scratch)

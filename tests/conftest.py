@@ -39,18 +39,14 @@ def tiny_paged_export(tiny_checkpoint, tmp_path_factory):
 PORT_ENV = "MTPSERVE_TEST_HTTP_PORT"
 
 
-def _free_port() -> int:
-    from mtpserve.cluster.local_cluster import free_port
-    return free_port()
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """{"address": GCS address, "url": Serve's HTTP base URL}; reuses a Ray started earlier."""
     ray = pytest.importorskip("ray")
     from mtpserve.cluster import deploy
+    from mtpserve.cluster.local_cluster import free_port
     started = not ray.is_initialized()
-    port = int(os.environ.setdefault(PORT_ENV, str(_free_port())))
+    port = int(os.environ.setdefault(PORT_ENV, str(free_port())))
     if started:
         # the proxy answers requests whose replica died with OpenAI errors (the middleware)
         deploy.connect(num_cpus=4, quiet=True)

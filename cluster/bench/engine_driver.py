@@ -177,7 +177,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     draft_continuations0, dead0 = engine.num_draft_continuations, engine.num_dead_carried
     depths0 = dict(getattr(engine.draft_policy, "depths", {}))     # --draft-tokens auto's planned depths
     replays0 = engine.graphs.num_replays if engine.graphs is not None else 0
-    prompt_graphs = getattr(engine, "prompt_graphs", None)
+    prompt_graphs = engine.prompt_graphs
     prompt_replays0 = prompt_graphs.num_replays if prompt_graphs is not None else 0
     cache_stats = engine.prefix_cache.stats if engine.prefix_cache is not None else None
     hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
@@ -244,7 +244,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
              # prompt steps replayed from captured varlen graphs (--prompt-graphs; None: off)
              "prompt_graph_steps": prompt_graphs.num_replays - prompt_replays0 if prompt_graphs is not None else None,
-             "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None),
+             "prompt_graphs_off": engine.prompt_graphs_off,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
                         "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}

@@ -18,19 +18,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_process import start_serve  # noqa: E402
 
 from mtpserve.cluster.client import replica_statuses  # noqa: E402
+from mtpserve.cluster.local_cluster import free_port  # noqa: E402
 
 APP, KEY = "api-servers", "api-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    from mtpserve.cluster.local_cluster import free_port
-    return free_port()
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster, model_dir):
-    port = _free_port()
+    port = free_port()
     serve = start_serve(ray_cluster, model_dir, APP, "--direct-port", str(port), "--api-servers", "2",
                         "--engine-process", "on", "--num-threads", "1", "--api-key", KEY, "--shutdown-grace-s", "1")
     lines, deadline = [], time.monotonic() + 60
