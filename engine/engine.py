@@ -383,9 +383,8 @@ class Engine:
         self.scheduler.num_preemptions = 0
         if self.prefix_cache is not None:
             self.prefix_cache.stats = type(self.prefix_cache.stats)()
-        for graphs in (self.graphs, self.prompt_graphs, self.proposer.graphs if self.proposer is not None else None):
-            if graphs is not None:
-                graphs.num_replays = 0
+        for graphs in self.graph_sets().values():
+            graphs.num_replays = 0
         if self.graphs is not None:
             self.graphs.num_eager = self.graphs.num_device_drafts = self.graphs.num_steady = 0
         if self.prompt_graphs is not None:
@@ -408,6 +407,15 @@ class Engine:
     def device_context(self):
         """Context in which the engine's device work runs (its CUDA stream; nothing on the CPU)."""
         return self._stream if self._stream is not None else contextlib.nullcontext()
+
+    def graph_sets(self) -> dict:
+        """The graph sets this engine replays, by what they run: ``main`` (decode and verify
+        steps), ``head`` (the MTP head's drafting), ``prompt`` (prompt steps; on the CPU bound and
+        run eagerly); each has ``num_graphs``, ``capture_seconds``, ``memory_bytes`` and
+        ``num_replays``. Empty without CUDA graphs or prompt graphs."""
+        sets = {"main": self.graphs, "head": self.proposer.graphs if self.proposer is not None else None,
+                "prompt": self.prompt_graphs}
+        return {what: graphs for what, graphs in sets.items() if graphs is not None}
 
     def capture_memory_advice(self) -> str:
         """The settings that make this engine's captured graphs smaller, for the error a capture

@@ -112,11 +112,13 @@ def ready_engine(sweep: EngineSweep, k: int | str, workload: Workload, block_siz
                            max(workload.output_lens or [sweep.max_tokens]))
     started = time.perf_counter()
     engine = Engine(config)
-    g = engine.graphs
+    graphs = "; ".join(f"{what} {g.num_graphs} in {g.capture_seconds:.1f} s, {g.memory_bytes / 2**20:.0f} MiB"
+                       for what, g in engine.graph_sets().items())
     log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
-        f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident"
-        + (f"; {g.num_graphs} CUDA graphs captured in {g.capture_seconds:.1f} s, "
-           f"{g.memory_bytes / 2**20:.0f} MiB)" if g is not None else "; no CUDA graphs)"))
+        f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident; "
+        + (f"graphs: {graphs}" + ("" if engine.graphs is not None else " (bound on the CPU, run eagerly)")
+           if graphs else "no CUDA graphs")
+        + (f"; prompt graphs off: {engine.prompt_graphs_off}" if engine.prompt_graphs_off else "") + ")")
     if sweep.num_warmup_requests:
         n = min(sweep.num_warmup_requests, workload.num_requests)
         run_load(engine, sweep, workload.warmup(n), Load(concurrency=n), k, tag=f"warmup{k}",
@@ -247,7 +249,11 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "prompt_graphs_off": engine.prompt_graphs_off,
              "engine": {"num_blocks": engine.kv_pool.num_blocks,
                         "max_resident_requests": engine.config.cache.max_resident_requests,
-                        "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step}}
+                        "max_tokens_per_step": engine.config.scheduler.max_tokens_per_step,
+                        # each graph set's start-up: shapes, seconds, device MiB (prompt: bound on the CPU)
+                        "graphs": {what: {"count": g.num_graphs, "capture_s": round(g.capture_seconds, 3),
+                                          "mib": round(g.memory_bytes / 2**20, 1)}
+                                   for what, g in engine.graph_sets().items()}}}
     if timers is not None:
         extra["phases"] = timers.summary()
     depths = getattr(engine.draft_policy, "depths", None)

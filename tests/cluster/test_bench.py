@@ -195,6 +195,25 @@ def test_engine_mode_side_by_side(tiny_paged_export, tmp_path, capsys):
         assert "no plot: matplotlib is not installed" in out
 
 
+def test_prompt_graphs_run_every_prompt_step_and_report_their_start_up(tiny_paged_export, tmp_path, capsys):
+    """--prompt-graphs on the CPU binds the padded prompt steps (run eagerly): every prompt step
+    takes one, and the start-up line and JSON say how many shapes the set holds; without it the
+    engine reports no graph set at all."""
+    common = ["--model", str(tiny_paged_export), "--draft-tokens", "0", "--concurrency", "2", "--num-prompts", "4",
+              "--max-tokens", "4", "--warmup-requests", "1", "--no-plot"]
+    assert bench([*common, "--prompt-graphs", "on", "--results-dir", str(tmp_path / "on")]) == 0
+    log = capsys.readouterr().err
+    [run] = only_json(tmp_path / "on")["results"]
+    prompt = run["extra"]["engine"]["graphs"]["prompt"]
+    assert prompt["count"] > 0 and prompt["mib"] == 0.0          # (the CPU: bound, nothing on a device)
+    assert run["extra"]["prompt_graph_steps"] == run["extra"]["prompt_steps"] >= 2
+    assert f"graphs: prompt {prompt['count']} in " in log and "(bound on the CPU, run eagerly)" in log
+    assert bench([*common, "--results-dir", str(tmp_path / "off")]) == 0
+    assert "resident; no CUDA graphs)" in capsys.readouterr().err
+    [run] = only_json(tmp_path / "off")["results"]
+    assert run["extra"]["engine"]["graphs"] == {} and run["extra"]["prompt_graph_steps"] is None
+
+
 def test_each_load_gets_prompts_of_its_own_so_the_prefix_cache_cannot_answer_it(tiny_paged_export, tmp_path):
     """Random prompts are drawn anew for each load (and the warm-up): a load repeating the one
     before would be all prefix-cache hits, and its TTFT would measure the cache, not the load."""
