@@ -1138,13 +1138,34 @@ ev)          # session 34, second: host_ab with eager prompt steps against captu
 ew)          # session 34, fourth (if eu's start-up check passed): the 1.4 B model against og.Engine with captured prompt steps, K=0, C=1/8/32/64, fresh kernel cache: the issue's tokens/s and TTFT p99 goals (~400 s with the model's making)
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "1.4 B vs og.Engine, --prompt-graphs on, fresh kernel cache"
-  (fresh_cupy; timeout 420 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
-    --concurrency 1,8,32,64 --draft-tokens 0 --prompt-graphs on --compare ortgenai --name mid-prompt-graphs-vs-ortgenai) 2>&1 \
+  (fresh_cupy; timeout 420 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts ${EW_PROMPTS:-48} \
+    --concurrency 1,8,32,64 --draft-tokens 0 --prompt-graphs ${EW_PROMPT_GRAPHS:-on} --compare ortgenai --name mid-prompt-graphs-${EW_PROMPT_GRAPHS:-on}-vs-ortgenai) 2>&1 \
     | grep -v "prefill:\|Warning\|No registered" | tail -40 | cut -c1-400
-  python3 -c "import glob, json; d = json.load(open(sorted(glob.glob('$OUT/*mid-prompt-graphs-vs-ortgenai.json'))[-1])); \
-[print(r['label'], r['concurrency'], 'prompt steps', r['extra'].get('prompt_steps'), 'replayed', r['extra'].get('prompt_graph_steps'), \
+  python3 -c "import glob, json; d = json.load(open(sorted(glob.glob('$OUT/*mid-prompt-graphs-${EW_PROMPT_GRAPHS:-on}-vs-ortgenai.json'))[-1])); \
+[print(r['label'], r['concurrency'], 'prompt steps', r['extra'].get('prompt_steps'), 'replayed', r['extra'].get('prompt_graph_steps'), r['extra'].get('engine', {}).get('graphs'), \
 'off:', r['extra'].get('prompt_graphs_off')) for r in d['results'] if 'extra' in r]" 2>&1 | tail -8
   step done
+  ;;
+ey)          # session 35, after ew (run as separate calls that session): the bundled K=0 / K=2 at C=1 with captured prompt steps, 3 rounds; C=16 K=0 / 2 with --phases on; er's C=16 half alone (~190 s)
+  step "bench C=1, K=0 / 2, 3 rounds, --prompt-graphs on"
+  mkdir -p "$OUT/c1"
+  timeout 230 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/c1" --draft-tokens 0,2 --concurrency 1 \
+    --num-prompts 48 --max-tokens 128 --rounds 3 --prompt-graphs on 2>&1 | grep -E "speedup_vs_k0|^round|median|Error|K=. +C=1 " | cut -c1-220
+  step "bench C=16, K=0 / 2, --prompt-graphs on --phases on"
+  mkdir -p "$OUT/ph"
+  timeout 170 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/ph" --draft-tokens 0,2 --concurrency 16 \
+    --num-prompts 512 --max-tokens 128 --prompt-graphs on --phases on 2>&1 | grep -v "Warning\|No registered" | tail -45 | cut -c1-250
+  step "step_capture_probe.py --phases, C=16 (16 requests of 256 tokens)"
+  timeout 140 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases-c16.json" engine/bundled/model --phases 2>&1 \
+    | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
+  step done
+  ;;
+ez)          # session 35's next, first: ev (host_ab, eager against captured prompt steps, alternating in one checkout: is ex's 1.5x the prompt steps or the host), then the 1.4 B model against og.Engine with eager and with captured prompt steps, 128 prompts (C=64 full), each engine's start-up line (prompt graphs' shapes, seconds, MiB) (~330 + 2 x 250 s: two calls)
+  bash "$0" ev
+  ;;
+ez2)         # ez's second call: ew with 128 prompts, eager prompt steps then captured ones (the model made once)
+  EW_PROMPTS=128 EW_PROMPT_GRAPHS=off bash "$0" ew
+  EW_PROMPTS=128 EW_PROMPT_GRAPHS=on bash "$0" ew
   ;;
 ex)          # session 34 (if eu's start-up check passed): el with captured prompt steps, then el as it was, on one machine: the issue's bundled K=2 / K=0 >= 1.3x at C=16 in the bench (~250 s)
   step "bench, 3 rounds interleaved, --prompt-graphs on"
