@@ -1160,8 +1160,9 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
-ez)          # session 35's next, first: ev (host_ab, eager against captured prompt steps, alternating in one checkout: is ex's 1.5x the prompt steps or the host), then the 1.4 B model against og.Engine with eager and with captured prompt steps, 128 prompts (C=64 full), each engine's start-up line (prompt graphs' shapes, seconds, MiB) (~330 + 2 x 250 s: two calls)
+ez)          # session 35's next, first: ev (host_ab, eager against captured prompt steps alternating in one checkout: is ex's 1.5x the prompt steps or the host), then et with its new timings (the varlen step's GPU time with a tight max_query_len, the engine's eager path) (~400 s); ez2 second (~450 s)
   bash "$0" ev
+  bash "$0" et
   ;;
 ez2)         # ez's second call: ew with 128 prompts, eager prompt steps then captured ones (the model made once)
   EW_PROMPTS=128 EW_PROMPT_GRAPHS=off bash "$0" ew
