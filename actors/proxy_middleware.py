@@ -19,7 +19,13 @@ A streamed request whose response has not started within ``stream_start_timeout_
 a replica starts a stream's response as soon as it has taken the request (before its first
 token), so such a request is waiting on a replica that stopped, or in the proxy's queue with
 every replica full. (Twice in CI a request routed to a replica 0.1 s before its node was marked
-dead got no answer from Serve at all; the test gave up after 120 s.) Whether a request streams
+dead got no answer from Serve at all; the test gave up after 120 s. A third time, with this
+limit in place, two such requests still hung: the 503 waited for the cancelled request to
+unwind, and Serve's proxy catches a cancel (``send_request_to_replica`` takes any exception for
+a response status; a cancel is a client that left, 499, answered with nothing) and goes on to its
+cleanup, where a shielded wait on the lost replica's router can hold it; which wait held those
+two was not caught. The 503 now goes out ``CANCEL_GRACE_S`` after the cancel at the latest, and
+whatever the proxy sends after it is dropped.) Whether a request streams
 is read from the body the prompt-head middleware parses (bodies up to ``MAX_HEAD_BODY_BYTES``).
 
 ``ViaProxyMiddleware`` marks the generation requests it forwards, so their replica paces the
@@ -54,6 +60,7 @@ PROXY_CALLBACK = "mtpserve.actors.proxy_middleware:middlewares"
 MAX_HEAD_BODY_BYTES = 1 << 20       # bodies the prompt-head middleware reads (larger ones: routed by load)
 STREAM_START_TIMEOUT_ENV = "MTPSERVE_STREAM_START_TIMEOUT_S"
 DEFAULT_STREAM_START_TIMEOUT_S = 30.0
+CANCEL_GRACE_S = 1.0                # how long a cancelled request may take to unwind before the 503 goes out
 STATE_KEY = "mtpserve.response"     # scope entry: the replica-loss middleware's record of the response
 REPLICA_LOST = ("the replica serving this request stopped before it finished; "
                 "other replicas are unaffected, retry the request")
@@ -124,10 +131,12 @@ class ReplicaLossMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope.get("path", "").endswith("/completions"):
             return await self.app(scope, receive, send)
-        state = {"sse": False, "ended": False, "stream": False}
+        state = {"sse": False, "ended": False, "stream": False, "answered": False}
         started = asyncio.Event()             # the response started
 
         async def watch(message):
+            if state["answered"]:             # this middleware answered for the app: drop what it sends
+                return
             if message["type"] == "http.response.start":
                 started.set()
                 headers = dict(message.get("headers") or ())
@@ -156,11 +165,13 @@ class ReplicaLossMiddleware:
         try:
             await asyncio.wait({task, waiter}, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if not task.done() and not started.is_set() and state["stream"]:   # (state: marked by the prompt-head one)
+                state["answered"] = True
                 task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):      # (whatever it raises as it unwinds)
-                    pass
+                # Serve's proxy catches the cancel and may then wait on the lost replica in a
+                # shielded cleanup: the client is answered after a short grace (anything the
+                # proxy sends from now on is dropped by watch), and the task unwinds on its own
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+                task.add_done_callback(_retrieve)
                 return False
             await task
             return True
@@ -169,6 +180,12 @@ class ReplicaLossMiddleware:
             raise
         finally:
             waiter.cancel()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """(A cancelled app task's outcome, read so that asyncio does not log it as never retrieved.)"""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _send_error(send, err: APIError) -> None:

@@ -90,6 +90,33 @@ def test_a_stream_no_replica_starts_gets_a_retryable_503_within_the_limit_and_is
     assert app.cancelled, "the request was left waiting in the proxy"
 
 
+class SwallowsCancel:
+    """A proxy app in the role of Serve's proxy on a lost replica: it catches the cancel (as its
+    ``send_request_to_replica`` catches any exception), answers it (Serve 2.60 sends nothing for
+    a cancel; another version's answer must not reach the client either), and then waits in a
+    shielded cleanup that the lost replica never finishes."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    async def __call__(self, scope, receive, send):
+        await receive()
+        try:
+            await asyncio.sleep(3600)
+        except BaseException:
+            self.cancelled = True
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"Internal Server Error"})
+            await asyncio.shield(asyncio.sleep(3600))
+
+
+def test_a_stream_the_proxy_cannot_unwind_still_gets_the_503_and_not_the_proxys_500():
+    app = SwallowsCancel()
+    status, _, body, seconds = _call(_chain(app, 0.3), {"model": "m", "prompt": "hi", "stream": True})
+    assert status == 503 and json.loads(body)["error"]["code"] == "replica_unavailable"
+    assert app.cancelled and 0.3 <= seconds < 3.0
+
+
 def test_requests_that_start_late_or_do_not_stream_run_to_their_end():
     # a stream that starts inside the limit runs past it; a request without a stream starts only
     # when it is done (a long generation), so the limit does not apply to it
