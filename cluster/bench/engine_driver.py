@@ -113,11 +113,11 @@ def ready_engine(sweep: EngineSweep, k: int | str, workload: Workload, block_siz
     started = time.perf_counter()
     engine = Engine(config)
     graphs = "; ".join(f"{what} {g.num_graphs} in {g.capture_seconds:.1f} s, {g.memory_bytes / 2**20:.0f} MiB"
+                       + ("" if g.on_device else " (bound on the CPU, run eagerly)")
                        for what, g in engine.graph_sets().items())
     log(f"mtpserve K={k}: engine ready in {time.perf_counter() - started:.1f} s "
         f"({engine.kv_pool.num_blocks} blocks, {config.cache.max_resident_requests} resident; "
-        + (f"graphs: {graphs}" + ("" if engine.graphs is not None else " (bound on the CPU, run eagerly)")
-           if graphs else "no CUDA graphs")
+        + (f"graphs: {graphs}" if graphs else "no CUDA graphs")
         + (f"; prompt graphs off: {engine.prompt_graphs_off}" if engine.prompt_graphs_off else "") + ")")
     if sweep.num_warmup_requests:
         n = min(sweep.num_warmup_requests, workload.num_requests)

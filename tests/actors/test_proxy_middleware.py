@@ -50,10 +50,14 @@ def _call(app, body: dict, path: str = "/v1/completions"):
 
 
 class Never:
-    """A proxy app routed to a replica that never answers (its node died unannounced)."""
+    """A proxy app routed to a replica that never answers (its node died unannounced).
+    ``swallows``: in the role of Serve's proxy on a lost replica, it catches the cancel (as its
+    ``send_request_to_replica`` catches any exception), answers it (Serve 2.60 sends nothing for
+    a cancel; another version's answer must not reach the client either), and then waits in a
+    shielded cleanup that the lost replica never finishes."""
 
-    def __init__(self):
-        self.cancelled = False
+    def __init__(self, swallows: bool = False):
+        self.swallows, self.cancelled = swallows, False
 
     async def __call__(self, scope, receive, send):
         await receive()
@@ -61,7 +65,11 @@ class Never:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             self.cancelled = True
-            raise
+            if not self.swallows:
+                raise
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"Internal Server Error"})
+            await asyncio.shield(asyncio.sleep(3600))
 
 
 def answering(after_s: float, stream: bool):
@@ -90,28 +98,8 @@ def test_a_stream_no_replica_starts_gets_a_retryable_503_within_the_limit_and_is
     assert app.cancelled, "the request was left waiting in the proxy"
 
 
-class SwallowsCancel:
-    """A proxy app in the role of Serve's proxy on a lost replica: it catches the cancel (as its
-    ``send_request_to_replica`` catches any exception), answers it (Serve 2.60 sends nothing for
-    a cancel; another version's answer must not reach the client either), and then waits in a
-    shielded cleanup that the lost replica never finishes."""
-
-    def __init__(self):
-        self.cancelled = False
-
-    async def __call__(self, scope, receive, send):
-        await receive()
-        try:
-            await asyncio.sleep(3600)
-        except BaseException:
-            self.cancelled = True
-            await send({"type": "http.response.start", "status": 500, "headers": []})
-            await send({"type": "http.response.body", "body": b"Internal Server Error"})
-            await asyncio.shield(asyncio.sleep(3600))
-
-
 def test_a_stream_the_proxy_cannot_unwind_still_gets_the_503_and_not_the_proxys_500():
-    app = SwallowsCancel()
+    app = Never(swallows=True)
     status, _, body, seconds = _call(_chain(app, 0.3), {"model": "m", "prompt": "hi", "stream": True})
     assert status == 503 and json.loads(body)["error"]["code"] == "replica_unavailable"
     assert app.cancelled and 0.3 <= seconds < 3.0
