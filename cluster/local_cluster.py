@@ -51,17 +51,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-RAY_WORKER_PORTS = range(10002, 20000)     # Ray's default --min/--max-worker-port
+RAY_WORKER_PORTS = range(10002, 20000)     # Ray's default --min/--max-worker-port (another Ray's workers)
+MAX_NODES = 8
+WORKER_PORTS_PER_START, STARTS_PER_NODE = 200, 5
+# each node's workers get ports of their own, fresh for each of its last 5 starts:
+#   node i, start s: [20000 + 1000 i + 200 (s % 5), ... + 199]        (i < MAX_NODES)
+NODE_WORKER_PORTS = range(RAY_WORKER_PORTS.stop,
+                          RAY_WORKER_PORTS.stop + MAX_NODES * STARTS_PER_NODE * WORKER_PORTS_PER_START)
+
+
+def node_worker_ports(index: int, start: int) -> range:
+    """The --min/--max-worker-port range of node ``index``'s ``start``-th start (see above)."""
+    lo = NODE_WORKER_PORTS.start + WORKER_PORTS_PER_START * (STARTS_PER_NODE * index + start % STARTS_PER_NODE)
+    return range(lo, lo + WORKER_PORTS_PER_START)
 
 
 def _quiet_ports() -> range:
     """Ports no process is handed by the OS on its own: below the ephemeral range (where every
-    ``bind(0)`` and outgoing connection draws its port) and above Ray's worker ports."""
+    ``bind(0)`` and outgoing connection draws its port) and above every worker port, Ray's default
+    ones and our nodes' (CI once had a node's agent drawn a port inside its own worker range, and
+    `ray start` refused it)."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return range(0)
-    return range(RAY_WORKER_PORTS.stop + 1, low)
+    return range(NODE_WORKER_PORTS.stop, low)
 
 
 def free_ports(n: int, host: str = "127.0.0.1", avoid=()) -> list[int]:
@@ -135,6 +149,9 @@ class LocalCluster:
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self):
+        if not 0 <= self.num_workers < MAX_NODES:
+            raise ValueError(f"a local cluster has 1 to {MAX_NODES} nodes (a head and up to {MAX_NODES - 1} "
+                             f"workers); got {self.num_workers} workers")
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.temp_dir = self.workdir / "ray"       # Ray's socket paths must stay short: keep workdir short
@@ -234,8 +251,8 @@ class LocalCluster:
                 cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
         else:
             cmd += [f"--address={self.address}"]
-        lo = 20000 + 2000 * index + 200 * (node.starts % 5)     # worker ports of its own, fresh per start
-        cmd += [f"--min-worker-port={lo}", f"--max-worker-port={lo + 199}"]
+        workers = node_worker_ports(index, node.starts)
+        cmd += [f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}"]
         node.log_path = self.workdir / f"node{index}-{node.starts}.log"
         node.starts += 1
         with open(node.log_path, "w") as log:

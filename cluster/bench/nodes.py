@@ -50,7 +50,7 @@ from pathlib import Path
 
 from mtpserve.cluster.bench.http_driver import SSE_END, sse_objects
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS
-from mtpserve.cluster.local_cluster import REPLICA_RESOURCE, LocalCluster, die_with_parent
+from mtpserve.cluster.local_cluster import MAX_NODES, REPLICA_RESOURCE, LocalCluster, die_with_parent
 
 APP_NAME = "mtpserve"
 REPLICA_HEADER = "x-mtpserve-replica"
@@ -190,8 +190,9 @@ def reference_outputs(model: str, prompts: list[str], max_tokens: int) -> list[l
 
 def run_nodes(args, log) -> dict:
     """The whole run (see the module docstring); returns its figures."""
-    if args.nodes < 3:
-        raise ValueError("--nodes N needs N >= 3: a head and at least two worker nodes, one replica each")
+    if not 3 <= args.nodes <= MAX_NODES:
+        raise ValueError(f"--nodes N needs 3 <= N <= {MAX_NODES}: a head and at least two worker nodes, one "
+                         f"replica each (each node's worker ports are a block of their own)")
     prompts = [p for p in BUNDLED_PROMPTS if p.strip()][:6]
     started = time.perf_counter()
     reference = reference_outputs(args.model, prompts, args.max_tokens)

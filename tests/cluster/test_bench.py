@@ -398,6 +398,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "--prefix-routing" in capsys.readouterr().err
     assert bench(["--nodes", "2", "--results-dir", str(tmp_path)]) == 2       # no cluster is started for it
     assert "a head and at least two worker nodes" in capsys.readouterr().err
+    assert bench(["--nodes", "9", "--results-dir", str(tmp_path)]) == 2
+    assert "3 <= N <= 8" in capsys.readouterr().err
     assert bench(["--nodes", "3", "--replicas", "2", "--results-dir", str(tmp_path)]) == 2
     assert "starts its own cluster" in capsys.readouterr().err
     assert bench(["--direct-ingress", "--replicas", "0,2", "--results-dir", str(tmp_path)]) == 2

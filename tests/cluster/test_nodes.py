@@ -86,12 +86,13 @@ def test_three_nodes_route_across_proxies_and_survive_a_lost_worker_node(tmp_pat
         assert replica["num_free_rows"] == replica["num_rows"]
 
 
-def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies(tmp_path):
+def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies_and_worker_ports(tmp_path):
     """Every component of every node gets a port of its own: one at a time the OS handed a node's
-    node manager and runtime-env agent the same port once, and `ray start` refused to start."""
-    from mtpserve.cluster.local_cluster import NODE_PORTS, LocalCluster, free_ports
+    node manager and runtime-env agent the same port once, and CI once had a node's agent drawn
+    a port inside its own worker-port range; both times `ray start` refused to start."""
+    from mtpserve.cluster.local_cluster import NODE_PORTS, RAY_WORKER_PORTS, STARTS_PER_NODE, LocalCluster, free_ports, node_worker_ports
 
-    avoid = set(range(20000, 31000))
+    avoid = set(range(29000, 31000))
     ports = free_ports(200, avoid=avoid)
     assert len(set(ports)) == 200 and not set(ports) & avoid
     # below the OS's ephemeral ports: one from bind(0) can go to another socket before it is bound
@@ -105,8 +106,16 @@ def test_a_local_clusters_ports_are_distinct_and_clear_of_the_proxies(tmp_path):
         head = [p for p in head if p is not None]
         proxies = {n.http_port for n in cluster.nodes}
         assert len(set(head)) == len(head) and not set(head) & proxies
+        workers = set(RAY_WORKER_PORTS).union(*(node_worker_ports(n.index, s) for n in cluster.nodes
+                                                for s in range(STARTS_PER_NODE)))
+        assert not set(head) & workers and not proxies & workers
         for node in cluster.nodes:
             assert len(set(node.ports.values())) == len(NODE_PORTS) and not set(node.ports.values()) & proxies
+            assert not set(node.ports.values()) & workers, (node.index, node.ports)
+    ranges = [node_worker_ports(i, s) for i in range(8) for s in range(STARTS_PER_NODE)]
+    assert sum(map(len, ranges)) == len(set().union(*ranges)), "two starts share worker ports"
+    with pytest.raises(ValueError, match="1 to 8 nodes"):
+        LocalCluster(num_workers=8, workdir=tmp_path / "d")
 
 
 def test_a_worker_node_that_does_not_come_up_is_started_once_more(tmp_path, monkeypatch):
