@@ -8,6 +8,7 @@ is the fallback.
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def _byte_of_char() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_of_char()
+_TO_LATIN1 = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}     # str.translate: each character -> its byte's code point
 
 
 class Tokenizer:
@@ -87,6 +89,7 @@ class Tokenizer:
         # entry): a text longer than context x this cannot fit, whatever its tokens (a cheap check
         # before tokenizing a huge prompt)
         self.max_bytes_per_token = 4 * max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self._decoding_bytes: list[bytes] | None = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -111,6 +114,29 @@ class Tokenizer:
                 pass
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def decoding_bytes(self) -> list[bytes] | None:
+        """For a tokenizer whose decoder is byte-level alone (Qwen's): each token id's bytes as
+        decoding with special tokens skipped sees them (``b""`` for a special token), so that a
+        sequence's text is its tokens' bytes joined and read as UTF-8, an invalid sequence as
+        U+FFFD (what the ``tokenizers`` library's byte-level decoder does). None for any other
+        decoder. Made on first use (~0.1 s for a 250k vocabulary), then shared."""
+        if not self._byte_level:
+            return None
+        if self._decoding_bytes is None:
+            table = [b""] * self.vocab_size
+            for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if i >= self.vocab_size:
+                    continue
+                try:           # a byte-level entry: each character stands for one byte
+                    table[i] = piece.translate(_TO_LATIN1).encode("latin-1")
+                except UnicodeEncodeError:    # a character outside the byte alphabet: the text as it is
+                    table[i] = piece.encode("utf-8")
+            for i, added in self._tok.get_added_tokens_decoder().items():
+                if added.special and i < self.vocab_size:
+                    table[i] = b""
+            self._decoding_bytes = table
+        return self._decoding_bytes
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Render OpenAI-style messages [{"role", "content", "tool_calls"?, "tool_call_id"?}] into the
@@ -126,24 +152,54 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas: tokenizers' ``DecodeStream`` (Rust),
-    fed each new token once. It holds back the bytes of a multi-byte character split across
-    tokens until the character is whole, and decodes only a short window, so each update costs
-    O(new tokens), not O(output length).
+    """Turns a growing list of token ids into text deltas, each update costing O(new tokens), not
+    O(output length); text that ends in U+FFFD (a multi-byte character split across tokens, or
+    an invalid byte sequence) is held back until a later token makes the text end otherwise,
+    as tokenizers' ``DecodeStream`` does (special tokens skipped).
+
+    A byte-level tokenizer (``Tokenizer.decoding_bytes``) decodes each step's tokens' bytes
+    with Python's incremental UTF-8 decoder: ~2.5x faster than ``DecodeStream``'s call a token
+    (the detokenizer runs for every request of every step: ~40 us a step at 16 requests and
+    2.4 tokens each, on this repo's 2-core host). Any other tokenizer goes through
+    ``DecodeStream`` (Rust), fed each new token once.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._bytes = tokenizer.decoding_bytes()
+        if self._bytes is None:
+            self._stream = DecodeStream(skip_special_tokens=True)
+        else:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = ""
         self.text = ""
 
     def add(self, new_token_ids) -> str:
         """Feed the tokens generated since the last call; the text they complete."""
-        step, tok = self._stream.step, self._tokenizer._tok
-        delta = ""
-        for t in new_token_ids:
-            piece = step(tok, t)
-            if piece:
-                delta += piece
+        table = self._bytes
+        if table is None:
+            step, tok = self._stream.step, self._tokenizer._tok
+            delta = ""
+            for t in new_token_ids:
+                piece = step(tok, t)
+                if piece:
+                    delta += piece
+        else:
+            n = len(table)         # (an id past the tokenizer's vocabulary, which a model's may pad: no text)
+            pieces = [table[t] if t < n else b"" for t in new_token_ids]
+            data = b"".join(pieces)
+            pending = self._utf8.getstate
+            if not self._held and data.isascii() and not pending()[0]:
+                delta = data.decode("ascii")         # (most steps: every token's text goes out)
+            else:
+                # DecodeStream's rule, token by token: the text so far goes out when it grew and
+                # does not end in U+FFFD, which its lossy decoding also puts for incomplete bytes
+                decode, held, delta = self._utf8.decode, self._held, ""
+                for piece in pieces:
+                    held += decode(piece)
+                    if held and not held.endswith("\ufffd") and not pending()[0]:
+                        delta += held
+                        held = ""
+                self._held = held
         self.text += delta
         return delta
