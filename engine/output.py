@@ -19,6 +19,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        tokenizer.decoding_bytes()         # its table made at start, not on the first request
 
     def start(self, req: Request) -> None:
         """Give a new request its detokenizer."""
