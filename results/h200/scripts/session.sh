@@ -1160,6 +1160,10 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fa)          # session 36: the byte-level detokenizer (landing a step) against the one before it: .base/ = e038028 (`git archive e038028 engine | tar -x -C .base` less engine/bundled/model, carried) against this head, host_ab 3 rounds alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves (~330 s)
+  host_ab_rounds 3
+  step done
+  ;;
 ez)          # session 35's next, first: ev (host_ab, eager against captured prompt steps alternating in one checkout: is ex's 1.5x the prompt steps or the host), then et with its new timings (the varlen step's GPU time with a tight max_query_len, the engine's eager path) (~400 s); ez2 second (~450 s)
   bash "$0" ev
   bash "$0" et
