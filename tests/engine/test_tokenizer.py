@@ -63,8 +63,8 @@ def test_streamed_deltas_are_decodestreams_for_any_tokens_fed_in_any_groups(tok)
 def test_a_token_whose_bytes_end_inside_a_character_holds_its_text_as_decodestream_does(tmp_path):
     """Byte-level BPE merges bytes across characters: a token can be "A" and the first byte of
     "é". DecodeStream holds "A" back until the character is whole; so does the detokenizer."""
+    from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models
     from tokenizers.decoders import DecodeStream
 
     from mtpserve.engine.tokenizer import _BYTE_OF_CHAR
@@ -74,14 +74,15 @@ def test_a_token_whose_bytes_end_inside_a_character_holds_its_text_as_decodestre
     vocab["A" + char_of[0xC3]] = 256                    # b"A\xc3": "A" and the lead byte of "é" (c3 a9)
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     hf.decoder = decoders.ByteLevel()
+    hf.add_tokens([AddedToken("<x\xady>", special=False)])    # U+00AD is no byte's character: its text as it is
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer(tmp_path)
     assert tok.decoding_bytes()[256] == b"A\xc3"
-    ids = [ord("x"), 256, 0xA9, ord("!"), 256, ord("y")]       # x, A + lead, tail -> é, !, A + lead, y (lead invalid)
+    ids = [ord("x"), 256, 0xA9, ord("!"), 256, ord("y"), 257]   # x, A + lead, tail -> é, !, A + lead, y (lead invalid)
     ref, d = DecodeStream(skip_special_tokens=True), IncrementalDetokenizer(tok)
     for group in ([ids[0]], [ids[1]], ids[2:4], ids[4:]):
         assert d.add(group) == "".join(piece for t in group if (piece := ref.step(hf, t))), group
-    assert d.text == "xAé!A\ufffdy"
+    assert d.text == "xAé!A\ufffdy<x\xady>"
 
 
 def test_chat_template_renders_chatml_with_a_generation_prompt(tok):
