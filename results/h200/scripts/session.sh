@@ -1160,6 +1160,15 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fb)          # session 36: the C=16 floors on one machine: every captured graph's GPU time (K=0's decode and K=2's verify and head replays at B=1 and 16, step_costs.py), then er's C=16 half (a steady K=2 step's GPU time by part at the bench's KV lengths) (~250 s)
+  step "step costs, bundled, B=1 / 16"
+  timeout 200 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \
+    --batches 1,16 --no-profile 2>&1 | grep -v Warning | tee "$OUT/step-costs-bundled.txt" | head -40
+  step "step_capture_probe.py --phases, C=16 (16 requests of 256 tokens)"
+  timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-capture-phases-c16.json" engine/bundled/model --phases 2>&1 \
+    | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
+  step done
+  ;;
 fa)          # session 36: the byte-level detokenizer (landing a step) against the one before it: .base/ = e038028 (`git archive e038028 engine | tar -x -C .base` less engine/bundled/model, carried) against this head, host_ab 3 rounds alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves (~330 s)
   host_ab_rounds 3
   step done
