@@ -1160,6 +1160,15 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fc)          # session 36: can a recorded whole steady K=2 step be launched again for later steps (step_capture_probe.py --replay: each steady continuation recorded, its host side run for real; an earlier recording of the same key launched instead), C=16 then C=1: tokens against an engine that never recorded, integrity (~200 s)
+  step "step_capture_probe.py --replay, C=16 (16 requests of 256 tokens)"
+  timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-replay-c16.json" engine/bundled/model --replay 2>&1 \
+    | grep -v "Warning\|No registered" | tail -30 | cut -c1-900
+  step "the same at C=1 (1 request of 512 tokens)"
+  timeout 150 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-replay-c1.json" engine/bundled/model --replay \
+    --requests 1 --tokens 512 2>&1 | grep -v "Warning\|No registered" | tail -30 | cut -c1-900
+  step done
+  ;;
 fb)          # session 36: the C=16 floors on one machine: every captured graph's GPU time (K=0's decode and K=2's verify and head replays at B=1 and 16, step_costs.py), then er's C=16 half (a steady K=2 step's GPU time by part at the bench's KV lengths) (~250 s)
   step "step costs, bundled, B=1 / 16"
   timeout 200 python3 results/h200/scripts/step_costs.py engine/bundled/model "$OUT/step-costs-bundled.json" \

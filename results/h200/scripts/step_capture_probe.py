@@ -28,9 +28,17 @@ behind a spin kernel on the stream, so its events time the GPU's work alone (the
 the whole step before the GPU reaches it), and a recording is uploaded before its timed launch:
 the GPU time of the step as launched today against as one graph, and a warm launch's host us.
 
-It does not replay a graph twice: a real engine would re-stage the inputs between replays (the
-design in results/h200/README.md, session 32); this asks only whether a step can be one graph and
-what one launch then costs.
+``--replay`` (session 36, not yet run) asks the next question: can one recording be launched
+again for a later steady continuation, its host staging done anew? Every steady continuation
+after the first 16 is then recorded (ORT's runs eager, as above) under a CuPy memory pool of its
+own, keyed by the graphs ORT ran in it and by what alternates step to step (row 0's state bank,
+the readback's pinned slot, the commit's pinned index block); when the key has a recording
+already, this one (whose recording ran the host's side: staging into the pinned blocks, lengths,
+the engine's bookkeeping) is dropped and the earlier recording is launched instead. Exact tokens
+and a clean integrity check over many such launches say a whole-step graph can be replayed step
+after step with the engine's buffers as they are (what alternates kept apart); a difference says
+something a step reads moved (a table upload made only when a table changed, a temporary of
+CuPy's pool, an address of ORT's arena).
 """
 from __future__ import annotations
 
@@ -197,6 +205,8 @@ def _probe_launches(engine: Engine, probe: dict) -> None:
         if not steady:
             return usual(plan, after)
         probe["eligible"] += 1
+        if probe.get("replay") and probe["eligible"] > 16:
+            return _record_or_replay(engine, usual, plan, after, probe)
         start, end = cp.cuda.Event(), cp.cuda.Event()
         record = probe["eligible"] > 16 and probe["eligible"] % 8 == 0 and len(probe["attempts"]) < probe["captures"]
         if not record:
@@ -262,6 +272,63 @@ def _probe_launches(engine: Engine, probe: dict) -> None:
     engine._launch_drafting = launch
 
 
+def _replay_key(engine: Engine) -> tuple:
+    """What alternates from one steady continuation to the next (each flips once a step)."""
+    commit = engine.state_bank.fused_replay
+    return (int(engine.state_bank._active[0]), engine._readback._next, getattr(commit, "_turn", None))
+
+
+def _record_or_replay(engine: Engine, usual, plan, after, probe: dict):
+    """``--replay``: record this steady continuation (its host side runs for real); launch the
+    recording of an earlier one with the same key instead when there is one (see the docstring)."""
+    stream = engine._stream
+    recordings = probe.setdefault("recordings", {})
+    ran = []
+    saved = cuda_graphs._GraphSet._replay
+    eager = eager_options()
+
+    def eager_replay(self, graph):
+        ran.append(id(graph))
+        self.session.run_with_iobinding(graph.binding.io, eager)
+        self.num_replays += 1
+    pre = _replay_key(engine)
+    stream.synchronize()
+    events = _swap_events(engine)
+    pool = cp.cuda.MemoryPool()        # the step's temporaries: kept for the probe's life (a recording's for its graph's)
+    probe.setdefault("pools", []).append(pool)
+    cuda_graphs._GraphSet._replay = eager_replay
+    t0 = time.perf_counter()
+    try:
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                flight = usual(plan, after)
+            finally:
+                graph = stream.end_capture()
+    finally:
+        cuda_graphs._GraphSet._replay = saved
+    host_us = (time.perf_counter() - t0) * 1e6
+    key = (pre, tuple(plan.request_ids), tuple(ran))
+    earlier = recordings.get(key)
+    if earlier is None:
+        recordings[key] = (graph, pool)
+        probe["recorded"] = probe.get("recorded", 0) + 1
+        if hasattr(graph, "upload"):
+            graph.upload(stream)
+        launched = graph
+    else:
+        probe["replayed"] = probe.get("replayed", 0) + 1
+        launched = earlier[0]
+    t1 = time.perf_counter()
+    launched.launch(stream)
+    probe.setdefault("launch_host_us", []).append((time.perf_counter() - t1) * 1e6)
+    probe.setdefault("record_host_us", []).append(host_us)
+    stream.synchronize()
+    _restore(events)
+    probe["keys"] = len(recordings)
+    return flight
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -272,11 +339,14 @@ def main() -> None:
     p.add_argument("--phases", action="store_true",
                    help="every other usual launch split into its parts' GPU time (events between them)")
     p.add_argument("--spin-ms", type=float, default=3.0, help="a GPU spin before each timed launch (0: none)")
+    p.add_argument("--replay", action="store_true",
+                   help="launch an earlier recording again for each steady continuation with its key (docstring)")
     args = p.parse_args()
     prompts = text_workload(BUNDLED_PROMPTS, _tokenizer(args.model_dir), args.requests).prompt_ids
     result: dict = {"requests": args.requests, "tokens": args.tokens, "spin_ms": args.spin_ms}
     reference = run(args.model_dir, prompts, args.tokens, None)
-    probe = {"captures": args.captures, "requests": args.requests, "spin_ms": args.spin_ms, "phases": args.phases}
+    probe = {"captures": args.captures, "requests": args.requests, "spin_ms": args.spin_ms, "phases": args.phases,
+             "replay": args.replay}
     try:
         probed = run(args.model_dir, prompts, args.tokens, probe)
     except Exception as e:         # noqa: BLE001 - a failed capture ends the probed run
@@ -284,6 +354,8 @@ def main() -> None:
         result["probed_run_error"] = f"{type(e).__name__}: {e}"[:1500]
     for a in probe.get("attempts", []):
         a.pop("graph", None)
+    probe.pop("recordings", None)
+    probe.pop("pools", None)
     split = probe.get("phase_split")
     if split is not None:
         result["phase_gpu_us_median"] = {k: _median(v) for k, v in split.phase_us.items()}
@@ -295,6 +367,10 @@ def main() -> None:
         usual_host_us_median=_median(probe.get("usual_host_us")), usual_gpu_us_median=_median(probe.get("usual_gpu_us")),
         graph_launch_host_us=[round(x, 1) for x in probe.get("graph_launch_host_us", [])],
         graph_gpu_us=[round(x, 1) for x in probe.get("graph_gpu_us", [])])
+    if args.replay:
+        result.update(recorded=probe.get("recorded", 0), replayed=probe.get("replayed", 0), keys=probe.get("keys"),
+                      record_host_us_median=_median(probe.get("record_host_us")),
+                      launch_host_us_median=_median(probe.get("launch_host_us")))
     print(json.dumps({k: v for k, v in result.items() if k != "attempts"}, indent=1))
     for a in result["attempts"] or []:
         print(json.dumps({k: v for k, v in a.items() if k != "trace"})[:1500])
