@@ -31,8 +31,9 @@ the GPU time of the step as launched today against as one graph, and a warm laun
 ``--replay`` (session 36, not yet run) asks the next question: can one recording be launched
 again for a later steady continuation, its host staging done anew? Every steady continuation
 after the first 16 is then recorded (ORT's runs eager, as above) under a CuPy memory pool of its
-own, keyed by the graphs ORT ran in it and by what alternates step to step (row 0's state bank,
-the readback's pinned slot, the commit's pinned index block); when the key has a recording
+own, keyed by the graphs ORT ran in it, the staging copies it made (a block table's only when
+one changed) and by what alternates step to step (row 0's state bank, the readback's pinned
+slot, the commit's pinned index block); when the key has a recording
 already, this one (whose recording ran the host's side: staging into the pinned blocks, lengths,
 the engine's bookkeeping) is dropped and the earlier recording is launched instead. Exact tokens
 and a clean integrity check over many such launches say a whole-step graph can be replayed step
@@ -291,12 +292,18 @@ def _record_or_replay(engine: Engine, usual, plan, after, probe: dict):
         ran.append(id(graph))
         self.session.run_with_iobinding(graph.binding.io, eager)
         self.num_replays += 1
+    upload = cuda_graphs._StaticInputs.upload
+
+    def recorded_upload(inputs, name=None):      # which copies this step makes (a table only when one changed)
+        ran.append((id(inputs), name))
+        upload(inputs, name)
     pre = _replay_key(engine)
     stream.synchronize()
     events = _swap_events(engine)
     pool = cp.cuda.MemoryPool()        # the step's temporaries: kept for the probe's life (a recording's for its graph's)
     probe.setdefault("pools", []).append(pool)
     cuda_graphs._GraphSet._replay = eager_replay
+    cuda_graphs._StaticInputs.upload = recorded_upload
     t0 = time.perf_counter()
     try:
         with cp.cuda.using_allocator(pool.malloc):
@@ -307,6 +314,7 @@ def _record_or_replay(engine: Engine, usual, plan, after, probe: dict):
                 graph = stream.end_capture()
     finally:
         cuda_graphs._GraphSet._replay = saved
+        cuda_graphs._StaticInputs.upload = upload
     host_us = (time.perf_counter() - t0) * 1e6
     key = (pre, tuple(plan.request_ids), tuple(ran))
     earlier = recordings.get(key)
