@@ -58,8 +58,9 @@ def _byte_of_char() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_of_char()
-_TO_LATIN1 = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}     # str.translate: each character -> its byte's code point
-_NOT_IN_ALPHABET = {ord(c): None for c in _BYTE_OF_CHAR}        # str.translate: what is left is outside the alphabet
+# str.translate: each alphabet character -> its byte's code point, and a character below 256 that
+# is not in the alphabet -> U+FFFF, so that latin-1 refuses every piece with a character outside it
+_TO_LATIN1 = {**{o: "\uffff" for o in range(256)}, **{ord(c): b for c, b in _BYTE_OF_CHAR.items()}}
 
 
 class Tokenizer:
@@ -120,7 +121,7 @@ class Tokenizer:
         decoding with special tokens skipped sees them (``b""`` for a special token), so that a
         sequence's text is its tokens' bytes joined and read as UTF-8, an invalid sequence as
         U+FFFD (what the ``tokenizers`` library's byte-level decoder does). None for any other
-        decoder. Made once (~0.3 s for a 250k vocabulary), then shared."""
+        decoder. Made once (0.8 s for a 250k vocabulary on this repo's 2-core host), then shared."""
         if not self._byte_level:
             return None
         if self._decoding_bytes is None:
@@ -128,10 +129,10 @@ class Tokenizer:
             for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
                 if i >= self.vocab_size:
                     continue
-                if piece.translate(_NOT_IN_ALPHABET):     # a character outside the byte alphabet: the text as it is
-                    table[i] = piece.encode("utf-8")
-                else:                                     # a byte-level entry: each character stands for one byte
+                try:           # a byte-level entry: each character stands for one byte
                     table[i] = piece.translate(_TO_LATIN1).encode("latin-1")
+                except UnicodeEncodeError:    # a character outside the byte alphabet: the text as it is
+                    table[i] = piece.encode("utf-8")
             for i, added in self._tok.get_added_tokens_decoder().items():
                 if added.special and i < self.vocab_size:
                     table[i] = b""

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +49,8 @@ def main() -> None:
                    help="state rows and step slots (the bench's pools: its concurrency); default the engine's")
     p.add_argument("--cuda-rules", action="store_true", help="CUDA's scheduling rules on another device")
     p.add_argument("--prompt-graphs", action="store_true", help="EngineConfig.prompt_graphs: captured prompt steps")
+    p.add_argument("--land-times", action="store_true",
+                   help="the host time of landing a step (Engine._land) and its parts, us per landed step")
     args = p.parse_args()
     cache, scheduler = CacheConfig(), SchedulerConfig()
     if args.resident:
@@ -77,6 +80,8 @@ def main() -> None:
                     raise SystemExit(f"no switch {path}")
                 else:
                     setattr(owner, name, bool(int(value)))
+            if args.land_times:
+                _time_landing(engines[k])
             config = engines[k].scheduler.config
             for field in args.scheduler:
                 name, value = field.split("=")
@@ -88,6 +93,9 @@ def main() -> None:
         stops0, carried0 = dict(engine.overlap_blockers), getattr(engine, "num_dead_carried", 0)
         prompt_graphs = getattr(engine, "prompt_graphs", None)
         replays0 = prompt_graphs.num_replays if prompt_graphs is not None else 0
+        spent = getattr(engine, "land_spent", None)
+        if spent is not None:
+            spent.clear()            # (the warm-up's landings left out)
         r = measured(engine, prompts, c, 128)
         stops = {why: n - stops0.get(why, 0) for why, n in engine.overlap_blockers.items() if n > stops0.get(why, 0)}
         print(json.dumps({"label": args.label, "k": k, "c": c, "requests": n, "tok_s": r["tok_s"],
@@ -96,9 +104,35 @@ def main() -> None:
                           "ttft_p50_ms": r.get("ttft_p50_ms"), "stops": stops,
                           "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0,
                           "prompt_replays": prompt_graphs.num_replays - replays0 if prompt_graphs is not None else None,
-                          "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None)}),
+                          "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None),
+                          "land_us": {part: round(t / spent["land"][1] * 1e6, 1) for part, (t, _) in spent.items()}
+                          if spent else None}),
               flush=True)
         engine.check_integrity()
+
+
+def _time_landing(engine) -> None:
+    """Wrap ``Engine._land`` and the parts of it that scale with the step's requests; their
+    seconds and calls go to ``engine.land_spent``."""
+    spent = engine.land_spent = {}
+
+    def timed(owner, name: str, part: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapped(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                s = spent.setdefault(part, [0.0, 0])
+                s[0] += time.perf_counter() - t
+                s[1] += 1
+        setattr(owner, name, wrapped)
+    timed(engine, "_land", "land")
+    timed(engine, "_events", "events")
+    timed(engine.scheduler, "append_tokens", "append_tokens")
+    timed(engine.scheduler, "cache_prefixes", "cache_prefixes")
+    timed(engine.scheduler, "commit_lengths", "commit_lengths")
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ host_ab_rounds() {       # $1 rounds of the base checkout (.base/engine: `git ar
       step "host_ab.py $label, round $round"
       pkg=/tmp/pkg; [[ $label == base ]] && pkg=/tmp/pkg_base
       PYTHONPATH=$pkg:${PYTHONPATH#/tmp/pkg:} timeout 120 python3 results/h200/scripts/host_ab.py engine/bundled/model $label \
-        2>&1 | grep "^{" | tee -a "$OUT/host-ab.jsonl" | cut -c1-200
+        "${host_ab_extra[@]}" 2>&1 | grep "^{" | tee -a "$OUT/host-ab.jsonl" | cut -c1-200
     done
   done
   python3 results/h200/scripts/host_ab_table.py "$OUT/host-ab.jsonl" base new "$OUT/host-ab.json"
@@ -296,7 +296,7 @@ k2_auto_c16() {          # K=2 / auto against K=0, bundled, C=16, lengths 64-192
       2>&1 | tee "$OUT/auto-ab-c16-r$r$1.txt" | grep "^round\|median\|Error" | cut -c1-1500
   done
 }
-host_ab_extra=()         # more host_ab.py arguments for switch_ab_rounds (e.g. --resident 16: the bench's pools)
+host_ab_extra=()         # more host_ab.py arguments for host_ab_rounds and switch_ab_rounds (e.g. --resident 16: the bench's pools)
 switch_ab_rounds() {     # $1 rounds of this checkout with each of "$@" (LABEL or LABEL:SWITCH,SWITCH), alternating (host_ab.py --set)
   local rounds=$1; shift
   for round in $(seq "$rounds"); do
@@ -1178,7 +1178,8 @@ fb)          # session 36: the C=16 floors on one machine: every captured graph'
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
-fa)          # session 36: the byte-level detokenizer (landing a step) against the one before it: .base/ = e038028 (`git archive e038028 engine | tar -x -C .base` less engine/bundled/model, carried) against this head, host_ab 3 rounds alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves (~330 s)
+fa)          # session 36: the byte-level detokenizer (landing a step) against the one before it: .base/ = e038028 (`git archive e038028 engine | tar -x -C .base` less engine/bundled/model, carried) against this head, host_ab 3 rounds alternating, bundled K=2 / K=0 at C=16 and K=2 at C=1, waves, with the landing's host time (~330 s)
+  host_ab_extra=(--land-times)
   host_ab_rounds 3
   step done
   ;;

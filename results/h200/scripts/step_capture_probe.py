@@ -187,17 +187,24 @@ class _Phases:
             self.phase_us.setdefault(key, []).append(us)
 
 
+def _eager_replay(options, ran: list | None = None):
+    """A stand-in for ``_GraphSet._replay`` that runs the graph's binding eagerly (``options``:
+    graph id -1), so that a capture of ours records ORT's kernels; ``ran`` gets each graph's id."""
+    def replay(graph_set, graph):
+        if ran is not None:
+            ran.append(id(graph))
+        graph_set.session.run_with_iobinding(graph.binding.io, options)
+        graph_set.num_replays += 1
+    return replay
+
+
 def _probe_launches(engine: Engine, probe: dict) -> None:
     phases = _Phases(engine, engine._stream) if probe.get("phases") else None
     probe["phase_split"] = phases
     usual = engine._launch_drafting
-    stream, eager = engine._stream, eager_options()
+    stream, eager_replay = engine._stream, _eager_replay(eager_options())
     probe.update(attempts=[], usual_host_us=[], usual_gpu_us=[], graph_launch_host_us=[], graph_gpu_us=[],
                  eligible=0)
-
-    def eager_replay(self, graph):
-        self.session.run_with_iobinding(graph.binding.io, eager)
-        self.num_replays += 1
 
     def launch(plan, after=None):
         steady = (after is not None and after.num_drafts and after.staging is not None
@@ -286,12 +293,7 @@ def _record_or_replay(engine: Engine, usual, plan, after, probe: dict):
     recordings = probe.setdefault("recordings", {})
     ran = []
     saved = cuda_graphs._GraphSet._replay
-    eager = eager_options()
-
-    def eager_replay(self, graph):
-        ran.append(id(graph))
-        self.session.run_with_iobinding(graph.binding.io, eager)
-        self.num_replays += 1
+    eager_replay = _eager_replay(eager_options(), ran)
     upload = cuda_graphs._StaticInputs.upload
 
     def recorded_upload(inputs, name=None):      # which copies this step makes (a table only when one changed)
