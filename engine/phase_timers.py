@@ -5,12 +5,15 @@
 
 ``PhaseTimers`` wraps the phase methods of one ``Engine`` (instance attributes only: the class
 and every other engine are untouched, and the wrapped methods behave as before) and adds up, per
-step, the wall time spent in each. Steps that feed prompt tokens ("prefill", what TTFT waits for)
-and decode-only steps ("decode") are summed apart. A phase's time includes the phases it calls:
+step, the wall time spent in each. Steps that feed prompt tokens ("prefill", what TTFT waits
+for), the step right after each of them that feeds none ("after_prefill": where an overlapped
+engine restarts its pipeline, and an MTP engine's head catches up on the new prompts) and the
+other decode-only steps ("decode") are summed apart. A phase's time includes the phases it calls:
 
     step
     ├── schedule
-    ├── propose ── head replay (captured, chained on the device) | head eager
+    ├── propose ── head replay (captured, chained on the device) | head eager,
+    │              head catch-up (a new prompt's rows: head fill replay | head eager)
     ├── verify ─── main replay (captured) | main eager
     ├── processed (penalties, min_tokens and grammar masks on the logits), accept_step
     ├── score_prompts, update_from_output ── commit_step (the state bank's commit and replay)
@@ -42,6 +45,8 @@ PHASES = (
     ("scheduler", "schedule", "schedule"),
     ("proposer", "propose", "propose"),
     ("proposer.graphs", "draft", "head replay"),
+    ("proposer", "_catch_up_long", "head catch-up"),
+    ("proposer.graphs", "fill", "head fill replay"),
     ("runner", "run_head", "head eager"),
     ("", "_launch", "launch"),
     ("", "_land", "land"),
@@ -80,7 +85,8 @@ class PhaseTimers:
         self._install()
 
     def reset(self) -> None:
-        self.steps: dict[str, list[dict[str, float]]] = {"prefill": [], "decode": []}
+        self.steps: dict[str, list[dict[str, float]]] = {"prefill": [], "after_prefill": [], "decode": []}
+        self._prefill_before = False            # the last counted step fed prompt tokens
 
     def _install(self) -> None:
         e = self.engine
@@ -107,7 +113,9 @@ class PhaseTimers:
                     self._step["other"] = total - self._outer
                     self.last = self._step
                     if self.keep_steps:
-                        self.steps["prefill" if last.has_prefill else "decode"].append(self._step)
+                        kind = "prefill" if last.has_prefill else "after_prefill" if self._prefill_before else "decode"
+                        self.steps[kind].append(self._step)
+                    self._prefill_before = last.has_prefill
         e.step = timed_step
         _install_accept_step()
         self._accept = self._timed(_ACCEPT_STEP, ACCEPT)   # what the module's accept_step runs in our steps
@@ -130,8 +138,8 @@ class PhaseTimers:
         return timed
 
     def summary(self) -> dict:
-        """{"prefill"|"decode": {"steps", "ms_per_step", "phases_ms_per_step": {phase: ms}}}, the
-        phases largest first; kinds without steps left out."""
+        """{"prefill"|"after_prefill"|"decode": {"steps", "ms_per_step", "phases_ms_per_step":
+        {phase: ms}}}, the phases largest first; kinds without steps left out."""
         out = {}
         for kind, steps in self.steps.items():
             if not steps:

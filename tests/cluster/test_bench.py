@@ -335,7 +335,9 @@ def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, 
     plain, timed = only_json(tmp_path / "plain"), only_json(tmp_path / "timed")
     assert "phases" not in plain["results"][0]["extra"]
     phases = timed["results"][0]["extra"]["phases"]
-    assert set(phases) == {"prefill", "decode"}
+    # each prompt step is followed by a decode-only step of its own kind (the pipeline's restart)
+    assert set(phases) == {"prefill", "after_prefill", "decode"}
+    assert 1 <= phases["after_prefill"]["steps"] <= phases["prefill"]["steps"]
     steps = sum(p["steps"] for p in phases.values())
     assert steps == timed["results"][0]["extra"]["num_steps"]
     for kind, p in phases.items():
@@ -347,6 +349,7 @@ def test_phases_split_each_step_by_engine_phase_and_change_no_output(model_dir, 
         assert ms["main eager"] <= ms["verify"] and ms["commit_step"] <= ms["update_from_output"], kind
         assert {"schedule", "verify", "accept_step", "update_from_output"} <= set(ms), kind
     assert "head eager" in phases["decode"]["phases_ms_per_step"]    # K=2: the head drafts
+    assert "head eager" in phases["after_prefill"]["phases_ms_per_step"]    # on the new prompts' rows too
     tokens = [[r["num_output_tokens"] for r in load["records"]] for load in plain["requests"]]
     assert [[r["num_output_tokens"] for r in load["records"]] for load in timed["requests"]] == tokens
     assert timed["results"][0]["spec"] == plain["results"][0]["spec"]     # same drafts, same acceptance
