@@ -358,6 +358,7 @@ class _GraphSet:
         self.num_replays = 0
         self.capture_seconds = 0.0
         self.memory_bytes = 0          # device memory the captures took (graphs + ORT's arena growth)
+        self.memory_by_shape: dict[GraphShape, int] = {}     # what each capture took, in capture order
 
     @property
     def num_graphs(self) -> int:
@@ -367,7 +368,7 @@ class _GraphSet:
         """Capture every shape of the catalog (``_capture`` binds one, ``_add`` captures it);
         ``CaptureOutOfMemory`` (with ``advice``) when one does not fit."""
         seconds, nbytes = _capture_shapes(self.what, self.catalog, self._graphs, self._capture, progress, advice,
-                                          on_device=self.on_device)
+                                          on_device=self.on_device, by_shape=self.memory_by_shape)
         self.capture_seconds += seconds
         self.memory_bytes += nbytes
 
@@ -801,11 +802,15 @@ class _NoEvent:
 
 
 def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Callable[[GraphShape], None],
-                    progress: Callable[[str], None] | None, advice: str = "", on_device: bool = True) -> tuple[float, int]:
+                    progress: Callable[[str], None] | None, advice: str = "", on_device: bool = True,
+                    by_shape: dict | None = None) -> tuple[float, int]:
     """Capture every shape of ``catalog`` not in ``graphs`` with ``capture``, saying how it goes;
     (seconds, device bytes the captures took: graphs and ORT's arena growth). A capture that runs
     out of device memory raises ``CaptureOutOfMemory`` (ORT's own error says only a buffer size).
-    ``on_device`` False: bindings on the CPU (nothing captured, no device memory to count)."""
+    ``on_device`` False: bindings on the CPU (nothing captured, no device memory to count).
+    ``by_shape``: gets each shape's bytes (the device's free memory before its capture less after:
+    ORT keeps a captured graph's buffers for the session's life, so what a catalog costs is the
+    sum of its shapes')."""
     if on_device:
         import cupy
 
@@ -825,6 +830,7 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
     sync()
     free_before = memory()[0]
     started = last = time.perf_counter()
+    free = free_before
     for i, shape in enumerate(shapes):
         try:
             capture(shape)
@@ -834,6 +840,9 @@ def _capture_shapes(what: str, catalog: GraphCatalog, graphs: dict, capture: Cal
             free, total = memory()
             raise CaptureOutOfMemory(capture_memory_message(what, catalog.describe(shape), i, len(shapes),
                                                             max(0, free_before - free), free, total, advice)) from e
+        if by_shape is not None:          # (cudaMalloc is synchronous: no sync needed to see it)
+            free, was = memory()[0], free
+            by_shape[shape] = max(0, was - free)
         now = time.perf_counter()
         if now - last > 5 and i + 1 < len(shapes):
             say(f"cuda graphs: {i + 1}/{len(shapes)} {what} shapes captured, {now - started:.1f} s")

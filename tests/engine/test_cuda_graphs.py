@@ -136,6 +136,22 @@ def test_a_capture_out_of_memory_names_its_graph_and_the_settings_that_shrink_it
     assert isinstance(e.value.__cause__, RuntimeError)            # ORT's own error stays chained
 
 
+def test_each_capture_s_memory_is_counted_against_its_shape(fake_cupy):
+    """What a catalog costs is the sum of its shapes' captures (ORT keeps each graph's buffers):
+    each shape gets the free memory its own capture took, and the set's total is their sum."""
+    order = CATALOG.capture_order()
+
+    def capture(shape):
+        fake_cupy["free"] -= (order.index(shape) + 1) * 2 ** 20     # the i-th capture takes i MiB
+
+    by_shape = {}
+    seconds, nbytes = cuda_graphs._capture_shapes("main model", CATALOG, {}, capture, lambda _: None,
+                                                  by_shape=by_shape)
+    assert list(by_shape) == order
+    assert [by_shape[s] // 2 ** 20 for s in order] == list(range(1, len(order) + 1))
+    assert nbytes == sum(by_shape.values())
+
+
 def test_other_capture_errors_pass_through_unchanged(fake_cupy):
     def capture(shape):
         raise RuntimeError("Non-zero status code returned while running MatMul node")

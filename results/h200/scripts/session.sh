@@ -1160,6 +1160,25 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fe)          # session 37: which prompt shapes the 1.4 B model's 17 GiB of prompt graphs go to (startup_cost.py: each capture's MiB, totals by rows, KV bucket and batch), then the bundled model's K=2 engine the same (~200 s with the model's making)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "startup_cost.py, 1.4 B, prompt graphs on, by shape"
+  timeout 150 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-mid-by-shape.json" $mid 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-1500
+  step "startup_cost.py, bundled, K=2, prompt graphs on then off"
+  timeout 90 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-bundled-k2.json" engine/bundled/model \
+    --draft-tokens 2 --also-off 2>&1 | grep -v "Warning\|No registered" | tail -6 | cut -c1-1500
+  step done
+  ;;
+fd)          # session 37: where the step after each prompt step goes (host_ab: ~1.8 ms at K=2 C=16 against K=0's 0.23, 30% of a K=2 round): the bench's C=16 K=0 / 2 with captured prompt steps, --phases on (after_prefill steps apart: launch, land, head catch-up and fills), then --phases sync (each phase owns its GPU work) (~300 s)
+  for mode in on sync; do
+    step "bench C=16, K=0 / 2, --prompt-graphs on --phases $mode"
+    mkdir -p "$OUT/ph-$mode"
+    timeout 170 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/ph-$mode" --draft-tokens 0,2 --concurrency 16 \
+      --num-prompts 512 --max-tokens 128 --prompt-graphs on --phases $mode 2>&1 | grep -v "Warning\|No registered" | tail -45 | cut -c1-300
+  done
+  step done
+  ;;
 fc)          # session 36: can a recorded whole steady K=2 step be launched again for later steps (step_capture_probe.py --replay: each steady continuation recorded, its host side run for real; an earlier recording of the same key launched instead), C=16 then C=1: tokens against an engine that never recorded, integrity (~200 s)
   step "step_capture_probe.py --replay, C=16 (16 requests of 256 tokens)"
   timeout 200 python3 results/h200/scripts/step_capture_probe.py "$OUT/step-replay-c16.json" engine/bundled/model --replay 2>&1 \
