@@ -226,8 +226,11 @@ class EngineConfig:
                                          "of host time a prompt step on the bundled model); start-up checks a "
                                          "replay against ORT's eager run of the same inputs and the padded "
                                          "logits against the unpadded forward, and keeps the eager path if "
-                                         "either differs. Off by default until measured on a GPU. On the "
-                                         "CPU the same padded steps run eagerly (slower: for tests)")
+                                         "either differs. Off by default: on an H100 they made the bundled "
+                                         "model's K=2 engine 1.13x faster at 16 requests, but the 1.4 B "
+                                         "model's 484 shapes took 17 GiB of device memory and 41 s to "
+                                         "capture. On the CPU the same padded steps run eagerly (slower: "
+                                         "for tests)")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "
                                                 "are read, so the GPU runs it while the host handles those "
                                                 "(steps without drafts, greedy or sampled; exact). Default: on with "
