@@ -231,6 +231,11 @@ class EngineConfig:
                                          "model's 484 shapes took 17 GiB of device memory and 41 s to "
                                          "capture. On the CPU the same padded steps run eagerly (slower: "
                                          "for tests)")
+    step_recordings: bool = setting(False, "CUDA, MTP: a steady draft step (after one of the same requests) "
+                                           "recorded once as a CUDA graph of ours, ORT's forwards and our "
+                                           "kernels in it, and launched as one call for every later step "
+                                           "whose launches are the same (engine/step_recordings.py). "
+                                           "Experimental: off until measured on a GPU")
     overlap_decode: bool | None = setting(None, "launch a decode step before the tokens of the step it follows "
                                                 "are read, so the GPU runs it while the host handles those "
                                                 "(steps without drafts, greedy or sampled; exact). Default: on with "
@@ -245,6 +250,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a new one), got {self.max_model_len}")
         if self.prompt_graphs and not self.cuda_graphs:
             raise ValueError("prompt_graphs needs cuda_graphs (prompt steps replay captured graphs too)")
+        if self.step_recordings and not self.cuda_graphs:
+            raise ValueError("step_recordings needs cuda_graphs (a recorded step runs the captured forwards' bindings)")
         self.cache.validate()
         self.scheduler.validate()
         self.spec.validate()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from mtpserve.engine import launches
 from mtpserve.engine.cuda_kernels import (
     advance_positions,
     argmax_rows,
@@ -319,11 +320,10 @@ class _StaticInputs:
         if not self.on_device:
             return
         import cupy
-        stream = cupy.cuda.get_current_stream()
         at, size = (0, self.nbytes) if name is None else self._ranges[name]
-        cupy.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr + at, self._host_bytes.ctypes.data + at, size,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._sent.record(stream)
+        launches.copy(self.device_bytes.data.ptr + at, self._host_bytes.ctypes.data + at, size,
+                      cupy.cuda.runtime.memcpyHostToDevice)
+        launches.record(self._sent)
 
 
 @dataclass
@@ -387,7 +387,7 @@ class _GraphSet:
         self._graphs[shape] = _Graph(binding, inputs, options, host_arrays, _bound_run(self.session, binding, options))
 
     def _replay(self, graph: _Graph) -> None:
-        graph.replay()
+        launches.replay(self, graph)
         self.num_replays += 1
 
 
@@ -787,8 +787,7 @@ class _RowCopies:
         at = self._used
         self._used += rows
         copy = self._chunk[at:at + rows]
-        cupy.cuda.runtime.memcpyAsync(copy.data.ptr, source.data.ptr, rows * self.row_bytes,
-                                      cupy.cuda.runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr)
+        launches.copy(copy.data.ptr, source.data.ptr, rows * self.row_bytes, cupy.cuda.runtime.memcpyDeviceToDevice)
         return copy
 
 

@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 
+from mtpserve.engine import launches
+
 MAX_CAPACITY = 8            # the recurrent kernel keeps a row's captured decays and keys in registers
 
 _SOURCE = f"#define MAX_CAPACITY {MAX_CAPACITY}\n" + r"""extern "C" __global__ void replay_recurrent(
@@ -117,10 +119,10 @@ class FusedRecurrentReplay:
         threads = min(self.THREADS, -(-Dk // 32) * 32)
         args = [state_flat, capsule] + [a if a.dtype == np.int64 and a.flags.c_contiguous   # (CommitReplay's are)
                                         else cp.ascontiguousarray(a, dtype=cp.int64) for a in (step_row, dst, src, kept)]
-        self.kernel((L * num_parts * Hv,), (threads,), (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows),
-                                                 np.int64(layer_stride), np.int32(C), np.int32(Hv), np.int32(Dv),
-                                                 np.int32(Hk), np.int32(Dk),
-                                                 np.int64(C + 1 if full is None else full)))
+        launches.kernel(self.kernel, (L * num_parts * Hv,), (threads,),
+                        (*args, np.int64(L), np.int64(num_parts), np.int64(flat_rows), np.int64(layer_stride),
+                         np.int32(C), np.int32(Hv), np.int32(Dv), np.int32(Hk), np.int32(Dk),
+                         np.int64(C + 1 if full is None else full)))
 
 
 MAX_CONV_WINDOW = 16        # the conv kernel's register window: conv kernel size - 1 at most
@@ -234,11 +236,9 @@ class CommitReplay:
         host = self._host[turn]
         for i, a in enumerate((step_row, dst, src) if on_device else (step_row, dst, src, kept)):
             host[i * P:(i + 1) * P] = a
-        stream = cp.cuda.get_current_stream()
         sent = (3 if on_device else 4) * P
-        cp.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, sent * 8,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._sent[turn].record(stream)
+        launches.copy(self._device.data.ptr, host.ctypes.data, sent * 8, cp.cuda.runtime.memcpyHostToDevice)
+        launches.record(self._sent[turn])
         views = self._views.get(P)
         if views is None:
             index = self._device[:4 * P]
@@ -246,17 +246,16 @@ class CommitReplay:
         index = views[0]
         if on_device:
             assert kept.dtype == np.int64 and kept.flags.c_contiguous and kept.size == P, "int64 [P] kept"
-            cp.cuda.runtime.memcpyAsync(views[4].data.ptr, kept.data.ptr, P * 8,
-                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+            launches.copy(views[4].data.ptr, kept.data.ptr, P * 8, cp.cuda.runtime.memcpyDeviceToDevice)
         full = self.capacity + 1 if full is None else full
         if conv:
             L, flat_rows, D, K1 = conv_flat.shape
             total = L * P * D
-            self._conv[np.dtype(conv_flat.dtype)](
-                (min(-(-total // self.THREADS), 65535 * 8),), (self.THREADS,),
-                (conv_flat, conv_value, index, np.int64(L), np.int64(P), np.int64(flat_rows),
-                 np.int64(conv_value.strides[0] // conv_value.itemsize), np.int32(self.capacity),
-                 np.int32(D), np.int32(K1), np.int64(full)))
+            launches.kernel(self._conv[np.dtype(conv_flat.dtype)],
+                            (min(-(-total // self.THREADS), 65535 * 8),), (self.THREADS,),
+                            (conv_flat, conv_value, index, np.int64(L), np.int64(P), np.int64(flat_rows),
+                             np.int64(conv_value.strides[0] // conv_value.itemsize), np.int32(self.capacity),
+                             np.int32(D), np.int32(K1), np.int64(full)))
         self.recurrent(rec_flat, capsule, *views[1:], full=full)
 
 
@@ -362,9 +361,9 @@ def accept_drafts(target, drafts, synthetic=None):
     accepted, kept = cupy.empty((B, K + 2), cupy.int64), cupy.empty(B, cupy.int64)
     if synthetic is not None:
         synthetic = cupy.asarray(synthetic, cupy.int64)
-    _kernel(_ACCEPT_SOURCE, "accept_drafts")((-(-B // 64),), (64,), (target, drafts, synthetic if synthetic is not None
-                                                             else np.uint64(0), np.int32(B), np.int32(K),
-                                                             accepted, kept))
+    launches.kernel(_kernel(_ACCEPT_SOURCE, "accept_drafts"), (-(-B // 64),), (64,),
+                    (target, drafts, synthetic if synthetic is not None else np.uint64(0), np.int32(B),
+                     np.int32(K), accepted, kept))
     return accepted, kept
 
 
@@ -376,7 +375,7 @@ def decode_as_accepted(tokens):
     _int64(tokens)
     B = int(tokens.shape[0])
     out = cupy.empty((B, 2), cupy.int64)
-    _kernel(_ACCEPT_SOURCE, "decode_as_accepted")((-(-B // 64),), (64,), (tokens, np.int32(B), out))
+    launches.kernel(_kernel(_ACCEPT_SOURCE, "decode_as_accepted"), (-(-B // 64),), (64,), (tokens, np.int32(B), out))
     return out
 
 
@@ -407,13 +406,10 @@ def follow_verify(accepted, num_kept_staged: int, num_rows: int, past, positions
     if drafts is not None:
         assert ids is not None and drafts.shape == (B, num_rows - 1), "drafts [B, num_rows - 1] with ids"
         _int64(drafts)
-    _kernel(_ACCEPT_SOURCE, "follow_verify")((-(-B // 64),), (64,), (accepted, np.int32(num_kept_staged),
-                                                           np.int32(num_kept_staged if staged is None else staged),
-                                                           np.int32(B),
-                                                           np.int32(num_rows), past, positions,
-                                                           np.int64(positions.shape[1]),
-                                                           ids if ids is not None else np.uint64(0),
-                                                           drafts if drafts is not None else np.uint64(0)))
+    launches.kernel(_kernel(_ACCEPT_SOURCE, "follow_verify"), (-(-B // 64),), (64,),
+                    (accepted, np.int32(num_kept_staged), np.int32(num_kept_staged if staged is None else staged),
+                     np.int32(B), np.int32(num_rows), past, positions, np.int64(positions.shape[1]),
+                     ids if ids is not None else np.uint64(0), drafts if drafts is not None else np.uint64(0)))
 
 
 def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, last_rows, chain_from,
@@ -429,7 +425,7 @@ def follow_catch_up(accepted, num_kept_staged: int, rows_per_request: int, ids, 
         assert chained_past.dtype == np.int32 and chained_positions.shape[0] == 3
         _int64(chained_positions)
         T = int(chained_positions.shape[1])
-    _kernel(_ACCEPT_SOURCE, "follow_catch_up")((-(-B // 64),), (64,), (
+    launches.kernel(_kernel(_ACCEPT_SOURCE, "follow_catch_up"), (-(-B // 64),), (64,), (
         accepted, np.int32(num_kept_staged), np.int32(B), np.int32(rows_per_request), ids, last_rows, chain_from,
         chained_past if chained_past is not None else np.uint64(0),
         chained_positions if chained_positions is not None else np.uint64(0), np.int64(T)))
@@ -608,9 +604,9 @@ def accept_logits(logits, drafts, synthetic=None, out=None):
     if synthetic is not None:
         synthetic = cupy.asarray(synthetic, cupy.int64)
     if B:
-        kernel((B * (K + 1),), (256,), (logits, np.int64(logits.shape[1]), drafts,
-                                        synthetic if synthetic is not None else np.uint64(0), np.int32(K),
-                                        target, done, accepted, kept))
+        launches.kernel(kernel, (B * (K + 1),), (256,), (logits, np.int64(logits.shape[1]), drafts,
+                                                         synthetic if synthetic is not None else np.uint64(0),
+                                                         np.int32(K), target, done, accepted, kept))
     return accepted, kept
 
 
@@ -641,9 +637,9 @@ def argmax_rows(logits, rows=None, num_rows: int | None = None, out=None, out_st
     assert out.dtype == np.int64 and out.flags.c_contiguous and out.size >= (n - 1) * out_stride + 1, "int64 out"
     assert also is None or (also.dtype == np.int64 and also.flags.c_contiguous and also.size >= n), "int64 also"
     if n:
-        _kernel(_ARGMAX_SOURCE, f"argmax_rows_{_LOGIT_SUFFIX[np.dtype(logits.dtype)]}")(
-            (n,), (256,), (logits, rows if rows is not None else np.uint64(0), np.int64(logits.shape[1]), out,
-                           np.int64(out_stride), also if also is not None else np.uint64(0)))
+        launches.kernel(_kernel(_ARGMAX_SOURCE, f"argmax_rows_{_LOGIT_SUFFIX[np.dtype(logits.dtype)]}"),
+                        (n,), (256,), (logits, rows if rows is not None else np.uint64(0), np.int64(logits.shape[1]),
+                                       out, np.int64(out_stride), also if also is not None else np.uint64(0)))
     return out
 
 
@@ -708,8 +704,8 @@ def gather_rows(dst, src, index, lo: int, hi: int) -> None:
         return
     name, width = ("gather_rows_u32", row_bytes // 4) if row_bytes % 4 == 0 else ("gather_rows_u8", row_bytes)
     total = (hi - lo) * width
-    _kernel(_ROWS_SOURCE, name)((min(-(-total // 256), 65535 * 8),), (256,),
-                       (dst, src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), np.int64(total)))
+    launches.kernel(_kernel(_ROWS_SOURCE, name), (min(-(-total // 256), 65535 * 8),), (256,),
+                    (dst, src, index, np.int64(lo), np.int64(index.shape[1]), np.int64(width), np.int64(total)))
 
 
 def copy_rows(dst, src, num_rows: int) -> None:
@@ -720,8 +716,7 @@ def copy_rows(dst, src, num_rows: int) -> None:
     assert dst.shape[1:] == src.shape[1:] and num_rows <= min(len(dst), len(src))
     nbytes = num_rows * math.prod(dst.shape[1:]) * dst.itemsize
     if nbytes:
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                      cupy.cuda.get_current_stream().ptr)
+        launches.copy(dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice)
 
 
 def copy_columns(dst, src, col: int) -> None:
@@ -734,9 +729,8 @@ def copy_columns(dst, src, col: int) -> None:
     assert dst.ndim == src.ndim == 2 and len(src) <= len(dst) and col + src.shape[1] <= dst.shape[1]
     rows, width = int(src.shape[0]), int(src.shape[1]) * src.itemsize
     if rows and width:
-        cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr + col * dst.itemsize, dst.shape[1] * dst.itemsize,
-                                        src.data.ptr, width, width, rows, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                        cupy.cuda.get_current_stream().ptr)
+        launches.copy_2d(dst.data.ptr + col * dst.itemsize, dst.shape[1] * dst.itemsize, src.data.ptr, width,
+                         width, rows, cupy.cuda.runtime.memcpyDeviceToDevice)
 
 
 def advance_positions(past, positions, num_rows: int) -> None:
@@ -745,7 +739,8 @@ def advance_positions(past, positions, num_rows: int) -> None:
     assert past.dtype == np.int32 and positions.dtype == np.int64 and positions.shape == (3, num_rows)
     assert past.flags.c_contiguous and positions.flags.c_contiguous
     if num_rows:
-        _kernel(_ROWS_SOURCE, "advance_positions")((-(-num_rows // 64),), (64,), (past, positions, np.int64(num_rows)))
+        launches.kernel(_kernel(_ROWS_SOURCE, "advance_positions"), (-(-num_rows // 64),), (64,),
+                        (past, positions, np.int64(num_rows)))
 
 
 def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: int, dst_pitch: int,
@@ -756,9 +751,8 @@ def copy_slabs(dst, dst_offset: int, src, src_offset: int, nbytes: int, count: i
     layer stride apart) without CuPy's strided views and elementwise copy."""
     import cupy
     if nbytes and count:
-        cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr + dst_offset, dst_pitch, src.data.ptr + src_offset, src_pitch,
-                                        nbytes, count, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                        cupy.cuda.get_current_stream().ptr)
+        launches.copy_2d(dst.data.ptr + dst_offset, dst_pitch, src.data.ptr + src_offset, src_pitch, nbytes, count,
+                         cupy.cuda.runtime.memcpyDeviceToDevice)
 
 
 def zero_slabs(dst, offset: int, nbytes: int, count: int, pitch: int) -> None:
@@ -768,6 +762,7 @@ def zero_slabs(dst, offset: int, nbytes: int, count: int, pitch: int) -> None:
         return
     word = 4 if offset % 4 == 0 and nbytes % 4 == 0 and pitch % 4 == 0 else 1
     total = nbytes // word * count
-    _kernel(_ROWS_SOURCE, "zero_slabs_u32" if word == 4 else "zero_slabs_u8")(
-        (min(-(-total // 256), 65535 * 8),), (256,),
-        (np.uint64(dst.data.ptr + offset), np.int64(pitch // word), np.int64(nbytes // word), np.int64(count)))
+    launches.kernel(_kernel(_ROWS_SOURCE, "zero_slabs_u32" if word == 4 else "zero_slabs_u8"),
+                    (min(-(-total // 256), 65535 * 8),), (256,),
+                    (np.uint64(dst.data.ptr + offset), np.int64(pitch // word), np.int64(nbytes // word),
+                     np.int64(count)))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtpserve.engine import launches
 from mtpserve.engine.admission import RequestLimits, check_request
 from mtpserve.engine.config import EngineConfig, resolve_num_blocks
 from mtpserve.engine.draft_policy import AdaptiveDraftPolicy, DraftPolicy, FixedDraftPolicy
@@ -233,6 +234,13 @@ class Engine:
         self.last_step: StepTiming | None = None    # the latest step that ran something
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
+        # a steady draft step recorded as one graph of ours and launched as one (step_recordings.py;
+        # experimental, off by default: the probe found it exact, the engine's use is not measured)
+        self.step_recordings = None
+        if config.step_recordings and self.graphs is not None and self.proposer is not None \
+                and self._synthetic is None:
+            from mtpserve.engine.step_recordings import StepRecordings
+            self.step_recordings = StepRecordings()
 
     def _step_graphs(self, config: EngineConfig):
         """The captured steps (CUDA): every padded batch size up to the step's request limit, one
@@ -669,7 +677,16 @@ class Engine:
         """Queue a draft step (every request greedy, one token and K drafts each) and its accept
         and state commit on the device; the host learns the accepted counts when it lands.
         ``after``: the launched step it continues, a draft step or (``draft_after_decode``) a
-        decode step (its rows are drafted and verified from that step's acceptance on the device)."""
+        decode step (its rows are drafted and verified from that step's acceptance on the device).
+        A steady one (after a draft step of the same requests, staged from it) goes as one graph
+        with ``step_recordings`` on."""
+        if (self.step_recordings is not None and after is not None and after.num_drafts
+                and after.staging is not None and plan.request_ids == after.plan.request_ids):
+            return self.step_recordings.launch(lambda: self._queue_drafting(plan, after))
+        return self._queue_drafting(plan, after)
+
+    def _queue_drafting(self, plan: StepPlan, after: LaunchedStep | None) -> LaunchedStep:
+        """``_launch_drafting``'s device calls queued one by one (or deferred, inside ``step_recordings``)."""
         xp, B, K = self.xp, len(plan.scheduled), plan.scheduled[0].num_drafts
         replays = self._num_replays()
         # the head's catch-up rows: known now, but after a draft step (set when it lands: its kept rows)
@@ -733,6 +750,7 @@ class Engine:
                                   after=(after.accepted(), k1), follows=after.staging)
             if out is not None:
                 return out
+        launches.escape()            # (the eager verify: a deferred step's launches go first)
         accepted = after.host_accepted()
         rows = []
         for b, (s, rid, t) in enumerate(zip(plan.scheduled, plan.request_ids, tables)):

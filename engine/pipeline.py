@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mtpserve.engine import launches
 from mtpserve.engine.scheduler import StepPlan
 
 
@@ -124,11 +125,9 @@ class TokenReadback:
         if n > self.max_rows:
             raise AssertionError(f"{n} tokens > the readback's {self.max_rows} rows")
         slot, self._next = self._next, 1 - self._next
-        stream = cupy.cuda.get_current_stream()
         tokens = cupy.ascontiguousarray(tokens, cupy.int64)
-        cupy.cuda.runtime.memcpyAsync(self._host[slot].ctypes.data, tokens.data.ptr, 8 * n,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        self._done[slot].record(stream)
+        launches.copy(self._host[slot].ctypes.data, tokens.data.ptr, 8 * n, cupy.cuda.runtime.memcpyDeviceToHost)
+        launches.record(self._done[slot])
         return slot, n
 
     def receive(self, handle: tuple) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mtpserve.engine import launches
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.row_gather import stack_segments
 from mtpserve.engine.runner import PackedRows, Runner
@@ -198,6 +199,7 @@ class MTPProposer:
             if tokens is not None:
                 self._caught_up_on_decode(drafting, after)
                 return self._device_result(drafting, tokens)
+        launches.escape()            # (eager drafting: a deferred step's launches go first)
         accepted = after.host_accepted()
         rows, hidden = [], []
         for b, (s, t) in enumerate(zip(drafting, tables)):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from mtpserve.engine import launches
 from mtpserve.engine.manifest import ModelManifest, PagedKVLayer
 from mtpserve.engine.state_bank import StepCaptures, StepStates
 
@@ -281,6 +282,7 @@ class Runner:
         """One packed forward of the main model; capture_counts[b] transitions are captured.
         The fixed states are read from ``states`` and written to ``present_into`` (e.g. the
         state bank's rows, in place) or to new buffers."""
+        launches.escape()           # (an eager forward runs now: a deferred step's launches go first)
         m, xp = self.manifest, self.xp
         b = self._main_binding
         capture = bool(capture_counts.any())
@@ -321,6 +323,7 @@ class Runner:
 
     def run_head(self, rows: Sequence[PackedRows], hidden: Array) -> HeadOutputs:
         """One packed forward of the MTP head: row j pairs hidden[j] with input token j."""
+        launches.escape()
         head = self.manifest.mtp
         b = self._head_binding
         num_tokens = self._begin(b, rows, self.head_input_names, self.table_width)

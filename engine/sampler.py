@@ -25,6 +25,7 @@ from functools import cached_property
 
 import numpy as np
 
+from mtpserve.engine import launches
 from mtpserve.engine.grammar import GrammarSpec
 
 # Below this temperature a request is sampled greedily (logits / 1e-6 overflow float32).
@@ -252,8 +253,12 @@ def row_argmax(logits, xp=np, rows: Sequence[int] | None = None):
 
 
 def to_host(array) -> np.ndarray:
-    """A numpy copy of a numpy or cupy array (cupy arrays have ``.get()``)."""
-    return array.get() if hasattr(array, "get") else np.asarray(array)
+    """A numpy copy of a numpy or cupy array (cupy arrays have ``.get()``; a deferred step's
+    launches are queued first: ``launches.escape``)."""
+    if hasattr(array, "get"):
+        launches.escape()
+        return array.get()
+    return np.asarray(array)
 
 
 def _rows_params(params: SamplingParams | Sequence[SamplingParams], num_rows: int) -> list[SamplingParams]:

@@ -29,13 +29,13 @@ needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU 
 
 
 def engine_on(model_dir, device, k=0, budget=64, cuda_graphs=True, prefix_cache=True, overlap=None, block_size=None,
-              prompt_graphs=False):
+              prompt_graphs=False, step_recordings=False):
     return Engine(EngineConfig(str(model_dir), device=device,
                                cache=CacheConfig(num_blocks=512, max_resident_requests=32, prefix_cache=prefix_cache,
                                                  snapshot_interval=block_size or 16, kv_block_size=block_size),
                                scheduler=SchedulerConfig(max_tokens_per_step=budget, max_requests_per_step=32),
                                spec=SpecConfig(draft_tokens=k), cuda_graphs=cuda_graphs, overlap_decode=overlap,
-                               prompt_graphs=prompt_graphs))
+                               prompt_graphs=prompt_graphs, step_recordings=step_recordings))
 
 
 def _prefill_logits(engine, prompts):
@@ -634,6 +634,31 @@ def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(m
           f"no continuation: {engine.overlap_blockers}")
     assert engine.num_drafts_after_decode > 0
     engine.check_integrity()
+
+
+@needs_cuda
+@pytest.mark.parametrize("k", [2, 3])
+def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_call_by_call(model_dir, k):
+    """``step_recordings``: a steady draft step's launches deferred while its host side runs, then
+    launched as a recording of ours (made the first time its signature is seen, ORT's forwards
+    eager inside it) gives exactly the tokens and finish reasons of the same engine launching
+    every call itself: the recording runs the same kernels on the same buffers, and what varies
+    step to step (pinned staging, the commit's index block, the readback slot) it reads when it
+    runs. Arrivals put prompt steps (ORT's eager runs) between steady stretches; requests end
+    under steps in flight. Most steady steps launch an earlier recording, pools intact."""
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=40 + 7 * i) for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0, max_tokens=96)                  # may stop at EOS
+    arrivals = {20: [8, 9], 45: [10, 11]}
+    ref, ref_reasons, _ = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48), params, arrivals=arrivals)
+    engine = engine_on(model_dir, "cuda", k=k, budget=48, step_recordings=True)
+    out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
+    r = engine.step_recordings
+    print(f"step recordings (K={k}): {r.stats()}; {engine.num_draft_continuations} draft continuations")
+    assert r.disabled is None
+    assert out == ref and reasons == ref_reasons
+    assert r.num_recorded >= 1 and r.num_launched > 2 * r.num_recorded      # recordings launched again
+    assert r.num_launched > engine.num_draft_continuations / 2
 
 
 @needs_cuda

@@ -49,6 +49,8 @@ def main() -> None:
                    help="state rows and step slots (the bench's pools: its concurrency); default the engine's")
     p.add_argument("--cuda-rules", action="store_true", help="CUDA's scheduling rules on another device")
     p.add_argument("--prompt-graphs", action="store_true", help="EngineConfig.prompt_graphs: captured prompt steps")
+    p.add_argument("--step-recordings", action="store_true",
+                   help="EngineConfig.step_recordings: steady draft steps launched as recordings of ours")
     p.add_argument("--land-times", action="store_true",
                    help="the host time of landing a step (Engine._land) and its parts, us per landed step")
     args = p.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
         if k not in engines:
             engines[k] = Engine(EngineConfig(args.model_dir, device=args.device, spec=SpecConfig(k), cache=cache,
                                              scheduler=scheduler, overlap_decode=True if args.cuda_rules else None,
-                                             prompt_graphs=args.prompt_graphs))
+                                             prompt_graphs=args.prompt_graphs, step_recordings=args.step_recordings))
             if args.cuda_rules:
                 engines[k].scheduler.uniform_drafts = bool(k)
                 engines[k].draft_after_decode = engines[k].overlap
@@ -105,6 +107,8 @@ def main() -> None:
                           "dead_rows_carried": getattr(engine, "num_dead_carried", 0) - carried0,
                           "prompt_replays": prompt_graphs.num_replays - replays0 if prompt_graphs is not None else None,
                           "prompt_graphs_off": getattr(engine, "prompt_graphs_off", None),
+                          "step_recordings": engine.step_recordings.stats()
+                          if getattr(engine, "step_recordings", None) is not None else None,
                           "land_us": {part: round(t / spent["land"][1] * 1e6, 1) for part, (t, _) in spent.items()}
                           if spent else None}),
               flush=True)

@@ -1160,6 +1160,15 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+ff)          # session 37's step recordings, first: test_cuda's recorded-steps test (K=2, 3: exact against launching call by call), then host_ab with --step-recordings against without, alternating in one checkout, K=2 at C=16 and C=1, 3 rounds (~330 s); then the whole test_cuda (cl: the launches of the draft path now go through engine/launches.py)
+  step "test_cuda: recorded draft steps"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k recorded_draft_steps 2>&1 \
+    | grep -v Warning | grep "step recordings\|passed\|failed\|Error\|assert" | tail -12 | cut -c1-600 | tee "$OUT/test-cuda-recordings.txt"
+  host_ab_extra=(--configs 2:16:1024,2:1:96)
+  switch_ab_rounds 3 calls "recordings:--step-recordings"
+  grep -o '"step_recordings": {[^}]*}' "$OUT/switch-ab.jsonl" | sort | uniq -c | head -8
+  step done
+  ;;
 fe)          # session 37: which prompt shapes the 1.4 B model's 17 GiB of prompt graphs go to (startup_cost.py: each capture's MiB, totals by rows, KV bucket and batch), then the bundled model's K=2 engine the same (~200 s with the model's making)
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "startup_cost.py, 1.4 B, prompt graphs on, by shape"
