@@ -16,7 +16,8 @@ once. Inside ``deferring()`` (one thread's: each engine steps on its own) they a
 inside a stream capture of ours (``capture=True``): ORT's runs eager (its own captured graphs
 cannot be launched inside another capture) and each event recorded as an external event node,
 so that every launch of the recording records it where the step did. No GPU or CuPy import here
-until a call is queued; the CPU path never comes here.
+until a call is queued; on the CPU only ``escape`` is called (eager forwards, host reads), a
+no-op outside ``deferring()``.
 """
 
 from __future__ import annotations
