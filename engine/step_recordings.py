@@ -13,9 +13,11 @@ GPU time against 819 launched call by call, session 37). Here the step's host si
                                                      verify, accept, commit, readback, events
 
   - a recording with that signature: it is launched (one call, ~30 us);
-  - none: the calls are recorded in a stream capture of ours (ORT's forwards run eagerly inside
-    it, events become external event nodes: each launch records them where the step did), kept
-    and launched (~2 ms of host time, once a signature);
+  - none, and the signature was seen before (``RECORD_AFTER``): the calls are recorded in a
+    stream capture of ours (ORT's forwards run eagerly inside it, events become external event
+    nodes: each launch records them where the step did), kept and launched (~2 ms of host time,
+    once a signature: a signature seen once, e.g. a batch size that lasts one step while
+    requests end, is not worth it);
   - the step left the deferrable path (an eager forward, a host read: ``launches.escape``), or
     allocated device memory (a recording would hold a temporary the pool hands out again), or
     the recordings are at their cap: its calls are queued as they are.
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_RECORDINGS = 64         # signatures kept (batch sizes x what alternates step to step x table uploads)
+RECORD_AFTER = 2            # a signature is recorded the RECORD_AFTER-th time it is seen
+MAX_SEEN = 4096             # signatures counted before the count starts again
 
 
 @dataclass
@@ -67,6 +71,7 @@ class StepRecordings:
     record_seconds: float = 0.0
     disabled: str | None = None   # why recording stopped (a capture failed), if it did
     _recordings: dict = field(default_factory=dict, repr=False)
+    _seen: dict = field(default_factory=dict, repr=False)        # signature -> times seen, unrecorded
     _eager: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -101,9 +106,16 @@ class StepRecordings:
             key = deferred.signature()
             recording = self._recordings.get(key)
             if recording is None and len(self._recordings) < self.max_recordings:
-                recording = self._record(deferred.calls)
-                if recording is not None:
-                    self._recordings[key] = recording
+                seen = self._seen.get(key, 0) + 1
+                if seen >= RECORD_AFTER:
+                    self._seen.pop(key, None)
+                    recording = self._record(deferred.calls)
+                    if recording is not None:
+                        self._recordings[key] = recording
+                else:
+                    if len(self._seen) >= MAX_SEEN:
+                        self._seen.clear()
+                    self._seen[key] = seen
         if recording is None:
             launches.run_calls(deferred.calls)
             self.num_queued += 1

