@@ -237,10 +237,15 @@ class Engine:
         # a steady draft step recorded as one graph of ours and launched as one (step_recordings.py;
         # experimental, off by default: the probe found it exact, the engine's use is not measured)
         self.step_recordings = None
-        if config.step_recordings and self.graphs is not None and self.proposer is not None \
-                and self._synthetic is None:
-            from mtpserve.engine.step_recordings import StepRecordings
-            self.step_recordings = StepRecordings()
+        if config.step_recordings:
+            why = ("it needs CUDA graphs (CUDA, cuda_graphs on)" if self.graphs is None else
+                   "it records draft steps (MTP off)" if self.proposer is None else
+                   "synthetic acceptance draws on the host every step" if self._synthetic is not None else None)
+            if why is None:
+                from mtpserve.engine.step_recordings import StepRecordings
+                self.step_recordings = StepRecordings()
+            else:
+                logger.warning("engine: step_recordings is off: %s", why)
 
     def _step_graphs(self, config: EngineConfig):
         """The captured steps (CUDA): every padded batch size up to the step's request limit, one

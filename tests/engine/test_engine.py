@@ -636,3 +636,15 @@ def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(mo
     tokens, _ = run_all(engine, PROMPTS, [GREEDY64] * len(PROMPTS))
     assert [r for r in greedy_reference if tokens[r] != greedy_reference[r]] == []
     assert g.num_replays > 0 and g.num_eager == 0, (g.num_replays, g.num_eager)
+
+
+def test_step_recordings_on_the_cpu_say_why_they_are_off_and_the_engine_serves(model_dir, caplog):
+    """``step_recordings`` records draft steps as CUDA graphs: on the CPU the engine says so
+    (a warning, not a silent ignore) and serves as without it."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="mtpserve"):
+        engine = Engine(EngineConfig(str(model_dir), spec=SpecConfig(draft_tokens=2), step_recordings=True))
+    assert engine.step_recordings is None
+    assert "step_recordings is off: it needs CUDA graphs" in caplog.text
+    tokens, _ = run_all(engine, PROMPTS[:2], [GREEDY64] * 2)
+    assert all(tokens.values())
