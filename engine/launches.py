@@ -27,7 +27,11 @@ import threading
 
 KERNEL, COPY, COPY_2D, EVENT, REPLAY = range(5)
 
-_local = threading.local()
+class _Local(threading.local):
+    deferred: Deferred | None = None      # (a class default: no per-call getattr fallback on the hot path)
+
+
+_local = _Local()
 
 
 class Deferred:
@@ -53,7 +57,7 @@ class deferring:
         self.ndarray_type = ndarray_type
 
     def __enter__(self) -> Deferred:
-        if getattr(_local, "deferred", None) is not None:
+        if _local.deferred is not None:
             raise AssertionError("launches are deferred already on this thread")
         nd = self.ndarray_type
         if nd is None:
@@ -66,16 +70,12 @@ class deferring:
         _local.deferred = None
 
 
-def _deferred() -> Deferred | None:
-    return getattr(_local, "deferred", None)
-
-
 def escape() -> None:
     """Where a step leaves the path whose launches can be deferred (an eager ORT forward, a host
     read of a device result, CuPy's own array code): inside ``deferring()`` the launches deferred
     so far are queued now, in order, and the rest of the step launches as it goes. A no-op
     otherwise."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         return
     _local.deferred = None
@@ -86,7 +86,7 @@ def escape() -> None:
 
 def kernel(fn, grid: tuple, block: tuple, args: tuple) -> None:
     """``fn(grid, block, args)``: a CuPy RawKernel launch on the current stream."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         fn(grid, block, args)
         return
@@ -97,7 +97,7 @@ def kernel(fn, grid: tuple, block: tuple, args: tuple) -> None:
 
 def copy(dst: int, src: int, nbytes: int, kind: int) -> None:
     """``cudaMemcpyAsync(dst, src, nbytes, kind)`` on the current stream (pointers as ints)."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         import cupy
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, cupy.cuda.get_current_stream().ptr)
@@ -109,7 +109,7 @@ def copy(dst: int, src: int, nbytes: int, kind: int) -> None:
 
 def copy_2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int) -> None:
     """``cudaMemcpy2DAsync`` on the current stream (pointers as ints)."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         import cupy
         cupy.cuda.runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind,
@@ -122,7 +122,7 @@ def copy_2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: in
 
 def record(event) -> None:
     """``event.record(current stream)``: what guards a pinned block or a readback slot."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         import cupy
         event.record(cupy.cuda.get_current_stream())
@@ -133,7 +133,7 @@ def record(event) -> None:
 
 def replay(graph_set, graph) -> None:
     """``graph.replay()``: ORT's replay of one captured forward (``cuda_graphs._Graph``)."""
-    d = _deferred()
+    d = _local.deferred
     if d is None:
         graph.replay()
         return
