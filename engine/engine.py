@@ -685,9 +685,13 @@ class Engine:
         decode step (its rows are drafted and verified from that step's acceptance on the device).
         A steady one (after a draft step of the same requests, staged from it) goes as one graph
         with ``step_recordings`` on."""
-        if (self.step_recordings is not None and after is not None and after.num_drafts
-                and after.staging is not None and plan.request_ids == after.plan.request_ids):
-            return self.step_recordings.launch(lambda: self._queue_drafting(plan, after))
+        if self.step_recordings is not None:
+            why = "launched alone" if after is None else "after a decode or prompt step" if not after.num_drafts \
+                else "after an unstaged step (eager, or rows of ended requests carried)" if after.staging is None \
+                else "other requests than the step before" if plan.request_ids != after.plan.request_ids else None
+            if why is None:
+                return self.step_recordings.launch(lambda: self._queue_drafting(plan, after))
+            self.step_recordings.skipped[why] = self.step_recordings.skipped.get(why, 0) + 1
         return self._queue_drafting(plan, after)
 
     def _queue_drafting(self, plan: StepPlan, after: LaunchedStep | None) -> LaunchedStep:

@@ -70,6 +70,7 @@ class StepRecordings:
     num_allocating: int = 0       # of those, steps that allocated device memory
     record_seconds: float = 0.0
     disabled: str | None = None   # why recording stopped (a capture failed), if it did
+    skipped: dict = field(default_factory=dict)     # draft steps not steady, by why (the engine counts)
     _recordings: dict = field(default_factory=dict, repr=False)
     _seen: dict = field(default_factory=dict, repr=False)        # signature -> times seen, unrecorded
     _eager: object = field(default=None, repr=False)
@@ -151,4 +152,4 @@ class StepRecordings:
     def stats(self) -> dict:
         return {"recordings": self.num_recordings, "launched": self.num_launched, "recorded": self.num_recorded,
                 "queued": self.num_queued, "escaped": self.num_escaped, "allocating": self.num_allocating,
-                "record_s": round(self.record_seconds, 3), "disabled": self.disabled}
+                "record_s": round(self.record_seconds, 3), "disabled": self.disabled, "skipped": dict(self.skipped)}

@@ -1160,6 +1160,18 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fg)          # session 38: the recorded-steps test again (why draft steps are not steady: StepRecordings.skipped), step_timeline.py's after-prompt calls against steady ones with cProfile (K=0 / 2, C=16, captured prompt steps), then landing prompt steps first against launching their continuation behind them, with captured prompt steps (host_ab, 2 rounds, K=2 C=16 / C=1) (~300 s)
+  step "test_cuda: recorded draft steps"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k recorded_draft_steps 2>&1 \
+    | grep -v Warning | grep "step recordings\|passed\|failed\|Error\|assert" | tail -12 | cut -c1-900 | tee "$OUT/test-cuda-recordings.txt"
+  step "step_timeline.py K=0 / 2, C=16, 256 requests, lengths 64-192, --prompt-graphs --profile"
+  timeout 200 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/timeline-pg.json" --fixed 0,2 \
+    --requests 256 --prompt-graphs --profile "$OUT/profile-pg" 2>&1 | grep -v "Warning\|No registered" | cut -c1-900 | tail -16
+  for f in "$OUT"/profile-pg-K2-*.txt; do echo "== $f"; head -42 "$f" | cut -c1-160; done
+  host_ab_extra=(--configs 2:16:1024,2:1:96)
+  switch_ab_rounds 2 "land:--prompt-graphs" "behind:--prompt-graphs,land_prompts_first=0"
+  step done
+  ;;
 ff)          # session 37's step recordings, first: test_cuda's recorded-steps test (K=2, 3: exact against launching call by call), then host_ab with --step-recordings against without, alternating in one checkout, K=2 at C=16 and C=1, 3 rounds (~330 s); then the whole test_cuda (cl: the launches of the draft path now go through engine/launches.py)
   step "test_cuda: recorded draft steps"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k recorded_draft_steps 2>&1 \

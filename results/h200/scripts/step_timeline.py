@@ -27,12 +27,22 @@ Each step's record also counts the host time of the calls its launches made (``c
 main / head forwards, main graph replays and misses, the head's captured drafting and fills).
 Session 26 (H100): the drafting step after each arrival ran an eager head forward, 0.72 ms of
 its host time; with ``HeadGraphs.fill`` it runs none.
+
+The call right after a prompt step's is its own kind ("after prompt": where an MTP engine's
+pipeline restarts and its head catches up on the new prompts; session 37 measured ~1.8 ms of
+them at K=2 C=16 against K=0's 0.23). ``--profile PREFIX`` runs cProfile over those calls and,
+apart, over the steady drafting ones, and writes each's functions per call (by own time and by
+cumulative time) to ``PREFIX-after-prompt.txt`` / ``PREFIX-steady.txt``: where the extra host
+time of a restart goes, function by function (cProfile's own cost inflates both alike).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -66,9 +76,14 @@ class Timeline:
         self._calls(engine.runner, "run_head", "eager head")
         if engine.graphs is not None:
             self._calls(engine.graphs, "run", "main graph", none_is="main graph missed")
+            self._calls(engine.graphs, "run_after", "main graph after", none_is="main graph after missed")
+            self._calls(engine.graphs.bank, "padded_in_place", "bank placed")
         if engine.proposer is not None and engine.proposer.graphs is not None:
             self._calls(engine.proposer.graphs, "draft", "head graphs", none_is="head graphs missed")
+            self._calls(engine.proposer.graphs, "draft_after", "head graphs after", none_is="head graphs after missed")
             self._calls(engine.proposer.graphs, "fill", "head fills")
+        if engine.proposer is not None:
+            self._calls(engine.proposer, "_catch_up_long", "head catch-up")
         original = self._receive = pipeline.TokenReadback.receive
         timeline = self
 
@@ -131,6 +146,7 @@ class Timeline:
         if timing is not None:
             rec.update(drafts=timing.num_head_forwards, prompt=timing.has_prefill, pipelined=timing.pipelined,
                        requests=timing.num_requests)
+        rec["after_prompt"] = bool(self.steps and self.steps[-1].get("prompt")) and not rec.get("prompt")
         self.steps.append(rec)
 
     def finish(self) -> list[dict]:
@@ -158,13 +174,60 @@ class Timeline:
         return out
 
 
+class KindProfiles:
+    """cProfile over one engine's ``step`` calls, one profile a kind of call: "after prompt" (the
+    call after one whose step fed a prompt) and "steady" (after a call whose step fed none and
+    drafted); other calls run unprofiled. The kind is known before the call (the last step's)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.recording = engine, False
+        self.profiles = {"after prompt": cProfile.Profile(), "steady": cProfile.Profile()}
+        self.calls = {k: 0 for k in self.profiles}
+        original = engine.step
+
+        def step(*args, **kwargs):
+            last = engine.last_step
+            kind = None if not self.recording or last is None else \
+                "after prompt" if last.has_prefill else "steady" if last.num_head_forwards else None
+            if kind is None:
+                return original(*args, **kwargs)
+            self.calls[kind] += 1
+            prof = self.profiles[kind]
+            prof.enable()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                prof.disable()
+        engine.step = step
+
+    def write(self, prefix: str, top: int = 45) -> None:
+        """Each kind's functions, by own time then cumulative time, in ms per call of that kind."""
+        for kind, prof in self.profiles.items():
+            n = self.calls[kind]
+            if not n:
+                continue
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out)
+            total = sum(v[2] for v in stats.stats.values())
+            out.write(f"{kind}: {n} calls, {total / n * 1e3:.3f} ms of profiled own time a call\n")
+            for key, title in (("tottime", "own"), ("cumulative", "cumulative")):
+                out.write(f"\n-- by {title} time, ms per call (calls per call) --\n")
+                rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2 if key == "tottime" else 3], reverse=True)
+                for (file, line, func), (_, nc, tt, ct, _) in rows[:top]:
+                    where = f"{Path(file).name}:{line}({func})"
+                    out.write(f"{(tt if key == 'tottime' else ct) / n * 1e3:8.3f}  {nc / n:7.2f}  {where}\n")
+            Path(f"{prefix}-{kind.replace(' ', '-')}.txt").write_text(out.getvalue())
+
+
 def summarize(rows: list[dict]) -> dict:
     """Medians (and sums) of each column by kind of step."""
+    steady = [r for r in rows if not r.get("prompt") and not r.get("after_prompt")]
     kinds = {"prompt": [r for r in rows if r.get("prompt")],
-             "drafting, pipelined": [r for r in rows if not r.get("prompt") and r.get("drafts") and r.get("pipelined")],
-             "drafting, alone": [r for r in rows if not r.get("prompt") and r.get("drafts") and not r.get("pipelined")],
-             "decode, pipelined": [r for r in rows if not r.get("prompt") and not r.get("drafts") and r.get("pipelined")],
-             "decode, alone": [r for r in rows if not r.get("prompt") and not r.get("drafts") and not r.get("pipelined")]}
+             "after prompt": [r for r in rows if r.get("after_prompt")],
+             "drafting, pipelined": [r for r in steady if r.get("drafts") and r.get("pipelined")],
+             "drafting, alone": [r for r in steady if r.get("drafts") and not r.get("pipelined")],
+             "decode, pipelined": [r for r in steady if not r.get("drafts") and r.get("pipelined")],
+             "decode, alone": [r for r in steady if not r.get("drafts") and not r.get("pipelined")]}
     out = {}
     for kind, rs in kinds.items():
         if not rs:
@@ -195,8 +258,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.5, help="output lengths from 128 x [1 - R, 1 + R]")
+    p.add_argument("--prompt-graphs", action="store_true", help="captured prompt steps (EngineConfig.prompt_graphs)")
+    p.add_argument("--profile", metavar="PREFIX", help="cProfile the calls after prompt steps and the steady "
+                   "drafting ones (MTP engines): PREFIX-K<k>-after-prompt.txt, PREFIX-K<k>-steady.txt")
     args = p.parse_args()
-    base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True)
+    base = EngineConfig(args.model_dir, device=args.device, overlap_decode=True, prompt_graphs=args.prompt_graphs)
     result = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
               "requests": args.requests, "range_ratio": args.range_ratio, "engines": {}}
     for k in [int(x) for x in args.fixed.split(",")]:
@@ -206,11 +272,17 @@ def main() -> None:
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, args.requests).prompt_ids
         lengths = output_lengths(len(prompts), 128, args.range_ratio) or 128
         timeline = Timeline(engine)
+        profiles = KindProfiles(engine) if args.profile and k else None
         ClosedLoop(engine, prompts, args.concurrency, f"warm-{k}", lengths).advance()
         timeline.recording = True
         loop = ClosedLoop(engine, prompts, args.concurrency, f"timed-{k}", lengths, on_step=timeline.on_step)
         loop.advance()
         timeline.recording = False
+        if profiles is not None:            # a second timed run, profiled (the first's timings stay clean)
+            profiles.recording = True
+            ClosedLoop(engine, prompts, args.concurrency, f"profiled-{k}", lengths).advance()
+            profiles.recording = False
+            profiles.write(f"{args.profile}-K{k}")
         rows = timeline.finish()
         r = loop.result()
         summary = summarize(rows)
