@@ -231,6 +231,11 @@ class EngineConfig:
                                          "model's 484 shapes took 17 GiB of device memory and 41 s to "
                                          "capture. On the CPU the same padded steps run eagerly (slower: "
                                          "for tests)")
+    prompt_graph_rows: int = setting(512, "CUDA, with prompt_graphs: the most rows in all (prompt chunks and "
+                                          "decode rows) of a captured prompt step; a larger one runs eagerly, "
+                                          "where its GPU time outweighs the launches a graph saves. The largest "
+                                          "shape sets the memory: ORT's arena grows to its working set at the "
+                                          "first capture (the 1.4 B model at 2048 rows: 16 GiB)")
     step_recordings: bool = setting(False, "CUDA, MTP: a steady draft step (after one of the same requests) "
                                            "recorded once as a CUDA graph of ours, ORT's forwards and our "
                                            "kernels in it, and launched as one call for every later step "
@@ -250,6 +255,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a new one), got {self.max_model_len}")
         if self.prompt_graphs and not self.cuda_graphs:
             raise ValueError("prompt_graphs needs cuda_graphs (prompt steps replay captured graphs too)")
+        if self.prompt_graph_rows < 1:
+            raise ValueError(f"prompt_graph_rows must be >= 1, got {self.prompt_graph_rows}")
         if self.step_recordings and not self.cuda_graphs:
             raise ValueError("step_recordings needs cuda_graphs (a recorded step runs the captured forwards' bindings)")
         self.cache.validate()

@@ -618,6 +618,27 @@ def test_prompt_graphs_with_64_requests_a_step_bind_every_shape_and_a_full_batch
     assert tokens == run_all(Engine(dataclasses.replace(config, prompt_graphs=False)), prompts, params)[0]
 
 
+def test_prompt_steps_past_prompt_graph_rows_run_eagerly_with_the_same_tokens(model_dir):
+    """``prompt_graph_rows`` bounds the captured prompt steps (their largest shape sets the memory
+    ORT's arena takes): with a 128-token budget and a 64-row bound no shape holds more than 64
+    rows; a step feeding more (three long prompts at once) runs eagerly, one within it replays,
+    and every token is the engine's without prompt graphs."""
+    config = EngineConfig(str(model_dir), num_threads=2, prompt_graphs=True, prompt_graph_rows=64,
+                          scheduler=SchedulerConfig(max_tokens_per_step=128, max_requests_per_step=4),
+                          cache=CacheConfig(num_blocks=256, max_resident_requests=4))
+    engine = Engine(config)
+    g = engine.prompt_graphs
+    assert g is not None and max(s.tokens for s in g._graphs) == 64, engine.prompt_graphs_off
+    prompts = [PROMPTS[0] * 3, PROMPTS[1] * 3, PROMPTS[2] * 3, PROMPTS[3][:8]]
+    assert sum(len(engine.tokenizer.encode(p)) for p in prompts[:3]) > 64
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts)
+    tokens, _ = run_all(engine, prompts, params)
+    assert g.num_eager >= 1 and g.num_replays >= 1, (g.num_eager, g.num_replays)
+    assert tokens == run_all(Engine(dataclasses.replace(config, prompt_graphs=False)), prompts, params)[0]
+    with pytest.raises(ValueError, match="prompt_graph_rows"):
+        dataclasses.replace(config, prompt_graph_rows=0).validate()
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(model_dir, greedy_reference, k):
     """``prompt_graphs`` on the CPU: every step that feeds a prompt chunk runs through a varlen

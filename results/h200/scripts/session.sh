@@ -1160,6 +1160,18 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fh)          # session 38: captured prompt steps bounded at 512 rows (EngineConfig.prompt_graph_rows, new default): the 1.4 B model's start-up cost (session 37, unbounded: 484 shapes, 17,164 MiB, 41 s; 16,386 MiB of it at the first, largest capture), the bundled K=2 engine on / off; then on against off, host_ab 3 rounds alternating, K=2 / K=0 at C=16 (~330 s)
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "startup_cost.py, 1.4 B, prompt graphs on (512 rows at most), off"
+  timeout 150 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-mid-512.json" $mid --also-off 2>&1 \
+    | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
+  step "startup_cost.py, bundled, K=2, prompt graphs on (512 rows at most) then off"
+  timeout 90 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-bundled-k2-512.json" engine/bundled/model \
+    --draft-tokens 2 --also-off 2>&1 | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
+  host_ab_extra=(--configs 2:16:1024,0:16:1024)
+  switch_ab_rounds 3 off "pg:--prompt-graphs"
+  step done
+  ;;
 fg)          # session 38: the recorded-steps test again (why draft steps are not steady: StepRecordings.skipped), step_timeline.py's after-prompt calls against steady ones with cProfile (K=0 / 2, C=16, captured prompt steps), then landing prompt steps first against launching their continuation behind them, with captured prompt steps (host_ab, 2 rounds, K=2 C=16 / C=1) (~300 s)
   step "test_cuda: recorded draft steps"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k recorded_draft_steps 2>&1 \
