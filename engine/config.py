@@ -227,15 +227,21 @@ class EngineConfig:
                                          "replay against ORT's eager run of the same inputs and the padded "
                                          "logits against the unpadded forward, and keeps the eager path if "
                                          "either differs. Off by default: on an H100 they made the bundled "
-                                         "model's K=2 engine 1.13x faster at 16 requests, but the 1.4 B "
-                                         "model's 484 shapes took 17 GiB of device memory and 41 s to "
-                                         "capture. On the CPU the same padded steps run eagerly (slower: "
-                                         "for tests)")
+                                         "model's K=2 engine 1.11-1.13x faster at 16 requests, but without "
+                                         "prompt_graph_slot_tokens the 1.4 B model's shapes took 17 GiB of "
+                                         "device memory (20-41 s to capture); the bounded catalog's cost is "
+                                         "not measured yet. On the CPU the same padded steps run eagerly "
+                                         "(slower: for tests)")
     prompt_graph_rows: int = setting(512, "CUDA, with prompt_graphs: the most rows in all (prompt chunks and "
                                           "decode rows) of a captured prompt step; a larger one runs eagerly, "
-                                          "where its GPU time outweighs the launches a graph saves. The largest "
-                                          "shape sets the memory: ORT's arena grows to its working set at the "
-                                          "first capture (the 1.4 B model at 2048 rows: 16 GiB)")
+                                          "where its GPU time outweighs the launches a graph saves. It sets the "
+                                          "number of shapes, so the capture time (the 1.4 B model on an H100: "
+                                          "484 shapes in 41 s up to 2048 rows, 324 in 20 s up to 512)")
+    prompt_graph_slot_tokens: int = setting(65536, "CUDA, with prompt_graphs: the most padded requests x KV-bucket "
+                                                   "tokens of a captured prompt step (ORT's varlen attention holds "
+                                                   "every slot's KV at the bucket's length); a larger step runs "
+                                                   "eagerly. This sets the memory: the 1.4 B model's 65 slots at "
+                                                   "an 8192-token bucket took 16.4 GiB of ORT's arena on an H100")
     step_recordings: bool = setting(False, "CUDA, MTP: a steady draft step (after one of the same requests) "
                                            "recorded once as a CUDA graph of ours, ORT's forwards and our "
                                            "kernels in it, and launched as one call for every later step "
@@ -257,6 +263,8 @@ class EngineConfig:
             raise ValueError("prompt_graphs needs cuda_graphs (prompt steps replay captured graphs too)")
         if self.prompt_graph_rows < 1:
             raise ValueError(f"prompt_graph_rows must be >= 1, got {self.prompt_graph_rows}")
+        if self.prompt_graph_slot_tokens < 1:
+            raise ValueError(f"prompt_graph_slot_tokens must be >= 1, got {self.prompt_graph_slot_tokens}")
         if self.step_recordings and not self.cuda_graphs:
             raise ValueError("step_recordings needs cuda_graphs (a recorded step runs the captured forwards' bindings)")
         self.cache.validate()

@@ -144,20 +144,31 @@ class PromptCatalog:
 
         slots     | r0: 40 rows | r1: 1 | r2: 1 | pad: 11 | pad: 11 |     batch 5, 64 rows
         ranges    0            40      41      42        53        64
+        KV        batch x bucket tokens (<= max_slot_tokens): what ORT's varlen attention holds
+
+    ``max_slot_tokens``: the most slots x KV-bucket tokens of a captured shape (None: no bound).
+    A shape's device memory goes with it, not with its rows: on the H100 the 1.4 B model's first
+    capture, 65 slots at an 8192-token bucket, grew ORT's arena by 16.4 GiB at 2048 rows and
+    alike at 512 (session 38), the other shapes then cut from it.
     """
     batch_sizes: tuple[int, ...]
     row_buckets: tuple[int, ...]
     table_widths: tuple[int, ...]
     block_size: int
     banks: tuple[int, ...] = (0, 1)
+    max_slot_tokens: int | None = None
+
+    def _within(self, batch: int, width: int) -> bool:
+        return self.max_slot_tokens is None or batch * width * self.block_size <= self.max_slot_tokens
 
     def shapes(self) -> list[GraphShape]:
         """Every (batch, rows, width, bank) whose rows fit its slots: ``batch`` slots of at most
         ``width`` blocks each hold ``rows``, and there are at least as many rows as slots (ORT's
-        varlen kernels refuse fewer: "total_tokens must be at least batch_size"). No step
-        ``choose``s a shape that is not one of these."""
+        varlen kernels refuse fewer: "total_tokens must be at least batch_size"), within
+        ``max_slot_tokens``. No step ``choose``s a shape that is not one of these."""
         return [GraphShape(b, t, w, bank) for t in self.row_buckets for w in self.table_widths
-                for b in self.batch_sizes for bank in self.banks if b <= t <= b * w * self.block_size]
+                for b in self.batch_sizes for bank in self.banks
+                if b <= t <= b * w * self.block_size and self._within(b, w)]
 
     def capture_order(self) -> list[GraphShape]:
         """Largest first (``GraphCatalog.capture_order``: ORT's arena then cuts the later
@@ -165,8 +176,9 @@ class PromptCatalog:
         return sorted(self.shapes(), key=lambda s: (s.tokens, s.batch * s.table_width, s.bank), reverse=True)
 
     def summary(self) -> str:
+        bound = "" if self.max_slot_tokens is None else f", slots x KV bucket <= {self.max_slot_tokens} tokens"
         return (f"batch {list(self.batch_sizes)}, rows in all {list(self.row_buckets)}, KV buckets "
-                f"{[w * self.block_size for w in self.table_widths]} tokens, {len(self.banks)} state bank(s)")
+                f"{[w * self.block_size for w in self.table_widths]} tokens{bound}, {len(self.banks)} state bank(s)")
 
     def describe(self, shape: GraphShape) -> str:
         return (f"{shape.batch} requests, {shape.tokens} rows in all, KV bucket "
@@ -189,7 +201,9 @@ class PromptCatalog:
         per_slot = -(-(rows - n) // (batch - B))
         blocks = -(-max(max(kv_lens), per_slot) // self.block_size)
         width = next((w for w in self.table_widths if w >= blocks), None)
-        return None if width is None else (batch, rows, width)
+        if width is None or not self._within(batch, width):     # (a larger batch or width: larger still)
+            return None
+        return batch, rows, width
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,8 @@ class Engine:
     def _prompt_graphs(self, config: EngineConfig):
         """The captured prompt steps (``EngineConfig.prompt_graphs``): batches up to the step's
         request limit plus the padding request's slot, total rows in powers of two up to the
-        step's token budget or ``prompt_graph_rows`` (the smaller), the decode graphs' KV buckets."""
+        step's token budget or ``prompt_graph_rows`` (the smaller), the decode graphs' KV buckets,
+        slots x KV bucket within ``prompt_graph_slot_tokens``."""
         from mtpserve.engine.cuda_graphs import (
             PromptCatalog,
             PromptGraphs,
@@ -275,7 +276,8 @@ class Engine:
         largest = min(config.scheduler.max_requests_per_step, config.cache.max_resident_requests)
         rows = min(config.scheduler.max_tokens_per_step, config.prompt_graph_rows)
         catalog = PromptCatalog(prompt_batch_sizes(largest), prompt_row_buckets(rows),
-                                table_width_buckets(m.block_size, m.context_length), m.block_size)
+                                table_width_buckets(m.block_size, m.context_length), m.block_size,
+                                max_slot_tokens=config.prompt_graph_slot_tokens)
         return PromptGraphs(self.runner, self.state_bank, catalog, self.xp)
 
     def _capture_prompt_graphs(self, advice: str) -> None:

@@ -2,6 +2,7 @@
 runs here; the replays themselves are in test_cuda.py, on the device)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -364,6 +365,26 @@ def test_prompt_shapes_are_every_batch_rows_bucket_and_bank_whose_slots_hold_the
     order = PROMPTS.capture_order()
     assert order[0].tokens == 256 and order[-1].tokens == 64 and sorted(order, key=repr) == sorted(shapes, key=repr)
     assert "17 requests, 256 rows in all, KV bucket 1008 tokens" == PROMPTS.describe(cuda_graphs.GraphShape(17, 256, 63, 0))
+
+
+def test_prompt_shapes_past_the_slot_token_bound_are_neither_captured_nor_chosen():
+    """``max_slot_tokens`` bounds slots x KV-bucket tokens (what ORT's varlen attention holds, so
+    the memory the captures take): no shape past it, and a step whose smallest fitting shape is
+    past it gets none (it runs eagerly) rather than a shape that was never captured."""
+    bounded = dataclasses.replace(PROMPTS, max_slot_tokens=8 * 32 * 16)          # 8 slots at 512 tokens
+    shapes = bounded.shapes()
+    assert shapes and all(s.batch * s.table_width * 16 <= 8 * 32 * 16 for s in shapes)
+    assert cuda_graphs.GraphShape(8, 64, 32, 0) in shapes and cuda_graphs.GraphShape(17, 64, 16, 0) not in shapes
+    assert cuda_graphs.GraphShape(8, 64, 63, 0) not in shapes                   # 8 x 1008 tokens
+    assert bounded.choose([40, 1, 1], [40, 300, 120]) == (4, 64, 32)           # 4 x 512: within
+    assert bounded.choose([1] * 16, [500] * 16) is None                         # 17 x 512: past it
+    assert bounded.choose([5] * 5, [900] * 5) is None                           # 8 x 1008: past it
+    assert PROMPTS.choose([5] * 5, [900] * 5) == (8, 64, 63)                    # (unbounded: chosen)
+    assert bounded.choose([5, 1], [5, 900]) == (4, 64, 63)                      # 4 x 1008: within
+    for lengths, kv in (([40, 1, 1], [40, 300, 120]), ([1] * 7, [200] * 7), ([100, 29], [100, 29])):
+        choice = bounded.choose(lengths, kv)
+        assert choice is None or cuda_graphs.GraphShape(*choice, 0) in shapes
+    assert "slots x KV bucket <= 4096 tokens" in bounded.summary()
 
 
 def _varlen_host(batch: int, total: int, width: int):

@@ -639,6 +639,29 @@ def test_prompt_steps_past_prompt_graph_rows_run_eagerly_with_the_same_tokens(mo
         dataclasses.replace(config, prompt_graph_rows=0).validate()
 
 
+def test_prompt_steps_past_prompt_graph_slot_tokens_run_eagerly_with_the_same_tokens(model_dir):
+    """``prompt_graph_slot_tokens`` bounds slots x KV-bucket tokens of the captured prompt steps
+    (the memory their captures take): at 2 slots x 256 tokens only 2-slot shapes are bound; a
+    step of one prompt replays, steps of several (4 or 5 slots) run eagerly, and every token is
+    the engine's without prompt graphs."""
+    config = EngineConfig(str(model_dir), num_threads=2, prompt_graphs=True, prompt_graph_slot_tokens=512,
+                          max_model_len=256, scheduler=SchedulerConfig(max_tokens_per_step=64, max_requests_per_step=4),
+                          cache=CacheConfig(num_blocks=128, max_resident_requests=4))
+    engine = Engine(config)
+    g = engine.prompt_graphs
+    assert g is not None and {s.batch for s in g._graphs} == {2}, engine.prompt_graphs_off
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts)
+    tokens, _ = run_all(engine, prompts[:1], params[:1])
+    assert g.num_replays >= 1 and g.num_eager == 0, (g.num_replays, g.num_eager)
+    more, _ = run_all(engine, prompts, params)
+    assert g.num_eager >= 1, g.num_eager
+    off = Engine(dataclasses.replace(config, prompt_graphs=False))
+    assert (tokens, more) == (run_all(off, prompts[:1], params[:1])[0], run_all(off, prompts, params)[0])
+    with pytest.raises(ValueError, match="prompt_graph_slot_tokens"):
+        dataclasses.replace(config, prompt_graph_slot_tokens=0).validate()
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(model_dir, greedy_reference, k):
     """``prompt_graphs`` on the CPU: every step that feeds a prompt chunk runs through a varlen
