@@ -222,6 +222,12 @@ class Engine:
         # first token p50 fell 1-2 ms at C=1 and C=16, throughput unchanged; K=0, whose next
         # launch is one replay, gained ~0.3 ms and lost 1.5-3% (a GPU gap per prompt step)
         self.land_prompts_first = self.proposer is not None
+        # with land_prompts_first, the head's catch-up on a launched prompt step's completed
+        # prompts (``_catch_up_prompts``) is queued at that launch, while the GPU runs the prompt
+        # forward, not in the draft step after it, which is launched with nothing in flight (the
+        # GPU waiting for the host: ~0.4-0.9 ms of head-fill host time a prompt step on an H100,
+        # session 38's step_timeline.py). Off until an A/B on the device says it pays
+        self.early_head_catch_up = False
         # a draft step's continuation carries the rows of requests that ended while no waiting
         # request could take their slots (pipeline.py, Scheduler.carries_dead_rows), so a finish
         # does not stop the draft steps' pipeline; off: every finish stops it (the lookahead's
@@ -578,7 +584,25 @@ class Engine:
         self.scheduler.commit_rows(plan, out.present, kept, out.captures)
         if self.proposer is not None:            # the head's catch-up rows: known without the tokens
             self.proposer.keep_step(plan.request_ids, out.hidden, plan.layout.row_start, kept)
+            if after is None and self.early_head_catch_up and self.land_prompts_first:
+                self._catch_up_prompts(plan)
         return flight
+
+    def _catch_up_prompts(self, plan: StepPlan) -> None:
+        """``early_head_catch_up``: the head's catch-up on each prompt the launched step ``plan``
+        completed, queued behind it: every row but the last (whose id the step samples, on the
+        device), from the step's hidden rows, as the next draft step's ``propose`` would. Only
+        completed prompts: an earlier chunk may end where the prefix cache takes a snapshot when
+        the step lands, which keeps hidden rows from ``num_head`` on. Their head KV is reserved
+        and committed here; a request whose reservation fails catches up later, as before."""
+        done = [s.request for s in plan.scheduled if s.num_tokens > 1 and s.request.num_computed
+                >= s.request.num_prompt_tokens and s.request.num_computed - s.request.num_head > 1]
+        ready = [r for r in done if self.head_pool.reserve(r.request_id, r.num_computed - 1)]
+        if not ready:
+            return
+        self.proposer.catch_up(ready)
+        for r in ready:
+            self.head_pool.commit(r.request_id, r.num_head)
 
     def _pick_tokens(self, flight: LaunchedStep) -> None:
         """The launched step's tokens on the device, as ``accept_step`` picks them (greedy: the

@@ -266,6 +266,12 @@ class MTPProposer:
             self.grammars.rollback(rid)
         return result
 
+    def catch_up(self, requests: list) -> None:
+        """The head's KV of each request's rows from ``num_head`` to its last committed row (not
+        included: its id is the token the last step samples), from its pending hidden rows;
+        ``num_head`` advances (``_catch_up_long``)."""
+        self._catch_up_long(requests)
+
     def _catch_up_long(self, long: list) -> None:
         """Requests with many head rows to catch up (a new prompt, a prefix hit, drafting resumed
         after a pause): all their rows but the last, in head forwards (their outputs unused: the

@@ -663,6 +663,33 @@ def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_c
 
 
 @needs_cuda
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_cuda_the_heads_catch_up_queued_behind_a_prompt_step_keeps_the_tokens_and_acceptance(model_dir, prompt_graphs):
+    """``early_head_catch_up``: the head's fills for the prompts a launched prompt step completed
+    are queued behind that step (its hidden rows still in the replays' buffers, with captured
+    prompt steps) instead of in the draft step after it. Arrivals between draft steps: every
+    token is the same engine's without it, and so is the acceptance (the head's KV holds the same
+    rows; only the fills' grouping may differ)."""
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
+    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    runs = {}
+    for early in (False, True):
+        engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=prompt_graphs)
+        engine.early_head_catch_up = early
+        caught = []
+        catch_up = engine.proposer.catch_up
+        engine.proposer.catch_up = lambda requests, f=catch_up, c=caught: c.extend(requests) or f(requests)
+        out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
+        runs[early] = (out, reasons, engine.stats.acceptance_rate)
+        print(f"early={early}, prompt graphs {prompt_graphs}: {len(caught)} prompts caught up at launch; "
+              f"acceptance {engine.stats.acceptance_rate:.3f}")
+        assert bool(caught) == early
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] >= 0.97 * runs[False][2]
+
+
+@needs_cuda
 def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptance(model_dir):
     """A captured draft continuation leaves its hidden rows in the replays' own buffer (its own
     continuation's head reads them there); one the pipeline stops after (an arrival, a finish)

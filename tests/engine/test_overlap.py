@@ -455,6 +455,36 @@ def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_
     assert len(expected[0]["masked"]) >= 2 and plain[1] not in expected[0]["masked"][:2]
 
 
+def test_the_heads_catch_up_queued_behind_a_prompt_step_keeps_every_token_and_draft(model_dir):
+    """``early_head_catch_up``: the head catches up on the prompts a launched prompt step
+    completed behind that step, not in the draft step after it. CUDA's rules (uniform drafts,
+    holds, a draft step after a decode step), 9 clients over 24 requests of 8 prompts (prefix
+    hits, recurrent-state snapshots at chunk boundaries, chunked prompts: a 48-token budget),
+    pools checked after every step: the tokens are MTP off's, and the drafts the same engine
+    makes without it, to the count (the head's KV holds the same rows, written earlier), while
+    prompts did catch up early and the prefix cache took snapshots."""
+    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
+                for i in range(24)]
+    reference = closed_loop(make(model_dir, True), requests, 9)[0]
+    runs = {}
+    for early in (False, True):
+        engine = make(model_dir, True, k=2, uniform=True, hold=6)
+        engine.draft_after_decode = True
+        engine.early_head_catch_up = early
+        caught = []
+        catch_up = engine.proposer.catch_up
+        engine.proposer.catch_up = lambda requests, f=catch_up, c=caught: c.extend(requests) or f(requests)
+        tokens = closed_loop(engine, requests, 9)[0]
+        stats = engine.stats
+        runs[early] = (tokens, stats.num_draft_tokens, stats.num_accepted_tokens)
+        print(f"early={early}: {len(caught)} prompts caught up at their launch; drafts {stats.num_draft_tokens}, "
+              f"accepted {stats.num_accepted_tokens}; snapshots {engine.prefix_cache.stats.num_snapshots_taken}")
+        assert tokens == reference
+        assert bool(caught) == early
+        assert engine.prefix_cache.stats.num_snapshots_taken > 0
+    assert runs[True] == runs[False]
+
+
 def test_no_draft_step_is_launched_on_requests_that_may_all_have_ended(model_dir):
     """A draft step in flight whose tokens may end every one of its requests (max_tokens within
     its 1 + K) gets no continuation: such a continuation could run on dead rows alone, a step of

@@ -1160,6 +1160,31 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
+fi)          # session 39, first: test_cuda's new tests (the head's catch-up queued behind a prompt step; recorded draft steps), the 1.4 B model's start-up with the bounded prompt catalog (512 rows, 65536 slot-tokens: session 38 measured 16.9 GiB with rows alone bounded), then early_head_catch_up against without, with captured prompt steps (host_ab, 3 rounds, K=2 at C=16 / C=1) (~420 s)
+  step "test_cuda: early head catch-up, recorded draft steps"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "catch_up_queued or recorded_draft_steps" 2>&1 \
+    | grep -v Warning | grep "early=\|step recordings\|passed\|failed\|Error\|assert" | tail -12 | cut -c1-700 | tee "$OUT/test-cuda-early.txt"
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "startup_cost.py, 1.4 B, prompt graphs on (bounded: 512 rows, 65536 slot-tokens), off"
+  timeout 120 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-mid-bounded.json" $mid --also-off 2>&1 \
+    | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
+  host_ab_extra=(--configs 2:16:1024,2:1:96)
+  switch_ab_rounds 3 "pg:--prompt-graphs" "early:--prompt-graphs,early_head_catch_up=1"
+  step done
+  ;;
+fj)          # session 39: where the arrival steps go with the engine's defaults (draft after decode on; session 38's timeline had it off) and captured prompt steps, without and with early_head_catch_up: step_timeline.py K=2 C=16 with --profile, then the bench at C=16 K=0 / 2 with --prompt-graphs on (~250 s)
+  for early in 0 1; do
+    step "step_timeline.py K=2, C=16, 256 requests, --prompt-graphs --set early_head_catch_up=$early --profile"
+    timeout 120 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/timeline-pg-early$early.json" --fixed 2 \
+      --requests 256 --prompt-graphs --set early_head_catch_up=$early --profile "$OUT/profile-pg-early$early" 2>&1 \
+      | grep -v "Warning\|No registered" | cut -c1-900 | tail -8
+  done
+  step "bench C=16, K=0 / 2, --prompt-graphs on"
+  mkdir -p "$OUT/bench"
+  timeout 150 python3 -m mtpserve.cluster.cli bench --device cuda --results-dir "$OUT/bench" --draft-tokens 0,2 --concurrency 16 \
+    --num-prompts 512 --max-tokens 128 --prompt-graphs on 2>&1 | grep -v "Warning\|No registered" | tail -14 | cut -c1-300
+  step done
+  ;;
 fh)          # session 38: captured prompt steps bounded at 512 rows (EngineConfig.prompt_graph_rows, new default): the 1.4 B model's start-up cost (session 37, unbounded: 484 shapes, 17,164 MiB, 41 s; 16,386 MiB of it at the first, largest capture), the bundled K=2 engine on / off; then on against off, host_ab 3 rounds alternating, K=2 / K=0 at C=16 (~330 s)
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "startup_cost.py, 1.4 B, prompt graphs on (512 rows at most), off"

@@ -2,7 +2,7 @@
 work, and what the GPU did in between, step by step (one engine at a time, a closed loop).
 
     python3 step_timeline.py MODEL_DIR OUT.json [--fixed 0,2] [--concurrency 16] [--requests 128]
-        [--range-ratio 0.5] [--after-decode] [--device cuda]
+        [--range-ratio 0.5] [--no-after-decode] [--prompt-graphs] [--set ATTR=0|1] [--profile PREFIX] [--device cuda]
 
 Session 24 (H100, bundled, C=16, lengths 64-192): a K=2 step took 1.08 ms (p50) where its
 replays alone take ~0.6, and ``auto_ab.py``'s host figure (wall time outside ORT's launch calls)
@@ -254,7 +254,11 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--fixed", default="0,2", help="draft counts, one engine each (0: MTP off)")
-    p.add_argument("--after-decode", action="store_true", help="Engine.draft_after_decode on in the MTP engines")
+    p.add_argument("--no-after-decode", action="store_true",
+                   help="Engine.draft_after_decode off in the MTP engines (default: the engine's, on with CUDA; "
+                   "before session 38 this script turned it off unless asked)")
+    p.add_argument("--set", action="append", default=[], metavar="ATTR=0|1",
+                   help="an Engine attribute switched in every engine (early_head_catch_up=1)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.5, help="output lengths from 128 x [1 - R, 1 + R]")
@@ -266,9 +270,15 @@ def main() -> None:
     result = {"model": args.model_dir, "device": args.device, "concurrency": args.concurrency,
               "requests": args.requests, "range_ratio": args.range_ratio, "engines": {}}
     for k in [int(x) for x in args.fixed.split(",")]:
-        name = f"K={k}" + (" after decode" if k and args.after_decode else "")
+        name = f"K={k}" + (" no draft after decode" if k and args.no_after_decode else "")
         engine = Engine(dataclasses.replace(base, spec=SpecConfig(k)))
-        engine.draft_after_decode = bool(k and args.after_decode)
+        if args.no_after_decode:
+            engine.draft_after_decode = False
+        for switch in args.set:
+            attr, value = switch.split("=")
+            if not hasattr(engine, attr):
+                raise SystemExit(f"no engine attribute {attr}")
+            setattr(engine, attr, bool(int(value)))
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, args.requests).prompt_ids
         lengths = output_lengths(len(prompts), 128, args.range_ratio) or 128
         timeline = Timeline(engine)
