@@ -182,6 +182,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prompt-graphs", default=False, type=on_off, metavar="on|off",
                    help="in process: prompt steps through varlen graphs (default off; the engine's "
                         "--prompt-graphs: captured on CUDA, bound and run eagerly on the CPU)")
+    g.add_argument("--prompt-graph-rows", type=int, default=None, metavar="N",
+                   help="with --prompt-graphs: the most rows in all of a captured prompt step (default: the "
+                        "engine's prompt_graph_rows)")
+    g.add_argument("--prompt-graph-slot-tokens", type=int, default=None, metavar="N",
+                   help="with --prompt-graphs: the most padded requests x KV-bucket tokens of a captured prompt "
+                        "step, which sets their memory (default: the engine's prompt_graph_slot_tokens)")
     g.add_argument("--warmup-requests", type=int, default=4, help="requests run untimed first, per configuration")
     g.add_argument("--rounds", type=int, default=1,
                    help="in process: every draft count's engine built once, then this many rounds of every "
@@ -355,6 +361,12 @@ def _bench(args) -> int:
                          "'mtpserve serve --prompt-graphs on': drop --url and --replicas")
     if args.prompt_graphs and not args.cuda_graphs:
         raise ValueError("--prompt-graphs needs --cuda-graphs on")
+    bounds = {"--prompt-graph-rows": args.prompt_graph_rows, "--prompt-graph-slot-tokens": args.prompt_graph_slot_tokens}
+    for flag, value in bounds.items():
+        if value is not None and not args.prompt_graphs:
+            raise ValueError(f"{flag} bounds captured prompt steps: add --prompt-graphs on")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root
@@ -426,7 +438,9 @@ def _bench(args) -> int:
                                 args.max_resident_requests, args.max_tokens_per_step, args.max_model_len,
                                 args.warmup_requests, args.timeout_s, args.cuda_graphs, mode != "off",
                                 "all" if mode == "all" else "reused", args.phases, overlap_decode=overlap,
-                                kv_block_size=args.kv_block_size, prompt_graphs=args.prompt_graphs)
+                                kv_block_size=args.kv_block_size, prompt_graphs=args.prompt_graphs,
+                                prompt_graph_rows=args.prompt_graph_rows,
+                                prompt_graph_slot_tokens=args.prompt_graph_slot_tokens)
             from mtpserve.engine.manifest import with_block_size
             block_size = with_block_size(manifest, args.kv_block_size).block_size
             if args.rounds > 1:

@@ -46,6 +46,8 @@ class EngineSweep:
     overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
     kv_block_size: int | None = None        # CacheConfig.kv_block_size (None: the export's)
     prompt_graphs: bool = False             # EngineConfig.prompt_graphs: captured prompt steps (CPU: bound, eager)
+    prompt_graph_rows: int | None = None    # EngineConfig.prompt_graph_rows (None: the engine's default)
+    prompt_graph_slot_tokens: int | None = None     # EngineConfig.prompt_graph_slot_tokens (None: the default)
 
 
 NO_PREFIX_CACHE = "mtpserve no-prefix-cache"     # the system label of runs with the prefix cache off
@@ -76,7 +78,9 @@ def engine_config(sweep: EngineSweep, k: int | str, block_size: int, max_prompt_
                                         synthetic_acceptance=sweep.synthetic_acceptance if k else None),
                         max_model_len=sweep.max_model_len, cuda_graphs=sweep.cuda_graphs,
                         overlap_decode=sweep.overlap_decode,
-                        prompt_graphs=sweep.prompt_graphs)
+                        prompt_graphs=sweep.prompt_graphs,
+                        **{name: value for name in ("prompt_graph_rows", "prompt_graph_slot_tokens")
+                           if (value := getattr(sweep, name)) is not None})
 
 
 def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingParams:

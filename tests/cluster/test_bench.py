@@ -212,6 +212,13 @@ def test_prompt_graphs_run_every_prompt_step_and_report_their_start_up(tiny_page
     assert "resident; no CUDA graphs)" in capsys.readouterr().err
     [run] = only_json(tmp_path / "off")["results"]
     assert run["extra"]["engine"]["graphs"] == {} and run["extra"]["prompt_graph_steps"] is None
+    # the catalog's bounds reach the engine: fewer shapes at a lower row bound; none without the graphs
+    assert bench([*common, "--prompt-graphs", "on", "--prompt-graph-rows", "64", "--prompt-graph-slot-tokens", "512",
+                  "--results-dir", str(tmp_path / "bounded")]) == 0
+    [run] = only_json(tmp_path / "bounded")["results"]
+    assert 0 < run["extra"]["engine"]["graphs"]["prompt"]["count"] < prompt["count"]
+    assert bench([*common, "--prompt-graph-rows", "64", "--results-dir", str(tmp_path / "x")]) == 2
+    assert "add --prompt-graphs on" in capsys.readouterr().err
 
 
 def test_each_load_gets_prompts_of_its_own_so_the_prefix_cache_cannot_answer_it(tiny_paged_export, tmp_path):
