@@ -663,6 +663,25 @@ def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_c
 
 
 @needs_cuda
+@pytest.mark.parametrize("k", [2, 3])
+def test_cuda_recordings_launched_again_for_a_steady_batch_keep_every_token(model_dir, k):
+    """``step_recordings`` where one batch runs steady (4 requests of one length, no arrivals, no
+    stop ids): each recording is launched again for many later steps, each with its own staging
+    and acceptance read when it runs (the test above mostly records: its arrivals and ends leave
+    few steps steady), and every token is the same engine's launching call by call."""
+    params = [SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)] * 4
+    prompts = PROMPTS[:4]
+    ref, ref_reasons, _ = _greedy_run(engine_on(model_dir, "cuda", k=k), params, prompts=prompts)
+    engine = engine_on(model_dir, "cuda", k=k, step_recordings=True)
+    out, reasons, _ = _greedy_run(engine, params, prompts=prompts)
+    r = engine.step_recordings
+    print(f"step recordings, steady (K={k}): {r.stats()}")
+    assert r.disabled is None
+    assert out == ref and reasons == ref_reasons
+    assert r.num_recorded >= 1 and r.num_launched - r.num_recorded >= 10       # launched again, often
+
+
+@needs_cuda
 @pytest.mark.parametrize("prompt_graphs", [False, True])
 def test_cuda_the_heads_catch_up_queued_behind_a_prompt_step_keeps_the_tokens_and_acceptance(model_dir, prompt_graphs):
     """``early_head_catch_up``: the head's fills for the prompts a launched prompt step completed

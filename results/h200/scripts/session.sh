@@ -1162,7 +1162,7 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
   ;;
 fi)          # session 39, first: test_cuda's new tests (the head's catch-up queued behind a prompt step; recorded draft steps), the 1.4 B model's start-up with the bounded prompt catalog (512 rows, 65536 slot-tokens: session 38 measured 16.9 GiB with rows alone bounded), then early_head_catch_up against without, with captured prompt steps (host_ab, 3 rounds, K=2 at C=16 / C=1) (~420 s)
   step "test_cuda: early head catch-up, recorded draft steps"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "catch_up_queued or recorded_draft_steps" 2>&1 \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "catch_up_queued or recorded_draft_steps or steady_batch" 2>&1 \
     | grep -v Warning | grep "early=\|step recordings\|passed\|failed\|Error\|assert" | tail -12 | cut -c1-700 | tee "$OUT/test-cuda-early.txt"
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "startup_cost.py, 1.4 B, prompt graphs on (bounded: 512 rows, 65536 slot-tokens), off"
