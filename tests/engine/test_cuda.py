@@ -678,7 +678,7 @@ def test_cuda_recordings_launched_again_for_a_steady_batch_keep_every_token(mode
     print(f"step recordings, steady (K={k}): {r.stats()}")
     assert r.disabled is None
     assert out == ref and reasons == ref_reasons
-    assert r.num_recorded >= 1 and r.num_launched - r.num_recorded >= 10       # launched again, often
+    assert r.num_recorded >= 1 and r.num_launched - r.num_recorded >= 5        # launched again, often
 
 
 @needs_cuda
