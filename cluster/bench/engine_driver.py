@@ -8,6 +8,8 @@ returned; a request's arrival is when it was due (so queueing counts in its TTFT
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass, replace
@@ -88,24 +90,50 @@ def sampling_params(sweep: EngineSweep, max_tokens: int, i: int) -> SamplingPara
                           ignore_eos=sweep.ignore_eos)
 
 
+@contextlib.contextmanager
+def start_up_frozen():
+    """What start-up built (ORT sessions, captured graphs, the engine's pools and tables) kept out
+    of the cycle collector's full collections for the block, as a serving process keeps it
+    (``actors/worker.py``, ``actors/engine_process.py``: ``gc.freeze()`` after start-up). Else a
+    full collection, which a load's allocations trigger now and then, rescans all of it: ~10 ms
+    with the bundled model's ~39k start-up objects on a 2-core host, a step the report flags as
+    slow. Unfrozen after, so an engine the block used can be collected (its cycles would
+    otherwise hold its device memory past ``del``)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_engine_sweep(sweep: EngineSweep, workload: Workload, block_size: int, log=print) -> list[LoadRun]:
     """Every draft count at every load, against the same prompts."""
     runs = []
     for k in sweep.draft_tokens:
         engine = ready_engine(sweep, k, workload, block_size, log)
         timers = phase_timers(sweep, engine)
-        for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
-            run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}", timers=timers)
-            slow = run.extra.get("slow_steps") or []
-            log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
-                f"in {run.duration_s:.2f} s, {run.extra['prompt_steps']} prompt steps"
-                + (f", the host waited for the device {run.extra['overlap']['device_wait_ms_per_step']:.3f} ms a step"
-                   if sweep.device != "cpu" else "")
-                + (f" — {run.error}" if run.error else "")
-                + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
-                + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
-            runs.append(run)
-        del engine
+        with start_up_frozen():
+            runs += _sweep_loads(engine, sweep, workload, k, timers, log)
+        del engine, timers
+        gc.collect()                        # its cycles (and device memory) go before the next one's start-up
+    return runs
+
+
+def _sweep_loads(engine: Engine, sweep: EngineSweep, workload: Workload, k: int | str, timers, log) -> list[LoadRun]:
+    """``run_engine_sweep``'s loads on one engine, each logged."""
+    runs = []
+    for i, (load, wl) in enumerate(per_load(workload, sweep.loads, sweep.seed)):
+        run = run_load(engine, sweep, wl, load, k, tag=f"k{k}l{i}", timers=timers)
+        slow = run.extra.get("slow_steps") or []
+        log(f"mtpserve K={k} {run.load_label}: {sum(r.num_output_tokens for r in run.records)} tokens "
+            f"in {run.duration_s:.2f} s, {run.extra['prompt_steps']} prompt steps"
+            + (f", the host waited for the device {run.extra['overlap']['device_wait_ms_per_step']:.3f} ms a step"
+               if sweep.device != "cpu" else "")
+            + (f" — {run.error}" if run.error else "")
+            + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
+            + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
+        runs.append(run)
     return runs
 
 
@@ -148,6 +176,12 @@ def run_engine_rounds(sweep: EngineSweep, workload: Workload, block_size: int, r
     sets gives every (round, load) a set of its own, the same for every draft count."""
     engines = {k: ready_engine(sweep, k, workload, block_size, log) for k in sweep.draft_tokens}
     timers = {k: phase_timers(sweep, e) for k, e in engines.items()}
+    with start_up_frozen():
+        return _rounds(engines, timers, sweep, workload, rounds, log)
+
+
+def _rounds(engines: dict, timers: dict, sweep: EngineSweep, workload: Workload, rounds: int, log) -> list[LoadRun]:
+    """``run_engine_rounds``'s rounds on its engines."""
     ks, runs = list(sweep.draft_tokens), []
     for r in range(rounds):
         sets = per_load(workload if workload.fresh is None else _offset_sets(workload, r * len(sweep.loads)),

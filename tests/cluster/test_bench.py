@@ -221,6 +221,40 @@ def test_prompt_graphs_run_every_prompt_step_and_report_their_start_up(tiny_page
     assert "add --prompt-graphs on" in capsys.readouterr().err
 
 
+def test_a_sweeps_loads_run_with_start_up_frozen_and_each_engine_is_collected_after(tiny_paged_export, monkeypatch):
+    """The in-process bench runs its loads as a serving process does, with what start-up built
+    frozen out of the cycle collector's full collections (one of them rescanning it all is a
+    step the report flags as slow); after each draft count's loads it unfreezes, so that engine
+    (its cycles, its pools) is collected before the next one starts: none is left behind."""
+    import gc
+    import weakref
+
+    from mtpserve.cluster.bench import engine_driver
+    from mtpserve.engine.manifest import load_manifest
+    built, frozen_at_loads = [], []
+    ready, run_load = engine_driver.ready_engine, engine_driver.run_load
+
+    def tracked(*args, **kwargs):
+        engine = ready(*args, **kwargs)
+        built.append(weakref.ref(engine))
+        return engine
+
+    def counted(*args, **kwargs):
+        frozen_at_loads.append(gc.get_freeze_count())
+        return run_load(*args, **kwargs)
+    monkeypatch.setattr(engine_driver, "ready_engine", tracked)
+    monkeypatch.setattr(engine_driver, "run_load", counted)
+    sweep = EngineSweep(str(tiny_paged_export), "cpu", 0, (0, 2), None, (Load(concurrency=2),), 4,
+                        num_warmup_requests=0)
+    runs = run_engine_sweep(sweep, random_workload(4, 9, TINY.vocab_size), load_manifest(tiny_paged_export).block_size,
+                            log=lambda m: None)
+    assert [r.error for r in runs] == [None, None]
+    assert len(frozen_at_loads) == 2 and all(n > 0 for n in frozen_at_loads), frozen_at_loads
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert len(built) == 2 and all(ref() is None for ref in built), "an engine outlived its sweep"
+
+
 def test_each_load_gets_prompts_of_its_own_so_the_prefix_cache_cannot_answer_it(tiny_paged_export, tmp_path):
     """Random prompts are drawn anew for each load (and the warm-up): a load repeating the one
     before would be all prefix-cache hits, and its TTFT would measure the cache, not the load."""
