@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -92,6 +93,8 @@ def main() -> None:
         engine = engines[k]
         prompts = text_workload(BUNDLED_PROMPTS, engine.tokenizer.encode, n).prompt_ids
         warm_up(engine, prompts[:max(32, 2 * c)], c, 128)
+        gc.collect()
+        gc.freeze()       # as a serving process and the bench (session 38): no full collection rescans start-up
         stops0, carried0 = dict(engine.overlap_blockers), getattr(engine, "num_dead_carried", 0)
         prompt_graphs = getattr(engine, "prompt_graphs", None)
         replays0 = prompt_graphs.num_replays if prompt_graphs is not None else 0
