@@ -77,6 +77,20 @@ class StepTiming:
     pipelined: bool | None = None
 
 
+def _unsteady(plan: StepPlan, after: LaunchedStep | None) -> str | None:
+    """Why the draft step ``plan`` is not a steady one (``step_recordings``: after a draft step of
+    the same requests, staged from it on the device), or None when it is."""
+    if after is None:
+        return "launched alone"
+    if not after.num_drafts:
+        return "after a decode or prompt step"
+    if after.staging is None:
+        return "after an unstaged step (eager, or rows of ended requests carried)"
+    if plan.request_ids != after.plan.request_ids:
+        return "other requests than the step before"
+    return None
+
+
 class Engine:
     """Serves many requests at once on one device; see the module docstring."""
 
@@ -713,9 +727,7 @@ class Engine:
         A steady one (after a draft step of the same requests, staged from it) goes as one graph
         with ``step_recordings`` on."""
         if self.step_recordings is not None:
-            why = "launched alone" if after is None else "after a decode or prompt step" if not after.num_drafts \
-                else "after an unstaged step (eager, or rows of ended requests carried)" if after.staging is None \
-                else "other requests than the step before" if plan.request_ids != after.plan.request_ids else None
+            why = _unsteady(plan, after)
             if why is None:
                 return self.step_recordings.launch(lambda: self._queue_drafting(plan, after))
             self.step_recordings.skipped[why] = self.step_recordings.skipped.get(why, 0) + 1

@@ -682,6 +682,23 @@ def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(mo
     assert g.num_replays > 0 and g.num_eager == 0, (g.num_replays, g.num_eager)
 
 
+def test_only_a_draft_step_after_one_of_the_same_requests_staged_on_the_device_is_steady():
+    """``step_recordings`` records steady draft steps only: one that follows a draft step of the
+    same requests whose inputs were staged on the device. Every other kind is counted by why
+    (``StepRecordings.skipped``), and each reason names what broke the chain."""
+    from types import SimpleNamespace as NS
+
+    from mtpserve.engine.engine import _unsteady
+    plan = NS(request_ids=["a", "b"])
+    steady = NS(num_drafts=2, staging=object(), plan=NS(request_ids=["a", "b"]))
+    assert _unsteady(plan, steady) is None
+    assert _unsteady(plan, None) == "launched alone"
+    assert _unsteady(plan, NS(num_drafts=0, staging=object(), plan=plan)) == "after a decode or prompt step"
+    assert "unstaged" in _unsteady(plan, NS(num_drafts=2, staging=None, plan=plan))
+    assert _unsteady(plan, NS(num_drafts=2, staging=object(), plan=NS(request_ids=["a", "c"]))) == \
+        "other requests than the step before"
+
+
 def test_step_recordings_on_the_cpu_say_why_they_are_off_and_the_engine_serves(model_dir, caplog):
     """``step_recordings`` records draft steps as CUDA graphs: on the CPU the engine says so
     (a warning, not a silent ignore) and serves as without it."""
