@@ -1160,14 +1160,17 @@ ey)          # session 35, after ew (run as separate calls that session): the bu
     | grep -v "Warning\|No registered" | tail -40 | cut -c1-900
   step done
   ;;
-fi)          # session 39, first: test_cuda's new tests (the head's catch-up queued behind a prompt step; recorded draft steps), the 1.4 B model's start-up with the bounded prompt catalog (512 rows, 65536 slot-tokens: session 38 measured 16.9 GiB with rows alone bounded), then early_head_catch_up against without, with captured prompt steps (host_ab, 3 rounds, K=2 at C=16 / C=1) (~420 s)
+fi)          # session 39, first: test_cuda's new tests (the head's catch-up queued behind a prompt step, with and without captured prompt steps; recorded draft steps with arrivals and for a steady batch), then the 1.4 B model's start-up with the bounded prompt catalog (512 rows, 65536 slot-tokens: session 38 measured 16.9 GiB with rows alone bounded) (~400 s)
   step "test_cuda: early head catch-up, recorded draft steps"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "catch_up_queued or recorded_draft_steps or steady_batch" 2>&1 \
-    | grep -v Warning | grep "early=\|step recordings\|passed\|failed\|Error\|assert" | tail -12 | cut -c1-700 | tee "$OUT/test-cuda-early.txt"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "catch_up_queued or recorded_draft_steps or steady_batch" 2>&1 \
+    | grep -v Warning | grep "early=\|step recordings\|passed\|failed\|Error\|assert" | tail -16 | cut -c1-700 | tee "$OUT/test-cuda-early.txt"
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "startup_cost.py, 1.4 B, prompt graphs on (bounded: 512 rows, 65536 slot-tokens), off"
   timeout 120 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-mid-bounded.json" $mid --also-off 2>&1 \
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
+  step done
+  ;;
+fk)          # session 39: early_head_catch_up against without, with captured prompt steps (host_ab, 3 rounds alternating, K=2 at C=16 / C=1; host_ab now freezes start-up out of the cycle collector) (~200 s)
   host_ab_extra=(--configs 2:16:1024,2:1:96)
   switch_ab_rounds 3 "pg:--prompt-graphs" "early:--prompt-graphs,early_head_catch_up=1"
   step done
