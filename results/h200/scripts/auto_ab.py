@@ -196,16 +196,16 @@ def gc_note(rec: dict) -> str:
 
 
 def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, tag: str, turn_steps: int,
-                    lengths: int | list[int] = 128, on_step=None) -> dict:
+                    lengths: int | list[int] = 128, on_step=None, reference: str = "K=0") -> dict:
     """Every engine's run at once, taking turns of ``turn_steps`` steps (the order rotated each
     cycle): the host's speed, which on the H200 host moved 2x between runs a second apart, is
     then shared by all of them. Each engine's time is the sum of its turns; ``turns`` keeps the
-    ratio to K=0 of each cycle in which both ran a whole turn (tokens / seconds of the turn).
-    ``on_step(name, loop)``: called after each step of engine ``name``."""
+    ratio to the ``reference`` engine of each cycle in which both ran a whole turn (tokens /
+    seconds of the turn). ``on_step(name, loop)``: called after each step of engine ``name``."""
     loops = {n: ClosedLoop(e, prompts, concurrency, f"{tag}-{n}", lengths,
                            on_step=None if on_step is None else functools.partial(on_step, n))
              for n, e in engines.items()}
-    names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != "K=0"}
+    names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != reference}
     clock = GcClock()
     while not all(loop.done for loop in loops.values()):
         order = names[cycle % len(names):] + names[:cycle % len(names)]
@@ -216,13 +216,13 @@ def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, t
                 if not loops[n].done and wall > 0:
                     rate[n] = tokens / wall
         for n in turns:
-            if n in rate and "K=0" in rate:
-                turns[n].append(round(rate[n] / rate["K=0"], 4))
+            if n in rate and reference in rate:
+                turns[n].append(round(rate[n] / rate[reference], 4))
         cycle += 1
     out = {n: loop.result() for n, loop in loops.items()}
     for n in turns:
         out[n]["turn_ratios"] = turns[n]
-    out["K=0"]["gc"] = clock.close()
+    out[reference]["gc"] = clock.close()
     return out
 
 
