@@ -1172,7 +1172,7 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
   ;;
 fk)          # session 39: early_head_catch_up against without, with captured prompt steps, in one process with the engines taking turns (switch_ab.py: host_ab's alternating processes spread 0.72-1.36x on session 38's host), an identical engine beside them as the noise floor, 3 rounds, K=2 at C=16 / C=1 (~250 s)
   step "switch_ab.py: base (prompt graphs) / aa (the same) / early (+ early_head_catch_up), K=2 C=16 and C=1, 3 rounds"
-  timeout 400 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early.json" --base --prompt-graphs \
+  timeout 400 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early.json" --base=--prompt-graphs \
     --variant aa: --variant early:early_head_catch_up=1 --configs 2:16:1024,2:1:96 --rounds 3 2>&1 \
     | grep -v "Warning\|No registered" | tail -12 | cut -c1-400
   step done

@@ -6,7 +6,7 @@ cycle, so every engine sees the same host; each round's ratio is of whole runs (
 time the sum of its turns), and ``turn_ratios`` keeps each cycle's ratio to the base.
 
     python3 switch_ab.py MODEL_DIR OUT.json --variant early:early_head_catch_up=1 [--variant ...]
-        [--base SWITCH,...] [--configs 2:16:1024,2:1:96] [--rounds 3] [--turn 64] [--prompt-graphs]
+        [--base=SWITCH,...] [--configs 2:16:1024,2:1:96] [--rounds 3] [--turn 64]
 
 A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), or
 ``--prompt-graphs`` / ``--step-recordings`` for the engine's settings; ``--base`` gives the base
