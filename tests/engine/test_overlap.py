@@ -344,6 +344,25 @@ def test_prompt_steps_through_varlen_bindings_under_preemption_keep_every_token(
     assert engine.num_preemptions > 0 and g.num_replays > 1
 
 
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_the_heads_early_catch_up_under_preemption_keeps_every_token(model_dir, prompt_graphs):
+    """``early_head_catch_up`` when the pools run out: 10 requests on 24 usable blocks, CUDA's
+    draft rules, so the head's KV for a completed prompt is sometimes not there to reserve (the
+    request then catches up later, as without it) and preempted requests' prompts are fed and
+    caught up again on fresh blocks; the pools are checked after every step. Every token is MTP
+    off's, and prompts did catch up early."""
+    crowded = [(f"g{i}", PROMPTS[i], GREEDY) for i in range(10)]
+    reference = run(make(model_dir, False, num_blocks=25), crowded)
+    engine = make(model_dir, True, k=2, uniform=True, num_blocks=25, prompt_graphs=prompt_graphs)
+    engine.draft_after_decode = engine.early_head_catch_up = True
+    caught = []
+    catch_up = engine.proposer.catch_up
+    engine.proposer.catch_up = lambda requests: caught.extend(requests) or catch_up(requests)
+    assert run(engine, crowded) == reference
+    print(f"prompt graphs {prompt_graphs}: {engine.num_preemptions} preemptions, {len(caught)} early catch-ups")
+    assert engine.num_preemptions > 0 and caught
+
+
 def test_the_reasons_a_step_had_no_continuation_are_counted_by_reason_not_by_request(model_dir):
     """``overlap_blockers`` (the bench's report) holds one count per reason: requests ending at
     different lengths, with ids that hold spaces, add to the same few keys."""
