@@ -730,7 +730,7 @@ class Engine:
             why = _unsteady(plan, after)
             if why is None:
                 return self.step_recordings.launch(lambda: self._queue_drafting(plan, after))
-            self.step_recordings.skipped[why] = self.step_recordings.skipped.get(why, 0) + 1
+            self.step_recordings.skipped[why] += 1
         return self._queue_drafting(plan, after)
 
     def _queue_drafting(self, plan: StepPlan, after: LaunchedStep | None) -> LaunchedStep:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -70,7 +71,7 @@ class StepRecordings:
     num_allocating: int = 0       # of those, steps that allocated device memory
     record_seconds: float = 0.0
     disabled: str | None = None   # why recording stopped (a capture failed), if it did
-    skipped: dict = field(default_factory=dict)     # draft steps not steady, by why (the engine counts)
+    skipped: Counter = field(default_factory=Counter)     # draft steps not steady, by why (the engine counts)
     _recordings: dict = field(default_factory=dict, repr=False)
     _seen: dict = field(default_factory=dict, repr=False)        # signature -> times seen, unrecorded
     _eager: object = field(default=None, repr=False)

@@ -659,7 +659,7 @@ def test_cuda_recorded_draft_steps_are_token_identical_to_draft_steps_launched_c
     print(f"step recordings (K={k}): {r.stats()}; {engine.num_draft_continuations} draft continuations")
     assert r.disabled is None
     assert out == ref and reasons == ref_reasons
-    assert r.num_recorded >= 1 and r.num_launched >= r.num_recorded        # recordings launched
+    assert r.num_recorded >= 1              # a step recorded (each recording is launched as it is made)
 
 
 @needs_cuda

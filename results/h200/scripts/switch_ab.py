@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from auto_ab import run_interleaved  # noqa: E402
 
+from mtpserve.cluster.bench.engine_driver import start_up_frozen  # noqa: E402
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
@@ -68,21 +69,19 @@ def main() -> None:
         engines.update({label: build(args.model_dir, args.device, k, sw) for label, sw in variants.items()})
         prompts = text_workload(BUNDLED_PROMPTS, engines["base"].tokenizer.encode, n).prompt_ids
         run_interleaved(engines, prompts[:max(32, 2 * c)], c, "warm", args.turn, reference="base")
-        gc.collect()
-        gc.freeze()
         ratios = {label: [] for label in variants}
-        for r in range(args.rounds):
-            out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, reference="base")
-            for label in variants:
-                ratios[label].append(out[label]["tok_s"] / out["base"]["tok_s"])
-            runs.append({"k": k, "c": c, "requests": n, "round": r, "runs": out})
-            print(f"K={k} C={c} round {r + 1}: base {out['base']['tok_s']:.0f} tok/s; " + ", ".join(
-                f"{label} {out[label]['tok_s']:.0f} ({ratios[label][-1]:.3f}x, turns median "
-                f"{statistics.median(out[label]['turn_ratios'] or [0]):.3f}x)" for label in variants), flush=True)
+        with start_up_frozen():           # (the bench's: unfrozen after, so these engines can go)
+            for r in range(args.rounds):
+                out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, reference="base")
+                for label in variants:
+                    ratios[label].append(out[label]["tok_s"] / out["base"]["tok_s"])
+                runs.append({"k": k, "c": c, "requests": n, "round": r, "runs": out})
+                print(f"K={k} C={c} round {r + 1}: base {out['base']['tok_s']:.0f} tok/s; " + ", ".join(
+                    f"{label} {out[label]['tok_s']:.0f} ({ratios[label][-1]:.3f}x, turns median "
+                    f"{statistics.median(out[label]['turn_ratios'] or [0]):.3f}x)" for label in variants), flush=True)
         for label in variants:
             print(f"K={k} C={c}: {label}/base median {statistics.median(ratios[label]):.3f}x "
                   f"({', '.join(f'{x:.3f}' for x in ratios[label])})", flush=True)
-        gc.unfreeze()
         del engines
         gc.collect()
     Path(args.out).write_text(json.dumps({"model": args.model_dir, "base": base, "variants": variants, "runs": runs}))
