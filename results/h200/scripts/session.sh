@@ -1170,11 +1170,16 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
-fk)          # session 39: early_head_catch_up against without, with captured prompt steps, in one process with the engines taking turns (switch_ab.py: host_ab's alternating processes spread 0.72-1.36x on session 38's host), an identical engine beside them as the noise floor, 3 rounds, K=2 at C=16 / C=1 (~250 s)
-  step "switch_ab.py: base (prompt graphs) / aa (the same) / early (+ early_head_catch_up), K=2 C=16 and C=1, 3 rounds"
-  timeout 400 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early.json" --base=--prompt-graphs \
-    --variant aa: --variant early:early_head_catch_up=1 --configs 2:16:1024,2:1:96 --rounds 3 2>&1 \
-    | grep -v "Warning\|No registered" | tail -12 | cut -c1-400
+fk)          # session 39: early_head_catch_up against without, with captured prompt steps, in one process with the engines taking turns (switch_ab.py: host_ab's alternating processes spread 0.72-1.36x on session 38's host), an identical engine beside them as the noise floor, and admission holds that gather more arrivals a prompt step (group 0.5 of the decoding requests, or 16 steps' hold), 3 rounds, K=2 at C=16, output lengths 64-192 (arrivals spread, as the bench's); early catch-up again at C=1 (~350 s)
+  step "switch_ab.py: base (prompt graphs) / aa (the same) / early (+ early_head_catch_up) / group50 / hold16, K=2 C=16, 3 rounds"
+  timeout 330 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early.json" --base=--prompt-graphs \
+    --variant aa: --variant early:early_head_catch_up=1 --variant group50:scheduler.admission_group=0.5 \
+    --variant hold16:scheduler.admission_hold_steps=16 --configs 2:16:1024 --rounds 3 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -8 | cut -c1-500
+  step "switch_ab.py: base (prompt graphs) / aa / early, K=2 C=1, 3 rounds"
+  timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early-c1.json" --base=--prompt-graphs \
+    --variant aa: --variant early:early_head_catch_up=1 --configs 2:1:96 --rounds 3 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-400
   step done
   ;;
 fj)          # session 39: where the arrival steps go with the engine's defaults (draft after decode on; session 38's timeline had it off) and captured prompt steps, without and with early_head_catch_up: step_timeline.py K=2 C=16 with --profile, then the bench at C=16 K=0 / 2 with --prompt-graphs on (~250 s)

@@ -8,15 +8,19 @@ time the sum of its turns), and ``turn_ratios`` keeps each cycle's ratio to the 
     python3 switch_ab.py MODEL_DIR OUT.json --variant early:early_head_catch_up=1 [--variant ...]
         [--base=SWITCH,...] [--configs 2:16:1024,2:1:96] [--rounds 3] [--turn 64]
 
-A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), or
-``--prompt-graphs`` / ``--step-recordings`` for the engine's settings; ``--base`` gives the base
-engine's. A config is K:C:REQUESTS (every request 128 tokens: waves, as host_ab.py's). Start-up
+A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), a
+scheduler setting replaced after the build (``scheduler.admission_group=0.5``: the scheduler reads
+its config at each step), or ``--prompt-graphs`` / ``--step-recordings`` for the engine's settings;
+``--base`` gives the base engine's. A config is K:C:REQUESTS; every request 128 tokens (waves, as host_ab.py's), or with
+``--range-ratio R`` lengths drawn from 128 x [1 - R, 1 + R] (seeded: the same for every engine),
+as the bench's and step_timeline.py's 0.5. Start-up
 is frozen out of the cycle collector once the engines are built, as a serving process runs.
 Prints one line a config and round; OUT.json keeps every run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from auto_ab import run_interleaved  # noqa: E402
 
 from mtpserve.cluster.bench.engine_driver import start_up_frozen  # noqa: E402
-from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, text_workload  # noqa: E402
+from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 
@@ -42,6 +46,13 @@ def build(model_dir: str, device: str, k: int, switches: list[str]) -> Engine:
         if x in SETTINGS:
             continue
         attr, value = x.split("=")
+        if attr.startswith("scheduler."):
+            config, name = engine.scheduler.config, attr.removeprefix("scheduler.")
+            if not hasattr(config, name):
+                raise SystemExit(f"no scheduler setting {name}")
+            engine.scheduler.config = dataclasses.replace(config, **{name: type(getattr(config, name))(value)})
+            engine.scheduler.config.validate()
+            continue
         if not hasattr(engine, attr):
             raise SystemExit(f"no engine attribute {attr}")
         setattr(engine, attr, bool(int(value)))
@@ -57,6 +68,7 @@ def main() -> None:
     p.add_argument("--configs", default="2:16:1024,2:1:96")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--turn", type=int, default=64, help="steps an engine runs before the next takes its turn")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths 128 x [1 - R, 1 + R] (0: waves)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     base = [x for x in args.base.split(",") if x]
@@ -68,14 +80,15 @@ def main() -> None:
         engines = {"base": build(args.model_dir, args.device, k, base)}
         engines.update({label: build(args.model_dir, args.device, k, sw) for label, sw in variants.items()})
         prompts = text_workload(BUNDLED_PROMPTS, engines["base"].tokenizer.encode, n).prompt_ids
+        lengths = output_lengths(n, 128, args.range_ratio) or 128
         run_interleaved(engines, prompts[:max(32, 2 * c)], c, "warm", args.turn, reference="base")
         ratios = {label: [] for label in variants}
         with start_up_frozen():           # (the bench's: unfrozen after, so these engines can go)
             for r in range(args.rounds):
-                out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, reference="base")
+                out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, lengths, reference="base")
                 for label in variants:
                     ratios[label].append(out[label]["tok_s"] / out["base"]["tok_s"])
-                runs.append({"k": k, "c": c, "requests": n, "round": r, "runs": out})
+                runs.append({"k": k, "c": c, "requests": n, "range_ratio": args.range_ratio, "round": r, "runs": out})
                 print(f"K={k} C={c} round {r + 1}: base {out['base']['tok_s']:.0f} tok/s; " + ", ".join(
                     f"{label} {out[label]['tok_s']:.0f} ({ratios[label][-1]:.3f}x, turns median "
                     f"{statistics.median(out[label]['turn_ratios'] or [0]):.3f}x)" for label in variants), flush=True)
