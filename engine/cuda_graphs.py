@@ -48,6 +48,7 @@ from mtpserve.engine.cuda_kernels import (
     follow_verify,
     gather_rows,
 )
+from mtpserve.engine.pipeline import follow_verify_host
 from mtpserve.engine.row_gather import gather_into, plan_gather, segment_destinations
 from mtpserve.engine.runner import MainOutputs, PackedRows, Runner, _Binding, pack_rows
 from mtpserve.engine.state_bank import StateBank, StepCaptures
@@ -627,10 +628,15 @@ class PromptGraphs(_MainGraphs):
         self._bind_outputs(b, shape, shape.tokens)
         self._add(shape, b, inputs, host_arrays)
 
-    def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], copy_hidden: bool) -> MainOutputs | None:
+    def run(self, request_ids: Sequence[str], rows: Sequence[PackedRows], copy_hidden: bool,
+            follow=None) -> MainOutputs | None:
         """Replay the graph of a prompt step (rows in the step's order, no drafts); None when no
         captured shape fits or its requests do not hold state rows ``0 .. B-1`` in one bank (the
-        step then runs eagerly). ``copy_hidden``: the hidden rows are kept past this step."""
+        step then runs eagerly). ``copy_hidden``: the hidden rows are kept past this step.
+        ``follow``: ``(accepted, K1)`` of the launched draft step this prompt step continues
+        (``pipeline``, prompt continuations): its ``len(accepted)`` requests come first, one row
+        each, staged as if that step kept all its K1 rows, and are moved to its acceptance on
+        the device (``follow_verify``)."""
         lengths = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lengths, [r.past_len + n for r, n in zip(rows, lengths)])
         placed = None if choice is None else self.bank.padded_in_place(request_ids, choice[0])
@@ -644,6 +650,10 @@ class PromptGraphs(_MainGraphs):
             return None
         _stage_varlen(graph.inputs.writable(), rows, batch, total, width, graph.inputs.staged)
         graph.inputs.upload()
+        if follow is not None:
+            dev = graph.inputs.device
+            move = follow_verify if self.on_device else follow_verify_host
+            move(follow[0], follow[1], 1, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
         self._replay(graph)
         n, B = sum(lengths), len(rows)
         hidden = self.hidden[:n].copy() if copy_hidden else self.hidden[:n]

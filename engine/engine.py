@@ -41,7 +41,15 @@ from mtpserve.engine.grammar import GrammarCompiler, GrammarManager
 from mtpserve.engine.kv_pool import KVPool
 from mtpserve.engine.manifest import ModelManifest, flash_block_size_to_try, load_manifest, with_block_size
 from mtpserve.engine.output import OutputProcessor
-from mtpserve.engine.pipeline import LaunchedStep, TokenReadback, accept_drafts, continuation_blocker, overlap_blocker
+from mtpserve.engine.pipeline import (
+    ADMISSION_DUE,
+    FINISHED,
+    LaunchedStep,
+    TokenReadback,
+    accept_drafts,
+    continuation_blocker,
+    overlap_blocker,
+)
 from mtpserve.engine.proposer import MTPProposer
 from mtpserve.engine.request import FinishReason, Request, TokenEvent
 from mtpserve.engine.row_gather import stack_segments
@@ -242,6 +250,12 @@ class Engine:
         # GPU waiting for the host: ~0.4-0.9 ms of head-fill host time a prompt step on an H100,
         # session 38's step_timeline.py). Off until an A/B on the device says it pays
         self.early_head_catch_up = False
+        # with land_prompts_first, a draft step that would stop for the arrivals due is followed by
+        # their prompt step as its continuation (``pipeline``, prompt continuations: its requests
+        # one row each, moved on the device), not by a stop and a prompt step launched after it
+        # lands (the GPU waiting for the host in between). Off until an A/B on the device says it pays
+        self.prompt_continuations = False
+        self.num_prompt_continuations = 0                # prompt steps launched as a draft step's continuation
         # a draft step's continuation carries the rows of requests that ended while no waiting
         # request could take their slots (pipeline.py, Scheduler.carries_dead_rows), so a finish
         # does not stop the draft steps' pipeline; off: every finish stops it (the lookahead's
@@ -537,6 +551,9 @@ class Engine:
         self.last_step = None
         flight = self._in_flight
         pipelined = flight is not None
+        if flight is not None and flight.num_moved:      # a prompt continuation lands first
+            self._in_flight = None
+            return self._land_prompt_first(flight, started, pipelined=True)
         if flight is None and self._landed_prompt is not None:      # its continuation, launched now
             landed, self._landed_prompt = self._landed_prompt, None
             flight = self._continue(landed, landed=True)
@@ -554,13 +571,7 @@ class Engine:
                 return self._run_step(plan, started)
             flight = self._launch(plan)
             if self.land_prompts_first and any(s.num_tokens > 1 for s in plan.scheduled):
-                events = self._land(flight)             # (nothing in flight: finished requests release now)
-                self._landed_prompt = flight
-                if self.scheduler.releasing:
-                    self.scheduler.release_finished()
-                self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, True,
-                                            time.perf_counter() - started, graphed=flight.graphed, pipelined=False)
-                return events
+                return self._land_prompt_first(flight, started, pipelined=False)
         self._in_flight = self._continue(flight)
         events = self._land(flight)
         if self._in_flight is not None and self._in_flight.tokens is None:
@@ -571,6 +582,19 @@ class Engine:
         self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, flight.num_drafts,
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
                                     graphed=flight.graphed, num_head_rows=flight.num_head_rows, pipelined=pipelined)
+        return events
+
+    def _land_prompt_first(self, flight: LaunchedStep, started: float, pipelined: bool) -> list[TokenEvent]:
+        """``land_prompts_first``: the launched step ``flight``, which fed a prompt, lands (with
+        nothing in flight: finished requests release now); its continuation is launched at the
+        start of the next step call."""
+        events = self._land(flight)
+        self._landed_prompt = flight
+        if self.scheduler.releasing:
+            self.scheduler.release_finished()
+        plan = flight.plan
+        self.last_step = StepTiming(len(plan.scheduled), plan.num_tokens, 0, True, time.perf_counter() - started,
+                                    graphed=flight.graphed, pipelined=pipelined)
         return events
 
     # ------------------------------------------------------------------ overlapped decoding (pipeline.py)
@@ -646,6 +670,13 @@ class Engine:
         s = self.scheduler
         requests = [x.request for x in flight.plan.scheduled]
         live = [s.is_live(r) for r in requests]
+        if landed and flight.num_moved and not all(live):
+            # a prompt continuation's dead rows, released as it landed: its continuation runs on the
+            # live requests, packed in state-row order again (a release moved the bank's last row)
+            keep = sorted((i for i, x in enumerate(live) if x), key=lambda i: self.state_bank.row(requests[i].request_id))
+            flight = flight.rows_of(keep, self.xp)
+            requests = [requests[i] for i in keep]
+            live = [True] * len(keep)
         dead = not all(live)
         why = continuation_blocker(flight.plan, len(s.running), s.admission_due(),
                                    self._host_rule, self.manifest.context_length,
@@ -667,6 +698,12 @@ class Engine:
                 why = "no KV block for the next token"
             elif k and not all(self.head_pool.reserve(r.request_id, r.num_computed + ahead + k - 1) for r in requests):
                 why = "no KV block for the next token"
+        if (why in (ADMISSION_DUE, FINISHED) and self.prompt_continuations and self.land_prompts_first
+                and flight.num_drafts and not landed and any(live) and s.admission_due()
+                and all(r in requests for r in s.running)):
+            step = self._launch_prompt_continuation(flight)      # (dead rows ride along, as padding)
+            if step is not None:
+                return step
         if why is not None:
             if wanted is not None:
                 s.hold_drafts(running, wanted)          # the policy's answer is the next schedule's plan
@@ -689,6 +726,71 @@ class Engine:
             # device its rows moved on, so the continuation is not staged from flight's inputs
             flight.staging = None
         return self._launch(plan, after=flight)
+
+    def _launch_prompt_continuation(self, flight: LaunchedStep) -> LaunchedStep | None:
+        """``prompt_continuations``: the prompt step of the waiting requests due, launched as the
+        continuation of the draft step ``flight``, its requests first, one row each (``pipeline``);
+        or None, and the pipeline stops as without: a request of ``flight`` needs the host's
+        logits (penalties, a grammar, a min_tokens mask) or may reach the context end, its KV
+        does not fit, or no waiting request is admitted (the first due asks for logprobs: the
+        host picks its tokens, a step that runs to its end). A request of ``flight`` that ended
+        (a dead row) is fed too, its row dropped when the step lands: its pool space is released
+        then, and the admitted requests' state rows stay after the moved ones'."""
+        requests = [x.request for x in flight.plan.scheduled]
+        k1 = flight.num_drafts + 1
+        if any(self._host_rule(r, 0) is not None or len(r.token_ids) + k1 + 1 > self.manifest.context_length
+               for r in requests):
+            return None
+        if not all(self.kv_pool.reserve(r.request_id, r.num_computed + k1 + 1) for r in requests):
+            return None
+        plan = self.scheduler.plan_prompts_beside(
+            requests, lambda r: r.params.prompt_logprobs is None and r.params.logprobs is None)
+        if plan is None:
+            return None
+        self.num_steps += 1
+        self.num_continuations += 1
+        self.num_prompt_continuations += 1
+        replays = self._num_replays()
+        self._keep_prefix_hits(plan)
+        out = self._verify_prompt_continuation(plan, flight)
+        step = LaunchedStep(plan, self._num_replays() > replays, self._processed(plan, {}, out.logits),
+                            hidden=out.hidden, num_moved=len(requests))
+        self._pick_tokens(step)
+        self.scheduler.commit_rows(plan, out.present, [s.num_tokens for s in plan.scheduled], out.captures)
+        # the admitted requests' hidden rows now (the early catch-up reads them); the moved ones'
+        # when it lands, behind ``flight``'s kept rows (``_land``)
+        n = len(requests)
+        self.proposer.keep_step(plan.request_ids[n:], out.hidden, plan.layout.row_start[n:],
+                                [s.num_tokens for s in plan.scheduled[n:]])
+        if self.early_head_catch_up:
+            self._catch_up_prompts(plan)
+        return step
+
+    def _verify_prompt_continuation(self, plan: StepPlan, after: LaunchedStep):
+        """The forward of a prompt continuation of the draft step ``after`` (its first
+        ``len(after.plan.scheduled)`` requests are ``after``'s): a captured prompt step staged as
+        if ``after`` kept all its rows and moved to its acceptance on the device; eagerly from
+        the host's copy of that acceptance (a wait) when none fits."""
+        k1, n = after.num_drafts + 1, len(after.plan.scheduled)
+        moved = plan.scheduled[:n]
+        tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
+        admitted = [PackedRows(s.request.token_ids[s.request.num_computed:s.request.num_computed + s.num_tokens],
+                               s.request.num_computed, t) for s, t in zip(plan.scheduled[n:], tables[n:])]
+        if self.prompt_graphs is not None:
+            rows = [PackedRows([0], s.request.num_computed + k1, t) for s, t in zip(moved, tables)]
+            out = self.prompt_graphs.run(plan.request_ids, rows + admitted, copy_hidden=True,
+                                         follow=(after.accepted(), k1))
+            if out is not None:
+                return out
+        launches.escape()            # (the eager forward: a deferred step's launches go first)
+        accepted = after.host_accepted()
+        rows = []
+        for b, (s, t) in enumerate(zip(moved, tables)):
+            kept = int(accepted[b, k1])
+            rows.append(PackedRows([int(accepted[b, kept - 1])], s.request.num_computed + kept, t))
+        io = self.state_bank.step_buffers(plan.request_ids)
+        return self.runner.run_main(rows + admitted, io.past, np.zeros(len(plan.scheduled), np.int32),
+                                    present_into=io.present)
 
     def _drafts_after_decode(self, flight: LaunchedStep, wanted: list[int], landed: bool) -> tuple[int, str | None]:
         """``_next_drafts`` for a draft step after the decode step ``flight`` (``draft_after_decode``;
@@ -855,6 +957,10 @@ class Engine:
             return self._land_drafting(flight)
         plan = flight.plan
         tokens = flight.host_tokens().tolist()
+        if flight.num_moved:           # the moved requests' hidden rows, behind the draft step's kept ones
+            live = [i for i in range(flight.num_moved) if self.scheduler.is_live(plan.scheduled[i].request)]
+            self.proposer.keep_step([plan.request_ids[i] for i in live], flight.hidden,
+                                    [plan.layout.row_start[i] for i in live], [1] * len(live))
         sampled = {s.request.request_id: ([t], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
         updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
         self._advance_grammars(updates)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtpserve.engine.config import MAX_DRAFT_TOKENS, SchedulerConfig
@@ -270,12 +271,35 @@ class Scheduler:
                 req.waiting_since = self.num_landed
             self.waiting.extend(plan.preempted)
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_index))
+        return self._admitted(plan)
+
+    def plan_prompts_beside(self, decoding: list[Request], admits: Callable[[Request], bool]) -> StepPlan | None:
+        """The plan of a prompt step launched behind a draft step of ``decoding`` (the engine's
+        ``prompt_continuations``), or None when no waiting request is admitted (nothing changes
+        then): each of ``decoding`` feeds one row (the token that step emits last, at the
+        position its acceptance leaves: the engine reserves its KV and moves it on the device),
+        and waiting requests are admitted into the budget and slots left, as ``schedule`` admits
+        them (rule 2, no preemption), in order until one that ``admits`` refuses. ``decoding``
+        come first, in their order (the draft step's acceptance rows), then the admitted ones."""
+        plan = StepPlan(scheduled=[ScheduledRequest(r, 1) for r in decoding])
+        for s in plan.scheduled:
+            s.samples = True            # (a dead row's host lengths stopped: its token is dropped anyway)
+        budget = self.config.max_tokens_per_step - len(decoding)
+        slots = self.config.max_requests_per_step - len(decoding)
+        self._admit_waiting(plan, list(itertools.takewhile(admits, self.waiting)), budget, slots)
+        if not plan.admitted:
+            return None
+        return self._admitted(plan, first=len(decoding))
+
+    def _admitted(self, plan: StepPlan, first: int = 0) -> StepPlan:
+        """``plan``'s admissions moved from the queue, its requests packed in state-row order
+        (but for its ``first`` requests, which stay first, in their order)."""
         for req in plan.admitted:
             self.waiting.remove(req)
             self.running.append(req)
         self.running.sort(key=lambda r: r.arrival_index)
         # packed in state-row order: a steady batch then reads and writes its bank rows in place
-        plan.scheduled.sort(key=lambda s: self.state_bank.row(s.request.request_id))
+        plan.scheduled[first:] = sorted(plan.scheduled[first:], key=lambda s: self.state_bank.row(s.request.request_id))
         plan.layout = StepLayout.of(plan.scheduled)
         plan.request_ids = [s.request.request_id for s in plan.scheduled]
         return plan
@@ -308,9 +332,15 @@ class Scheduler:
 
         # rule 3 again: a preemption above can free the state row a waiting request needed, but
         # a step whose decodes already carry drafts admits no prompt chunk: it waits for one without
-        drafting = any(s.num_drafts for s in plan.scheduled)
-        for req in waiting if not held else ():
-            if drafting or budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
+        if not held and not any(s.num_drafts for s in plan.scheduled):
+            self._admit_waiting(plan, waiting, budget, slots)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, waiting: list[Request], budget: int, slots: int) -> None:
+        """Rule 2: ``waiting`` requests admitted into ``plan`` in order while a state row, KV,
+        ``budget`` tokens and ``slots`` remain, each with the first chunk of its prompt."""
+        for req in waiting:
+            if budget <= 0 or slots <= 0 or not self.state_bank.can_admit():
                 break
             if req.continues and self.prefix_cache is not None:   # before its lookup plans its snapshots
                 self.prefix_cache.expect_continuation(req.request_id)
@@ -332,7 +362,6 @@ class Scheduler:
             plan.scheduled.append(ScheduledRequest(req, num_tokens, 0))
             budget -= num_tokens
             slots -= 1
-        return plan
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of a prompt chunk: within the budget, ending on the request's next snapshot

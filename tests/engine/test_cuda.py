@@ -709,6 +709,33 @@ def test_cuda_the_heads_catch_up_queued_behind_a_prompt_step_keeps_the_tokens_an
 
 
 @needs_cuda
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_cuda_prompt_steps_launched_behind_a_draft_step_keep_the_tokens_and_acceptance(model_dir, prompt_graphs):
+    """``prompt_continuations``: where a draft step stops for the arrivals due (CUDA's holds),
+    their prompt step is launched behind it, its requests one row each at positions moved on the
+    device by its acceptance (``follow_verify`` on a captured prompt step's inputs; without
+    captured prompt steps, from the host's copy). Arrivals between draft steps, the head's early
+    catch-up on: every token is the same engine's stopping instead, and so is the acceptance."""
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
+    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    runs = {}
+    for on in (False, True):
+        engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=prompt_graphs)
+        engine.early_head_catch_up = True
+        engine.prompt_continuations = on
+        out, reasons, _ = _greedy_run(engine, params, arrivals=arrivals)
+        runs[on] = (out, reasons, engine.stats.acceptance_rate)
+        g = engine.prompt_graphs
+        print(f"prompt continuations {on}, prompt graphs {prompt_graphs}: {engine.num_prompt_continuations} "
+              f"launched; acceptance {engine.stats.acceptance_rate:.3f}; stops {engine.overlap_blockers}"
+              + (f"; prompt steps bound {g.num_replays}, eager {g.num_eager}" if g is not None else ""))
+        assert bool(engine.num_prompt_continuations) == on
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] >= 0.97 * runs[False][2]
+
+
+@needs_cuda
 def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptance(model_dir):
     """A captured draft continuation leaves its hidden rows in the replays' own buffer (its own
     continuation's head reads them there); one the pipeline stops after (an arrival, a finish)

@@ -504,6 +504,99 @@ def test_the_heads_catch_up_queued_behind_a_prompt_step_keeps_every_token_and_dr
     assert runs[True] == runs[False]
 
 
+def cuda_rules(model_dir, prompt_continuations: bool, **kw) -> Engine:
+    """An MTP engine (K=2) stepping as on CUDA: overlapped, uniform drafts, a draft step after a
+    decode step, the head's early catch-up; ``prompt_continuations`` as given."""
+    engine = make(model_dir, True, k=2, uniform=True, **kw)
+    engine.draft_after_decode = engine.early_head_catch_up = True
+    engine.prompt_continuations = prompt_continuations
+    return engine
+
+
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_prompt_steps_launched_as_a_draft_steps_continuation_keep_every_token_and_draft(model_dir, prompt_graphs):
+    """``prompt_continuations``: where a draft step stops for the arrivals due (held 4 steps),
+    their prompt step is launched behind it instead, its requests fed one row each at positions
+    moved by its acceptance (through the varlen bindings with ``prompt_graphs``, as on CUDA;
+    else from the host's copy of it). Arrivals at fixed steps, so both engines admit the same
+    requests into the same steps: the tokens are MTP off's, and the drafts and accepted counts
+    are those of the same engine stopping (the head's hidden rows kept in position order), while
+    every arrival's prompt step followed a draft step in flight (and took a binding)."""
+    first = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+             for i, p in enumerate(PROMPTS[:4])]
+    later = [(f"late{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+             for i, p in enumerate(PROMPTS[4:8])]
+    steps = (4, 10, 16, 22)
+    reference = run(make(model_dir, False), first, during=arriving(later, steps))
+    runs = {}
+    for on in (False, True):
+        engine = cuda_rules(model_dir, on, hold=4, prompt_graphs=prompt_graphs)
+        tokens = run(engine, first, during=arriving(later, steps))
+        stats = engine.stats
+        runs[on] = (tokens, stats.num_draft_tokens, stats.num_accepted_tokens)
+        g = engine.prompt_graphs
+        print(f"prompt continuations {on}: {engine.num_prompt_continuations} launched; drafts "
+              f"{stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}; "
+              + (f"prompt steps bound {g.num_replays}, eager {g.num_eager}; " if g is not None else "")
+              + f"stops {engine.overlap_blockers}")
+        assert tokens == reference
+        assert engine.num_prompt_continuations == (len(later) if on else 0)
+        if g is not None:
+            assert g.num_eager == 0
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_prompt_continuations_carrying_rows_that_ended_keep_every_token(model_dir, prompt_graphs):
+    """``prompt_continuations`` in a closed loop (9 clients over 24 requests of 8 prompts:
+    prefix hits, chunked prompts), where a hold's group fills as a request ends: the prompt
+    step then carries the ended request's row too (dropped when it lands, its state row
+    released then, and its continuation runs on the live requests). Every token is MTP off's,
+    pools checked after every step; such prompt steps were launched."""
+    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
+                for i in range(24)]
+    reference = closed_loop(make(model_dir, True), requests, 9)[0]
+    engine = cuda_rules(model_dir, True, hold=6, prompt_graphs=prompt_graphs)
+    carried = []
+    launch = engine._launch_prompt_continuation
+
+    def counting(flight):
+        step = launch(flight)
+        if step is not None:
+            carried.append(sum(not engine.scheduler.is_live(x.request) for x in flight.plan.scheduled))
+        return step
+    engine._launch_prompt_continuation = counting
+    assert closed_loop(engine, requests, 9)[0] == reference
+    g = engine.prompt_graphs
+    print(f"prompt graphs {prompt_graphs}: {len(carried)} prompt continuations, rows ended {carried}"
+          + (f"; prompt steps bound {g.num_replays}, eager {g.num_eager}" if g is not None else ""))
+    assert any(carried)
+    if g is not None:
+        assert g.num_eager == 0
+
+
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_prompt_continuations_under_preemption_keep_every_token(model_dir, prompt_graphs):
+    """``prompt_continuations`` when the KV pool runs out (10 requests, 4 of them arriving
+    while the others decode, on 16 usable blocks): a prompt continuation whose rows' KV does not
+    fit is not launched (the pipeline stops for the arrivals, as without), preempted requests
+    come back through the queue. Every token is MTP off's on the same pool, the pools are
+    checked after every step and return to empty; prompt steps were launched behind draft steps
+    and refused for KV."""
+    first = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+             for i, p in enumerate(PROMPTS[:6])]
+    later = [(f"late{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+             for i, p in enumerate(PROMPTS[6:10])]
+    steps = (3, 9, 15, 21)
+    reference = run(make(model_dir, False, num_blocks=17), first, during=arriving(later, steps))
+    engine = cuda_rules(model_dir, True, num_blocks=17, hold=4, prompt_graphs=prompt_graphs)
+    assert run(engine, first, during=arriving(later, steps)) == reference
+    stops = engine.overlap_blockers.get("a waiting request can be admitted", 0)
+    print(f"prompt graphs {prompt_graphs}: {engine.num_preemptions} preemptions, "
+          f"{engine.num_prompt_continuations} prompt continuations, {stops} stops for arrivals")
+    assert engine.num_preemptions > 0 and engine.num_prompt_continuations > 0 and stops > 0
+
+
 def test_no_draft_step_is_launched_on_requests_that_may_all_have_ended(model_dir):
     """A draft step in flight whose tokens may end every one of its requests (max_tokens within
     its 1 + K) gets no continuation: such a continuation could run on dead rows alone, a step of

@@ -1170,6 +1170,21 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
+fl)          # session 39: prompt steps launched as a draft step's continuation (new, off by default): test_cuda's new test with the other new ones (early catch-up, recordings), then switch_ab.py at C=16 with lengths 64-192 (base: captured prompt steps; aa; early catch-up; prompt continuations with it; a larger admission group), 3 rounds; then the 1.4 B model's start-up with the bounded prompt catalog (~520 s)
+  step "test_cuda: prompt continuations, early head catch-up, recorded draft steps"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "launched_behind or catch_up_queued or recorded_draft_steps or steady_batch" 2>&1 \
+    | grep -v Warning | grep "continuations\|early=\|step recordings\|passed\|failed\|Error\|assert" | tail -20 | cut -c1-700 | tee "$OUT/test-cuda-fl.txt"
+  step "switch_ab.py: base (prompt graphs) / aa / early / pc (+ prompt_continuations, early) / group50, K=2 C=16, lengths 64-192, 3 rounds"
+  timeout 200 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fl.json" --base=--prompt-graphs \
+    --variant aa: --variant early:early_head_catch_up=1 --variant pc:prompt_continuations=1,early_head_catch_up=1 \
+    --variant group50:scheduler.admission_group=0.5 --configs 2:16:1024 --rounds 3 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -8 | cut -c1-600
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "startup_cost.py, 1.4 B, prompt graphs on (bounded: 512 rows, 65536 slot-tokens), off"
+  timeout 100 python3 results/h200/scripts/startup_cost.py "$OUT/startup-cost-mid-bounded.json" $mid --also-off 2>&1 \
+    | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
+  step done
+  ;;
 fk)          # session 39: early_head_catch_up against without, with captured prompt steps, in one process with the engines taking turns (switch_ab.py: host_ab's alternating processes spread 0.72-1.36x on session 38's host), an identical engine beside them as the noise floor, and admission holds that gather more arrivals a prompt step (group 0.5 of the decoding requests, or 16 steps' hold), 3 rounds, K=2 at C=16, output lengths 64-192 (arrivals spread, as the bench's); early catch-up again at C=1 (~350 s)
   step "switch_ab.py: base (prompt graphs) / aa (the same) / early (+ early_head_catch_up) / group50 / hold16, K=2 C=16, 3 rounds"
   timeout 330 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-early.json" --base=--prompt-graphs \
