@@ -199,8 +199,8 @@ class LaunchedStep:
         layout = StepLayout([p.layout.row_start[i] for i in keep], [p.layout.num_rows[i] for i in keep],
                             [p.layout.target_row[i] for i in keep])
         plan = StepPlan(scheduled=scheduled, layout=layout, request_ids=[p.request_ids[i] for i in keep])
-        return LaunchedStep(plan, self.graphed, tokens=self.tokens[xp.asarray(at)], hidden=self.hidden,
-                            _host=self._host[at])
+        host = self._host[at]             # (landed: its tokens go back from the host, not by a gather kernel)
+        return LaunchedStep(plan, self.graphed, tokens=xp.asarray(host), hidden=self.hidden, _host=host)
 
     def accepted(self):
         """The step's acceptance as a draft step's ``tokens`` are laid out, on the device: a draft

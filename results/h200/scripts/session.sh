@@ -1197,11 +1197,12 @@ fk)          # session 39: early_head_catch_up against without, with captured pr
     | grep -v "Warning\|No registered" | tail -6 | cut -c1-400
   step done
   ;;
-fj)          # session 39: where the arrival steps go with the engine's defaults (draft after decode on; session 38's timeline had it off) and captured prompt steps, without and with early_head_catch_up: step_timeline.py K=2 C=16 with --profile, then the bench at C=16 K=0 / 2 with --prompt-graphs on (~250 s)
-  for early in 0 1; do
-    step "step_timeline.py K=2, C=16, 256 requests, --prompt-graphs --set early_head_catch_up=$early --profile"
-    timeout 120 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/timeline-pg-early$early.json" --fixed 2 \
-      --requests 256 --prompt-graphs --set early_head_catch_up=$early --profile "$OUT/profile-pg-early$early" 2>&1 \
+fj)          # session 39: where the arrival steps go with the engine's defaults (draft after decode on; session 38's timeline had it off) and captured prompt steps, without and with early_head_catch_up, and with prompt continuations: step_timeline.py K=2 C=16 with --profile, then the bench at C=16 K=0 / 2 with --prompt-graphs on (~300 s)
+  for sets in "early_head_catch_up=0" "early_head_catch_up=1" "early_head_catch_up=1 prompt_continuations=1"; do
+    tag=$(echo "$sets" | tr ' =' '-_')
+    step "step_timeline.py K=2, C=16, 256 requests, --prompt-graphs, $sets, --profile"
+    timeout 120 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/timeline-pg-$tag.json" --fixed 2 \
+      --requests 256 --prompt-graphs $(printf -- '--set %s ' $sets) --profile "$OUT/profile-pg-$tag" 2>&1 \
       | grep -v "Warning\|No registered" | cut -c1-900 | tail -8
   done
   step "bench C=16, K=0 / 2, --prompt-graphs on"

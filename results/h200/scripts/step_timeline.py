@@ -296,9 +296,11 @@ def main() -> None:
         rows = timeline.finish()
         r = loop.result()
         summary = summarize(rows)
+        counts = {"prompt_continuations": getattr(engine, "num_prompt_continuations", 0),
+                  "stops": dict(engine.overlap_blockers)}        # (warm-up, timed and profiled runs)
         result["engines"][name] = {"tokens": r["tokens"], "steps": r["steps"], "ms_per_step": r["ms_per_step"],
-                                   "summary": summary, "steps_detail": rows}
-        print(f"{name}: {r['steps']} steps, {r['ms_per_step']:.3f} ms/step, {r['tokens']} tokens", flush=True)
+                                   "summary": summary, "counts": counts, "steps_detail": rows}
+        print(f"{name}: {r['steps']} steps, {r['ms_per_step']:.3f} ms/step, {r['tokens']} tokens; {counts}", flush=True)
         for kind, s in summary.items():
             print(f"  {kind}: " + ", ".join(f"{c} {v}" for c, v in s.items()), flush=True)
         del engine
