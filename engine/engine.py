@@ -256,6 +256,7 @@ class Engine:
         # lands (the GPU waiting for the host in between). Off until an A/B on the device says it pays
         self.prompt_continuations = False
         self.num_prompt_continuations = 0                # prompt steps launched as a draft step's continuation
+        self.num_prompts_followed = 0                    # ... of them followed before they landed (_follows_in_flight)
         # a draft step's continuation carries the rows of requests that ended while no waiting
         # request could take their slots (pipeline.py, Scheduler.carries_dead_rows), so a finish
         # does not stop the draft steps' pipeline; off: every finish stops it (the lookahead's
@@ -551,9 +552,14 @@ class Engine:
         self.last_step = None
         flight = self._in_flight
         pipelined = flight is not None
-        if flight is not None and flight.num_moved:      # a prompt continuation lands first
-            self._in_flight = None
-            return self._land_prompt_first(flight, started, pipelined=True)
+        follow = None
+        if flight is not None and flight.num_moved:      # a prompt continuation: followed in flight, or landed first
+            self._keep_moved_rows(flight)
+            follow = self._continue(flight) if self._follows_in_flight(flight) else None
+            if follow is None:
+                self._in_flight = None
+                return self._land_prompt_first(flight, started, pipelined=True)
+            self.num_prompts_followed += 1
         if flight is None and self._landed_prompt is not None:      # its continuation, launched now
             landed, self._landed_prompt = self._landed_prompt, None
             flight = self._continue(landed, landed=True)
@@ -572,7 +578,7 @@ class Engine:
             flight = self._launch(plan)
             if self.land_prompts_first and any(s.num_tokens > 1 for s in plan.scheduled):
                 return self._land_prompt_first(flight, started, pipelined=False)
-        self._in_flight = self._continue(flight)
+        self._in_flight = follow if follow is not None else self._continue(flight)
         events = self._land(flight)
         if self._in_flight is not None and self._in_flight.tokens is None:
             self._pick_tokens(self._in_flight)          # sampled: drawn now that the step before landed
@@ -583,6 +589,24 @@ class Engine:
                                     any(s.num_tokens > 1 for s in plan.scheduled), time.perf_counter() - started,
                                     graphed=flight.graphed, num_head_rows=flight.num_head_rows, pipelined=pipelined)
         return events
+
+    def _keep_moved_rows(self, flight: LaunchedStep) -> None:
+        """The head's pending hidden rows of a prompt continuation's moved requests (their one row
+        each), behind the kept rows of the draft step before it, which has landed: at the start
+        of the step call after its launch, before anything follows it or it lands."""
+        plan = flight.plan
+        live = [i for i in range(flight.num_moved) if self.scheduler.is_live(plan.scheduled[i].request)]
+        self.proposer.keep_step([plan.request_ids[i] for i in live], flight.hidden,
+                                [plan.layout.row_start[i] for i in live], [1] * len(live))
+
+    def _follows_in_flight(self, flight: LaunchedStep) -> bool:
+        """Whether the prompt continuation ``flight`` may be followed before it lands, as a decode
+        step is (``_continue``; a draft step after it with ``draft_after_decode``): the head
+        caught up on its prompts at its launch (``early_head_catch_up``), so its continuation's
+        launch is a draft step's, every prompt of it is complete and none of its requests ended
+        (else it lands first, and its continuation runs on the live requests)."""
+        s = self.scheduler
+        return self.early_head_catch_up and all(x.samples and s.is_live(x.request) for x in flight.plan.scheduled)
 
     def _land_prompt_first(self, flight: LaunchedStep, started: float, pipelined: bool) -> list[TokenEvent]:
         """``land_prompts_first``: the launched step ``flight``, which fed a prompt, lands (with
@@ -957,10 +981,6 @@ class Engine:
             return self._land_drafting(flight)
         plan = flight.plan
         tokens = flight.host_tokens().tolist()
-        if flight.num_moved:           # the moved requests' hidden rows, behind the draft step's kept ones
-            live = [i for i in range(flight.num_moved) if self.scheduler.is_live(plan.scheduled[i].request)]
-            self.proposer.keep_step([plan.request_ids[i] for i in live], flight.hidden,
-                                    [plan.layout.row_start[i] for i in live], [1] * len(live))
         sampled = {s.request.request_id: ([t], 0) for s, t in zip(plan.scheduled, tokens) if s.samples}
         updates = self.scheduler.append_tokens(plan, sampled, [s.num_tokens for s in plan.scheduled])
         self._advance_grammars(updates)

@@ -714,8 +714,9 @@ def test_cuda_prompt_steps_launched_behind_a_draft_step_keep_the_tokens_and_acce
     """``prompt_continuations``: where a draft step stops for the arrivals due (CUDA's holds),
     their prompt step is launched behind it, its requests one row each at positions moved on the
     device by its acceptance (``follow_verify`` on a captured prompt step's inputs; without
-    captured prompt steps, from the host's copy). Arrivals between draft steps, the head's early
-    catch-up on: every token is the same engine's stopping instead, and so is the acceptance."""
+    captured prompt steps, from the host's copy), and (the head's early catch-up on) followed by
+    a draft step before it lands. Arrivals between draft steps: every token is the same engine's
+    stopping instead, and so is the acceptance."""
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
     arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
@@ -728,9 +729,11 @@ def test_cuda_prompt_steps_launched_behind_a_draft_step_keep_the_tokens_and_acce
         runs[on] = (out, reasons, engine.stats.acceptance_rate)
         g = engine.prompt_graphs
         print(f"prompt continuations {on}, prompt graphs {prompt_graphs}: {engine.num_prompt_continuations} "
-              f"launched; acceptance {engine.stats.acceptance_rate:.3f}; stops {engine.overlap_blockers}"
+              f"launched, {engine.num_prompts_followed} followed in flight; acceptance "
+              f"{engine.stats.acceptance_rate:.3f}; stops {engine.overlap_blockers}"
               + (f"; prompt steps bound {g.num_replays}, eager {g.num_eager}" if g is not None else ""))
         assert bool(engine.num_prompt_continuations) == on
+        assert bool(engine.num_prompts_followed) == on
     assert runs[True][:2] == runs[False][:2]
     assert runs[True][2] >= 0.97 * runs[False][2]
 

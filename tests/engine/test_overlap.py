@@ -535,12 +535,14 @@ def test_prompt_steps_launched_as_a_draft_steps_continuation_keep_every_token_an
         stats = engine.stats
         runs[on] = (tokens, stats.num_draft_tokens, stats.num_accepted_tokens)
         g = engine.prompt_graphs
-        print(f"prompt continuations {on}: {engine.num_prompt_continuations} launched; drafts "
+        print(f"prompt continuations {on}: {engine.num_prompt_continuations} launched, "
+              f"{engine.num_prompts_followed} followed in flight; drafts "
               f"{stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}; "
               + (f"prompt steps bound {g.num_replays}, eager {g.num_eager}; " if g is not None else "")
               + f"stops {engine.overlap_blockers}")
         assert tokens == reference
         assert engine.num_prompt_continuations == (len(later) if on else 0)
+        assert bool(engine.num_prompts_followed) == on
         if g is not None:
             assert g.num_eager == 0
     assert runs[True] == runs[False]
