@@ -620,11 +620,15 @@ class PromptGraphs(_MainGraphs):
         super().__init__(runner, bank, catalog, xp, max(catalog.batch_sizes), max(catalog.row_buckets))
         self.num_eager = 0            # prompt steps no captured shape or placement fitted
         self.forward_error = 0.0      # ``check``'s largest logit difference from the unpadded eager forward
+        self._moved_buffers: dict[int, object] = {}      # a prompt continuation's gathered acceptance rows
 
     def _capture(self, shape: GraphShape) -> None:
         r, m = self.runner, self.runner.manifest
+        # (not bound: the rows of a draft step's acceptance that a prompt continuation's slots
+        # take, ``gather_rows``' [2, batch] index, sent with the step's one copy)
         b, inputs, host_arrays = _paged_graph_inputs(r.session, r.kv, r.main_input_names, shape, m.block_size, self.xp,
-                                                     {"state_update_active": np.array([0], np.int32)}, varlen=True)
+                                                     {"state_update_active": np.array([0], np.int32)},
+                                                     extra={"moved_rows": (np.int64, (2, shape.batch))}, varlen=True)
         self._bind_outputs(b, shape, shape.tokens)
         self._add(shape, b, inputs, host_arrays)
 
@@ -633,10 +637,11 @@ class PromptGraphs(_MainGraphs):
         """Replay the graph of a prompt step (rows in the step's order, no drafts); None when no
         captured shape fits or its requests do not hold state rows ``0 .. B-1`` in one bank (the
         step then runs eagerly). ``copy_hidden``: the hidden rows are kept past this step.
-        ``follow``: ``(accepted, K1)`` of the launched draft step this prompt step continues
-        (``pipeline``, prompt continuations): its ``len(accepted)`` requests come first, one row
-        each, staged as if that step kept all its K1 rows, and are moved to its acceptance on
-        the device (``follow_verify``)."""
+        ``follow``: ``(accepted, K1, moved)`` of the launched draft step this prompt step
+        continues (``pipeline``, prompt continuations): the step's first ``len(moved)`` requests,
+        one row each, are that step's requests ``moved`` (its acceptance rows), staged as if it
+        kept all its K1 rows, and moved to its acceptance on the device (``follow_verify``; those
+        rows gathered first with ``gather_rows`` when ``moved`` is not ``0 .. B-1``)."""
         lengths = [len(r.token_ids) for r in rows]
         choice = self.catalog.choose(lengths, [r.past_len + n for r, n in zip(rows, lengths)])
         placed = None if choice is None else self.bank.padded_in_place(request_ids, choice[0])
@@ -648,18 +653,42 @@ class PromptGraphs(_MainGraphs):
         if graph is None:               # (choose takes only shapes whose slots hold the rows: all captured)
             self.num_eager += 1
             return None
-        _stage_varlen(graph.inputs.writable(), rows, batch, total, width, graph.inputs.staged)
+        host = graph.inputs.writable()
+        _stage_varlen(host, rows, batch, total, width, graph.inputs.staged)
+        accepted = None
+        if follow is not None:
+            accepted, k1, moved = follow
+            if list(moved) != list(range(len(accepted))):       # some of its rows, or in another order
+                n = len(moved)
+                host["moved_rows"][0, :n] = np.arange(n)
+                host["moved_rows"][1, :n] = moved
         graph.inputs.upload()
         if follow is not None:
             dev = graph.inputs.device
+            if list(moved) != list(range(len(accepted))):
+                accepted = self._moved_acceptance(accepted, dev["moved_rows"], moved)
             move = follow_verify if self.on_device else follow_verify_host
-            move(follow[0], follow[1], 1, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
+            move(accepted, k1, 1, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])
         self._replay(graph)
         n, B = sum(lengths), len(rows)
         hidden = self.hidden[:n].copy() if copy_hidden else self.hidden[:n]
         captures = StepCaptures(self.captures.layer_ids, self.captures.conv_value[:, :B],
                                 self.captures.recurrent_capsule[:, :B])
         return MainOutputs(self.logits[:n], hidden, present, captures)
+
+    def _moved_acceptance(self, accepted, index, moved: Sequence[int]):
+        """Rows ``moved`` of a draft step's acceptance ``accepted`` [B, K1 + 1], in a buffer of this
+        set (one a width): on the device one ``gather_rows`` by ``index`` (the step's staged
+        [2, batch] ``moved_rows``, uploaded with its inputs: no copy of its own to wait on)."""
+        n, width = len(moved), accepted.shape[1]
+        buffer = self._moved_buffers.get(width)
+        if buffer is None:
+            buffer = self._moved_buffers[width] = self.xp.empty((max(self.catalog.batch_sizes), width), np.int64)
+        if not self.on_device:
+            buffer[:n] = accepted[np.asarray(moved)]
+        else:
+            gather_rows(buffer, accepted, index, 0, n)
+        return buffer[:n]
 
     def check(self, num_blocks: int) -> str | None:
         """Whether a replay computes what ORT's eager run of the same binding computes on new

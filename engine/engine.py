@@ -723,9 +723,9 @@ class Engine:
             elif k and not all(self.head_pool.reserve(r.request_id, r.num_computed + ahead + k - 1) for r in requests):
                 why = "no KV block for the next token"
         if (why in (ADMISSION_DUE, FINISHED) and self.prompt_continuations and self.land_prompts_first
-                and flight.num_drafts and not landed and any(live) and s.admission_due()
+                and flight.num_drafts and not landed and any(live) and s.waiting and not s.holds_admissions()
                 and all(r in requests for r in s.running)):
-            step = self._launch_prompt_continuation(flight)      # (dead rows ride along, as padding)
+            step = self._launch_prompt_continuation(flight, live)
             if step is not None:
                 return step
         if why is not None:
@@ -751,24 +751,35 @@ class Engine:
             flight.staging = None
         return self._launch(plan, after=flight)
 
-    def _launch_prompt_continuation(self, flight: LaunchedStep) -> LaunchedStep | None:
+    def _launch_prompt_continuation(self, flight: LaunchedStep, live: list[bool]) -> LaunchedStep | None:
         """``prompt_continuations``: the prompt step of the waiting requests due, launched as the
-        continuation of the draft step ``flight``, its requests first, one row each (``pipeline``);
-        or None, and the pipeline stops as without: a request of ``flight`` needs the host's
-        logits (penalties, a grammar, a min_tokens mask) or may reach the context end, its KV
-        does not fit, or no waiting request is admitted (the first due asks for logprobs: the
-        host picks its tokens, a step that runs to its end). A request of ``flight`` that ended
-        (a dead row) is fed too, its row dropped when the step lands: its pool space is released
-        then, and the admitted requests' state rows stay after the moved ones'."""
+        continuation of the draft step ``flight``, its live requests first, one row each
+        (``pipeline``); or None, and the pipeline stops as without: a request of ``flight``
+        needs the host's logits (penalties, a grammar, a min_tokens mask) or may reach the
+        context end, its KV does not fit, or no waiting request is admitted (no state row, or the
+        first due asks for logprobs: the host picks its tokens, a step that runs to its end).
+
+        ``flight``'s dead rows (``live`` False: requests that ended when the step before it
+        landed) are released first, their state rows and blocks free for the arrivals: a release
+        is queued on the engine's stream behind ``flight``'s commit, so nothing reads them before
+        ``flight`` is done with them (with as many state rows as clients, an arrival has no other
+        row), and the moved requests are packed in state-row order again (a release moves the
+        bank's last row)."""
+        s, k1 = self.scheduler, flight.num_drafts + 1
         requests = [x.request for x in flight.plan.scheduled]
-        k1 = flight.num_drafts + 1
         if any(self._host_rule(r, 0) is not None or len(r.token_ids) + k1 + 1 > self.manifest.context_length
-               for r in requests):
+               for r, alive in zip(requests, live) if alive):
             return None
-        if not all(self.kv_pool.reserve(r.request_id, r.num_computed + k1 + 1) for r in requests):
+        if not all(live) and s.releasing:
+            s.release_finished(keep={r.request_id for r, alive in zip(requests, live) if alive})
+        if not s.admission_due():
             return None
-        plan = self.scheduler.plan_prompts_beside(
-            requests, lambda r: r.params.prompt_logprobs is None and r.params.logprobs is None)
+        moved = sorted((i for i, alive in enumerate(live) if alive),
+                       key=lambda i: self.state_bank.row(requests[i].request_id))
+        decoding = [requests[i] for i in moved]
+        if not all(self.kv_pool.reserve(r.request_id, r.num_computed + k1 + 1) for r in decoding):
+            return None
+        plan = s.plan_prompts_beside(decoding, lambda r: r.params.prompt_logprobs is None and r.params.logprobs is None)
         if plan is None:
             return None
         self.num_steps += 1
@@ -776,40 +787,39 @@ class Engine:
         self.num_prompt_continuations += 1
         replays = self._num_replays()
         self._keep_prefix_hits(plan)
-        out = self._verify_prompt_continuation(plan, flight)
+        out = self._verify_prompt_continuation(plan, flight, moved)
+        n = len(moved)
         step = LaunchedStep(plan, self._num_replays() > replays, self._processed(plan, {}, out.logits),
-                            hidden=out.hidden, num_moved=len(requests))
+                            hidden=out.hidden, num_moved=n)
         self._pick_tokens(step)
-        self.scheduler.commit_rows(plan, out.present, [s.num_tokens for s in plan.scheduled], out.captures)
+        s.commit_rows(plan, out.present, [x.num_tokens for x in plan.scheduled], out.captures)
         # the admitted requests' hidden rows now (the early catch-up reads them); the moved ones'
-        # when it lands, behind ``flight``'s kept rows (``_land``)
-        n = len(requests)
+        # at the start of the next step call, behind ``flight``'s kept rows (``_keep_moved_rows``)
         self.proposer.keep_step(plan.request_ids[n:], out.hidden, plan.layout.row_start[n:],
-                                [s.num_tokens for s in plan.scheduled[n:]])
+                                [x.num_tokens for x in plan.scheduled[n:]])
         if self.early_head_catch_up:
             self._catch_up_prompts(plan)
         return step
 
-    def _verify_prompt_continuation(self, plan: StepPlan, after: LaunchedStep):
-        """The forward of a prompt continuation of the draft step ``after`` (its first
-        ``len(after.plan.scheduled)`` requests are ``after``'s): a captured prompt step staged as
-        if ``after`` kept all its rows and moved to its acceptance on the device; eagerly from
-        the host's copy of that acceptance (a wait) when none fits."""
-        k1, n = after.num_drafts + 1, len(after.plan.scheduled)
-        moved = plan.scheduled[:n]
+    def _verify_prompt_continuation(self, plan: StepPlan, after: LaunchedStep, moved: list[int]):
+        """The forward of a prompt continuation of the draft step ``after``: its first requests are
+        ``after``'s requests ``moved`` (indices, their acceptance rows), one row each; a captured
+        prompt step staged as if ``after`` kept all its rows and moved to its acceptance on the
+        device; eagerly from the host's copy of that acceptance (a wait) when none fits."""
+        k1, n = after.num_drafts + 1, len(moved)
         tables = [self.kv_pool.block_array(rid) for rid in plan.request_ids]
         admitted = [PackedRows(s.request.token_ids[s.request.num_computed:s.request.num_computed + s.num_tokens],
                                s.request.num_computed, t) for s, t in zip(plan.scheduled[n:], tables[n:])]
         if self.prompt_graphs is not None:
-            rows = [PackedRows([0], s.request.num_computed + k1, t) for s, t in zip(moved, tables)]
+            rows = [PackedRows([0], s.request.num_computed + k1, t) for s, t in zip(plan.scheduled[:n], tables)]
             out = self.prompt_graphs.run(plan.request_ids, rows + admitted, copy_hidden=True,
-                                         follow=(after.accepted(), k1))
+                                         follow=(after.accepted(), k1, moved))
             if out is not None:
                 return out
         launches.escape()            # (the eager forward: a deferred step's launches go first)
         accepted = after.host_accepted()
         rows = []
-        for b, (s, t) in enumerate(zip(moved, tables)):
+        for s, b, t in zip(plan.scheduled[:n], moved, tables):
             kept = int(accepted[b, k1])
             rows.append(PackedRows([int(accepted[b, kept - 1])], s.request.num_computed + kept, t))
         io = self.state_bank.step_buffers(plan.request_ids)

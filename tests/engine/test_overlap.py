@@ -549,30 +549,32 @@ def test_prompt_steps_launched_as_a_draft_steps_continuation_keep_every_token_an
 
 
 @pytest.mark.parametrize("prompt_graphs", [False, True])
-def test_prompt_continuations_carrying_rows_that_ended_keep_every_token(model_dir, prompt_graphs):
+def test_prompt_continuations_taking_the_rows_of_requests_that_ended_keep_every_token(model_dir, prompt_graphs):
     """``prompt_continuations`` in a closed loop (9 clients over 24 requests of 8 prompts:
-    prefix hits, chunked prompts), where a hold's group fills as a request ends: the prompt
-    step then carries the ended request's row too (dropped when it lands, its state row
-    released then, and its continuation runs on the live requests). Every token is MTP off's,
-    pools checked after every step; such prompt steps were launched."""
+    prefix hits, chunked prompts; 9 state rows), where a hold's group fills as requests end:
+    the draft step in flight still has their rows, so the prompt continuation releases them
+    first (queued behind that step) and an arrival takes a freed row; the moved requests' order
+    and acceptance rows follow the bank's move. Every token is MTP off's, pools checked after
+    every step; such prompt steps were launched (through the bindings, with ``prompt_graphs``)."""
     requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
                 for i in range(24)]
     reference = closed_loop(make(model_dir, True), requests, 9)[0]
-    engine = cuda_rules(model_dir, True, hold=6, prompt_graphs=prompt_graphs)
-    carried = []
+    engine = cuda_rules(model_dir, True, hold=6, max_rows=9, prompt_graphs=prompt_graphs)
+    ended = []
     launch = engine._launch_prompt_continuation
 
-    def counting(flight):
-        step = launch(flight)
+    def counting(flight, live):
+        step = launch(flight, live)
         if step is not None:
-            carried.append(sum(not engine.scheduler.is_live(x.request) for x in flight.plan.scheduled))
+            ended.append(live.count(False))
         return step
     engine._launch_prompt_continuation = counting
     assert closed_loop(engine, requests, 9)[0] == reference
     g = engine.prompt_graphs
-    print(f"prompt graphs {prompt_graphs}: {len(carried)} prompt continuations, rows ended {carried}"
+    print(f"prompt graphs {prompt_graphs}: {len(ended)} prompt continuations ({engine.num_prompts_followed} "
+          f"followed in flight), rows of ended requests released first {ended}"
           + (f"; prompt steps bound {g.num_replays}, eager {g.num_eager}" if g is not None else ""))
-    assert any(carried)
+    assert any(ended)
     if g is not None:
         assert g.num_eager == 0
 
