@@ -90,18 +90,23 @@ launched as P's continuation Q, with P's requests in it as decode rows, so the G
 for P to land and the host to plan and launch Q (on the H100, bundled model, C=16, session 38:
 0.79 ms a prompt step, K=0 0.39)::
 
-    Q's rows      | P's requests: one row each                | admitted: prompt chunks |
+    Q's rows      | P's live requests: one row each             | admitted: prompt chunks |
     staged        ids 0, position base + K + 1 (as if P kept all)    as a prompt step's
     moved         id e(kept-1), position base + kept (``follow_verify``, one row a request)
 
-Q needs P's requests on state rows ``0 .. B-1`` of one bank and a captured prompt step that
-fits (``PromptGraphs.run(follow=...)``); elsewhere it reads P's acceptance and runs from the
-host's copy (on the CPU that costs nothing). Q's commit is a prompt step's, at its launch: a
-commit adds to the lengths, and P's own follow when P lands, in the same step call, before
-anything reads them. The head's hidden rows of P's requests are kept when Q lands, behind P's
-kept rows; an admitted request's at Q's launch (``early_head_catch_up`` reads them there). Q
-lands first (``land_prompts_first``), and its continuation is the draft step after a prompt
-step that a stop would have led to, so the tokens are the same.
+P's dead rows (requests that ended when the step before P landed) are released first: the
+release is queued behind P's commit, so their state rows and blocks are free for the arrivals
+(with as many state rows as clients there is no other row) and a moved request's acceptance row
+is gathered where the release moved its state row. A captured prompt step needs the requests on
+state rows ``0 .. B-1`` of one bank (``PromptGraphs.run(follow=...)``); elsewhere Q reads P's
+acceptance and runs from the host's copy (on the CPU that costs nothing). Q's commit is a prompt
+step's, at its launch: a commit adds to the lengths, and P's own follow when P lands, in the same
+step call, before anything reads them. The head's hidden rows of the moved requests are kept at
+the start of the next step call, behind P's kept rows; an admitted request's at Q's launch
+(``early_head_catch_up`` reads them there). With the head caught up at Q's launch and every
+prompt of Q complete, Q is followed before it lands by a draft step, as a decode step is
+(``draft_after_decode``); else Q lands first (``land_prompts_first``) and its continuation runs
+on its live requests. Either way the tokens are those of stopping.
 """
 
 from __future__ import annotations
