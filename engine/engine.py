@@ -724,7 +724,7 @@ class Engine:
                 why = "no KV block for the next token"
         if (why in (ADMISSION_DUE, FINISHED) and self.prompt_continuations and self.land_prompts_first
                 and flight.num_drafts and not landed and any(live) and s.waiting and not s.holds_admissions()
-                and all(r in requests for r in s.running)):
+                and {r.request_id for r in s.running} <= set(flight.plan.request_ids)):
             step = self._launch_prompt_continuation(flight, live)
             if step is not None:
                 return step
