@@ -1170,14 +1170,14 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
-fl)          # session 39: prompt steps launched as a draft step's continuation (new, off by default): test_cuda's new test with the other new ones (early catch-up, recordings), then switch_ab.py at C=16 with lengths 64-192 (base: captured prompt steps; aa; early catch-up; prompt continuations with it; a larger admission group), 3 rounds; then the 1.4 B model's start-up with the bounded prompt catalog (~520 s)
+fl)          # session 39: prompt steps launched as a draft step's continuation (new, off by default): test_cuda's new test with the other new ones (early catch-up, recordings), then switch_ab.py at C=16 with lengths 64-192 (base: captured prompt steps; aa; early catch-up; prompt continuations with it; a larger admission group; K=0 beside them, for the ratio in the same turns), 3 rounds; then the 1.4 B model's start-up with the bounded prompt catalog (~520 s)
   step "test_cuda: prompt continuations, early head catch-up, recorded draft steps"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "launched_behind or catch_up_queued" 2>&1 \
     | grep -v Warning | grep "continuations\|early=\|step recordings\|passed\|failed\|Error\|assert" | tail -20 | cut -c1-700 | tee "$OUT/test-cuda-fl.txt"
-  step "switch_ab.py: base (prompt graphs) / aa / early / pc (+ prompt_continuations, early) / group50, K=2 C=16, lengths 64-192, 3 rounds"
-  timeout 200 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fl.json" --base=--prompt-graphs \
+  step "switch_ab.py: base (prompt graphs) / aa / early / pc (+ prompt_continuations, early) / group50 / k0 (K=0), K=2 C=16, lengths 64-192, 3 rounds"
+  timeout 260 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fl.json" --base=--prompt-graphs \
     --variant aa: --variant early:early_head_catch_up=1 --variant pc:prompt_continuations=1,early_head_catch_up=1 \
-    --variant group50:scheduler.admission_group=0.5 --configs 2:16:1024 --rounds 3 --range-ratio 0.5 2>&1 \
+    --variant group50:scheduler.admission_group=0.5 --variant k0:K=0 --configs 2:16:1024 --rounds 3 --range-ratio 0.5 2>&1 \
     | grep -v "Warning\|No registered" | tail -8 | cut -c1-600
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "startup_cost.py, 1.4 B, prompt graphs on (bounded: 512 rows, 65536 slot-tokens), off"

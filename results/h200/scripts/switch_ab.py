@@ -8,7 +8,8 @@ time the sum of its turns), and ``turn_ratios`` keeps each cycle's ratio to the 
     python3 switch_ab.py MODEL_DIR OUT.json --variant early:early_head_catch_up=1 [--variant ...]
         [--base=SWITCH,...] [--configs 2:16:1024,2:1:96] [--rounds 3] [--turn 64]
 
-A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), a
+A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), ``K=N``
+(the engine's draft count instead of the config's: ``--variant k0:K=0`` beside K=2), a
 scheduler setting replaced after the build (``scheduler.admission_group=0.5``: the scheduler reads
 its config at each step), or ``--prompt-graphs`` / ``--step-recordings`` for the engine's settings;
 ``--base`` gives the base engine's. A config is K:C:REQUESTS; every request 128 tokens (waves, as host_ab.py's), or with
@@ -39,11 +40,13 @@ SETTINGS = {"--prompt-graphs": "prompt_graphs", "--step-recordings": "step_recor
 
 
 def build(model_dir: str, device: str, k: int, switches: list[str]) -> Engine:
-    """An engine of K drafts with ``switches`` (settings before the build, attributes after)."""
+    """An engine of K drafts with ``switches`` (settings before the build, attributes after;
+    ``K=N``: N drafts instead, e.g. K=0 beside K=2 engines, for their ratio in the same turns)."""
     settings = {SETTINGS[x]: True for x in switches if x in SETTINGS}
+    k = next((int(x[2:]) for x in switches if x.startswith("K=")), k)
     engine = Engine(EngineConfig(model_dir, device=device, spec=SpecConfig(k), **settings))
     for x in switches:
-        if x in SETTINGS:
+        if x in SETTINGS or x.startswith("K="):
             continue
         attr, value = x.split("=")
         if attr.startswith("scheduler."):
