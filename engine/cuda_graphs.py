@@ -655,17 +655,16 @@ class PromptGraphs(_MainGraphs):
             return None
         host = graph.inputs.writable()
         _stage_varlen(host, rows, batch, total, width, graph.inputs.staged)
-        accepted = None
         if follow is not None:
             accepted, k1, moved = follow
-            if list(moved) != list(range(len(accepted))):       # some of its rows, or in another order
-                n = len(moved)
-                host["moved_rows"][0, :n] = np.arange(n)
-                host["moved_rows"][1, :n] = moved
+            gather = list(moved) != list(range(len(accepted)))       # some of its rows, or in another order
+            if gather:
+                host["moved_rows"][0, :len(moved)] = np.arange(len(moved))
+                host["moved_rows"][1, :len(moved)] = moved
         graph.inputs.upload()
         if follow is not None:
             dev = graph.inputs.device
-            if list(moved) != list(range(len(accepted))):
+            if gather:
                 accepted = self._moved_acceptance(accepted, dev["moved_rows"], moved)
             move = follow_verify if self.on_device else follow_verify_host
             move(accepted, k1, 1, dev["past_sequence_lengths"], dev["position_ids"], dev["input_ids"])

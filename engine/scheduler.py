@@ -282,8 +282,6 @@ class Scheduler:
         them (rule 2, no preemption), in order until one that ``admits`` refuses. ``decoding``
         come first, in their order (the draft step's acceptance rows), then the admitted ones."""
         plan = StepPlan(scheduled=[ScheduledRequest(r, 1) for r in decoding])
-        for s in plan.scheduled:
-            s.samples = True            # (a dead row's host lengths stopped: its token is dropped anyway)
         budget = self.config.max_tokens_per_step - len(decoding)
         slots = self.config.max_requests_per_step - len(decoding)
         self._admit_waiting(plan, list(itertools.takewhile(admits, self.waiting)), budget, slots)

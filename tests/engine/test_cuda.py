@@ -505,6 +505,15 @@ def test_cuda_captured_head_fills_write_the_head_kv_the_eager_catch_up_writes(mo
             np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)
 
 
+# prompts 6.. arriving one every 4 steps from step 6, while the first six decode (``_greedy_run``)
+NEWCOMERS = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+
+
+def staggered_lengths() -> list[SamplingParams]:
+    """Greedy requests of PROMPTS with max_tokens 24, 29, 34, ...: ends spread over the run."""
+    return [SamplingParams(temperature=0, max_tokens=24 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
 def _greedy_run(engine, params, prompts=PROMPTS, arrivals: dict | None = None) -> tuple[dict, dict, dict]:
     """(tokens, finish reasons, per token the top-2 logprobs when asked) of ``prompts``, pools
     checked. ``arrivals``: {step index: request indices} added before that step (the rest at once)."""
@@ -621,7 +630,7 @@ def test_cuda_a_draft_step_after_a_decode_step_in_flight_keeps_mtp_offs_tokens(m
     params[4] = dataclasses.replace(greedy, stop=["\n"])
     # newcomers while the first six decode: each one's prompt step is a decode step of the others,
     # which a draft step follows (with every request at once, fixed K drafted after none: session 24)
-    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    arrivals = NEWCOMERS
     ref, ref_reasons, tops = _greedy_run(engine_on(model_dir, "cuda", budget=48, cuda_graphs=cuda_graphs,
                                                    overlap=False),
                                          [dataclasses.replace(p, logprobs=2) for p in params], arrivals=arrivals)
@@ -689,9 +698,7 @@ def test_cuda_the_heads_catch_up_queued_behind_a_prompt_step_keeps_the_tokens_an
     prompt steps) instead of in the draft step after it. Arrivals between draft steps: every
     token is the same engine's without it, and so is the acceptance (the head's KV holds the same
     rows; only the fills' grouping may differ)."""
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
-    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    params, arrivals = staggered_lengths(), NEWCOMERS
     runs = {}
     for early in (False, True):
         engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=prompt_graphs)
@@ -717,9 +724,7 @@ def test_cuda_prompt_steps_launched_behind_a_draft_step_keep_the_tokens_and_acce
     captured prompt steps, from the host's copy), and (the head's early catch-up on) followed by
     a draft step before it lands. Arrivals between draft steps: every token is the same engine's
     stopping instead, and so is the acceptance."""
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
-    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    params, arrivals = staggered_lengths(), NEWCOMERS
     runs = {}
     for on in (False, True):
         engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=prompt_graphs)
@@ -745,9 +750,7 @@ def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptan
     copies them as it lands, for the head's later catch-up. Wrong rows would leave the tokens as
     they are (the drafts rejected) but lose acceptance: with newcomers stopping the pipeline
     every few steps, acceptance with graphs stays the eager engine's (hidden rows its own)."""
-    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    params = [dataclasses.replace(greedy, max_tokens=24 + 5 * i) for i in range(len(PROMPTS))]
-    arrivals = {step: [i] for step, i in zip(range(6, 6 + 4 * (len(PROMPTS) - 6), 4), range(6, len(PROMPTS)))}
+    params, arrivals = staggered_lengths(), NEWCOMERS
     engine = engine_on(model_dir, "cuda", k=2, budget=48)
     _greedy_run(engine, params, arrivals=arrivals)
     eager = engine_on(model_dir, "cuda", k=2, budget=48, cuda_graphs=False)
