@@ -179,9 +179,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "no-overlap')")
     g.add_argument("--cuda-graphs", default=True, type=on_off, metavar="on|off",
                    help="CUDA: replay captured decode / verify steps (default on; off = every step eager)")
-    g.add_argument("--prompt-graphs", default=False, type=on_off, metavar="on|off",
-                   help="in process: prompt steps through varlen graphs (default off; the engine's "
-                        "--prompt-graphs: captured on CUDA, bound and run eagerly on the CPU)")
+    g.add_argument("--prompt-graphs", default=None, type=on_off, metavar="on|off",
+                   help="in process: prompt steps through varlen graphs (the engine's default: captured with "
+                        "CUDA graphs, off on the CPU, where on binds them and runs them eagerly)")
     g.add_argument("--prompt-graph-rows", type=int, default=None, metavar="N",
                    help="with --prompt-graphs: the most rows in all of a captured prompt step (default: the "
                         "engine's prompt_graph_rows)")
@@ -362,9 +362,11 @@ def _bench(args) -> int:
     if args.prompt_graphs and not args.cuda_graphs:
         raise ValueError("--prompt-graphs needs --cuda-graphs on")
     bounds = {"--prompt-graph-rows": args.prompt_graph_rows, "--prompt-graph-slot-tokens": args.prompt_graph_slot_tokens}
+    prompt_graphs_off = args.prompt_graphs is False or (args.prompt_graphs is None and not
+                                                         (args.device == "cuda" and args.cuda_graphs))
     for flag, value in bounds.items():       # (their values: EngineConfig.validate)
-        if value is not None and not args.prompt_graphs:
-            raise ValueError(f"{flag} bounds captured prompt steps: add --prompt-graphs on")
+        if value is not None and prompt_graphs_off:
+            raise ValueError(f"{flag} bounds captured prompt steps, which are off here: add --prompt-graphs on")
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model
         from mtpserve.engine.cpu_adapter import default_cache_root

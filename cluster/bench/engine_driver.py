@@ -47,7 +47,7 @@ class EngineSweep:
     phases: str = "off"                     # per-phase step times (engine/phase_timers.py): off, on or sync
     overlap_decode: bool | None = None      # EngineConfig.overlap_decode (None: the engine's default)
     kv_block_size: int | None = None        # CacheConfig.kv_block_size (None: the export's)
-    prompt_graphs: bool = False             # EngineConfig.prompt_graphs: captured prompt steps (CPU: bound, eager)
+    prompt_graphs: bool | None = None       # EngineConfig.prompt_graphs (None: the engine's default, on with CUDA graphs)
     prompt_graph_rows: int | None = None    # EngineConfig.prompt_graph_rows (None: the engine's default)
     prompt_graph_slot_tokens: int | None = None     # EngineConfig.prompt_graph_slot_tokens (None: the default)
 
