@@ -71,6 +71,7 @@ def main() -> None:
             if args.cuda_rules:
                 engines[k].scheduler.uniform_drafts = bool(k)
                 engines[k].draft_after_decode = engines[k].overlap
+                engines[k].early_head_catch_up = engines[k].prompt_continuations = engines[k].land_prompts_first
             for switch in args.set:
                 path, value = switch.split("=")
                 *owners, name = path.split(".")

@@ -1170,6 +1170,26 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
+fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds (~520 s)
+  step "test_cuda, the whole file, session 40's defaults"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 | cut -c1-600 \
+    | tee "$OUT/test-cuda-fm.txt"
+  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds"
+  timeout 150 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-rounds 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-300
+  step done
+  ;;
+fn)          # session 40: the bench at C=16 with K=0 / 2 in 5 interleaved rounds (the engines built once; K=2 is host-bound, so back-to-back runs follow the host's drift), then the 1.4 B model against og.Engine with the default captured prompt steps, K=0 (~450 s)
+  step "bench C=16, K=0 / 2, 512 prompts, 5 interleaved rounds"
+  timeout 200 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 5 --name c16-rounds 2>&1 \
+    | grep -v "Warning\|No registered" | tail -8 | cut -c1-300
+  make_mid > "$OUT/make-mid.txt" 2>&1
+  step "1.4 B vs og.Engine, K=0, the default prompt steps (captured), fresh kernel cache"
+  (fresh_cupy; timeout 330 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
+    --concurrency 1,8,32,64 --draft-tokens 0 --compare ortgenai --name mid-defaults-vs-ortgenai) 2>&1 \
+    | grep -v "prefill:\|Warning\|No registered" | tail -16 | cut -c1-300
+  step done
+  ;;
 fl)          # session 39: prompt steps launched as a draft step's continuation (new, off by default): test_cuda's new test with the other new ones (early catch-up, recordings), then switch_ab.py at C=16 with lengths 64-192 (base: captured prompt steps; aa; early catch-up; prompt continuations with it; a larger admission group; K=0 beside them, for the issue's ratio in the same turns), 3 rounds; then the 1.4 B model's start-up with the bounded prompt catalog (~520 s)
   step "test_cuda: prompt continuations, early head catch-up, recorded draft steps"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "launched_behind or catch_up_queued" 2>&1 \
