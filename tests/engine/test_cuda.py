@@ -744,6 +744,34 @@ def test_cuda_prompt_steps_launched_behind_a_draft_step_keep_the_tokens_and_acce
 
 
 @needs_cuda
+def test_cuda_defaults_capture_prompt_steps_and_launch_them_behind_draft_steps(model_dir):
+    """The engine's defaults on CUDA: prompt steps captured (``prompt_graphs`` None), and with
+    MTP the early catch-up and prompt continuations on; without MTP neither. With arrivals
+    between draft steps, prompt steps replay and some are launched behind a draft step, and
+    the tokens are those of the same engine with both switched off."""
+    def default_engine(k):
+        return Engine(EngineConfig(str(model_dir), device="cuda", spec=SpecConfig(draft_tokens=k),
+                                   cache=CacheConfig(num_blocks=512, max_resident_requests=32),
+                                   scheduler=SchedulerConfig(max_tokens_per_step=48, max_requests_per_step=32)))
+    k0 = default_engine(0)
+    assert k0.prompt_graphs is not None and not k0.prompt_continuations and not k0.early_head_catch_up
+    params, arrivals = staggered_lengths(), NEWCOMERS
+    runs = {}
+    for on in (True, False):
+        engine = default_engine(2)
+        assert engine.prompt_graphs is not None and engine.prompt_graphs_off is None
+        assert engine.prompt_continuations and engine.early_head_catch_up
+        engine.prompt_continuations = engine.early_head_catch_up = on
+        runs[on] = _greedy_run(engine, params, arrivals=arrivals)[:2]
+        print(f"defaults, continuations and early catch-up {on}: {engine.num_prompt_continuations} prompt "
+              f"continuations, prompt steps replayed {engine.prompt_graphs.num_replays}, eager "
+              f"{engine.prompt_graphs.num_eager}")
+        assert engine.prompt_graphs.num_replays > 0
+        assert bool(engine.num_prompt_continuations) == on
+    assert runs[True] == runs[False]
+
+
+@needs_cuda
 def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptance(model_dir):
     """A captured draft continuation leaves its hidden rows in the replays' own buffer (its own
     continuation's head reads them there); one the pipeline stops after (an arrival, a finish)

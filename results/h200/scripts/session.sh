@@ -1170,13 +1170,16 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
-fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds (~520 s)
+fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds, then step_timeline.py at C=1 profiled (~560 s)
   step "test_cuda, the whole file, session 40's defaults"
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 | cut -c1-600 \
     | tee "$OUT/test-cuda-fm.txt"
   step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds"
   timeout 150 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-rounds 2>&1 \
     | grep -v "Warning\|No registered" | tail -6 | cut -c1-300
+  step "step_timeline.py K=0 / 2, C=1, 64 requests, captured prompt steps, --profile: where a steady step's host time goes at C=1 (the 1.8x goal's lever)"
+  timeout 100 python3 results/h200/scripts/step_timeline.py engine/bundled/model "$OUT/timeline-c1.json" --fixed 0,2 --concurrency 1 \
+    --requests 64 --prompt-graphs --profile "$OUT/profile-c1" 2>&1 | grep -v "Warning\|No registered" | cut -c1-600 | tail -10
   step done
   ;;
 fn)          # session 40: the bench at C=16 with K=0 / 2 in 5 interleaved rounds (the engines built once; K=2 is host-bound, so back-to-back runs follow the host's drift), then the 1.4 B model against og.Engine with the default captured prompt steps, K=0 (~450 s)
