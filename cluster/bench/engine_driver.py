@@ -131,7 +131,9 @@ def _sweep_loads(engine: Engine, sweep: EngineSweep, workload: Workload, k: int 
             + (f", the host waited for the device {run.extra['overlap']['device_wait_ms_per_step']:.3f} ms a step"
                if sweep.device != "cpu" else "")
             + (f" — {run.error}" if run.error else "")
-            + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms" if slow else "")
+            + (f"; {len(slow)} slow step(s), the worst {max(f['ms'] for f in slow):.1f} ms "
+               f"({sum(f['gc_ms'] > 0 for f in slow)} with a cycle collection inside, "
+               f"{sum(f['device_wait_ms'] for f in slow):.1f} ms waiting for the device in all)" if slow else "")
             + (f"; steps by draft depth {run.extra['draft_depths']}" if "draft_depths" in run.extra else ""))
         runs.append(run)
     return runs
@@ -223,6 +225,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     hits0, queries0 = (cache_stats.hits, cache_stats.queries) if cache_stats else (0, 0)
     step_times: list[float] = []
     step_shapes: list[tuple] = []
+    step_starts: list[float] = []    # (seconds from t0) with the host's waits for the device a step:
+    step_waits: list[float] = []     # what a flagged step is annotated with (attribute_slow_steps)
+    collections = CollectionLog()
     prompt_steps = 0                # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
     if timers is not None:
         timers.reset()
@@ -236,36 +241,39 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
 
     schedule = Submitter(workload, load, submit)
     num_done, error = 0, None
-    while num_done < n:
-        now = time.perf_counter() - t0
-        if now > sweep.timeout_s:
-            error = f"timed out after {sweep.timeout_s:g} s with {n - num_done} of {n} requests unfinished"
-            break
-        schedule.arrive(now)
-        if not engine.has_work:
-            if schedule.wait_for_next(time.perf_counter() - t0):
-                continue
-            error = f"the engine went idle with {n - num_done} requests unfinished"
-            break
-        s = time.perf_counter()
-        events = engine.step()
-        t = time.perf_counter()
-        step_times.append(t - s)
-        last = engine.last_step
-        prompt_steps += last is not None and last.has_prefill
-        step_shapes.append(None if last is None else
-                           (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
-                            last.num_head_rows.bit_length()))
-        t -= t0
-        for ev in events:
-            rec = records[ev.request_id]
-            if ev.token_ids:
-                rec.add_chunk(t, len(ev.token_ids))
-            if ev.finish_reason is not None:
-                rec.finish_s, rec.finish_reason = t, ev.finish_reason.value
-                rec.num_output_tokens = ev.num_output_tokens
-                num_done += 1
-                schedule.finished(t)
+    with collections.recording(t0):      # (its callback removed whatever the step raises)
+        while num_done < n:
+            now = time.perf_counter() - t0
+            if now > sweep.timeout_s:
+                error = f"timed out after {sweep.timeout_s:g} s with {n - num_done} of {n} requests unfinished"
+                break
+            schedule.arrive(now)
+            if not engine.has_work:
+                if schedule.wait_for_next(time.perf_counter() - t0):
+                    continue
+                error = f"the engine went idle with {n - num_done} requests unfinished"
+                break
+            w, s = engine.device_wait_s, time.perf_counter()
+            events = engine.step()
+            t = time.perf_counter()
+            step_times.append(t - s)
+            step_starts.append(s - t0)
+            step_waits.append(engine.device_wait_s - w)
+            last = engine.last_step
+            prompt_steps += last is not None and last.has_prefill
+            step_shapes.append(None if last is None else
+                               (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
+                                last.num_head_rows.bit_length()))
+            t -= t0
+            for ev in events:
+                rec = records[ev.request_id]
+                if ev.token_ids:
+                    rec.add_chunk(t, len(ev.token_ids))
+                if ev.finish_reason is not None:
+                    rec.finish_s, rec.finish_reason = t, ev.finish_reason.value
+                    rec.num_output_tokens = ev.num_output_tokens
+                    num_done += 1
+                    schedule.finished(t)
     end = time.perf_counter() - t0
     if error is not None:
         for rid, rec in records.items():
@@ -280,7 +288,9 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     extra = {"num_steps": num_steps, "num_preemptions": engine.num_preemptions - preempt0,
              "prompt_steps": prompt_steps,
              "step_ms": distribution_ms(step_times),
-             "slow_steps": slow_steps(step_times, step_shapes),
+             "slow_steps": attribute_slow_steps(slow_steps(step_times, step_shapes), step_starts, step_times,
+                                                step_waits, collections.spans),
+             "gc": collections.summary(),
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
              # prompt steps replayed from captured varlen graphs (--prompt-graphs; None: off)
              "prompt_graph_steps": prompt_graphs.num_replays - prompt_replays0 if prompt_graphs is not None else None,
@@ -360,6 +370,60 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
             flagged.append({"step": i, "ms": round(t * 1e3, 3), "median_ms": round(median * 1e3, 3),
                             "median_of": of, "requests": shape[0], "rows": shape[1], "prefill": shape[2],
                             "graphed": shape[3], "head_rows_below": 1 << shape[4]})
+    return flagged
+
+
+class CollectionLog:
+    """The cycle collector's runs during a load (``gc.callbacks``): ``spans`` of (start, stop,
+    generation), seconds from the load's start. A full collection rescanning what start-up
+    left unfrozen cost ~10 ms on a 2-core host, a step the report would flag as slow."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float, int]] = []
+        self._t0 = self._began = 0.0
+
+    @contextlib.contextmanager
+    def recording(self, t0: float):
+        """Collections are logged inside the block (``t0``: the load's start, perf_counter)."""
+        self._t0 = t0
+        gc.callbacks.append(self._note)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        now = time.perf_counter() - self._t0
+        if phase == "start":
+            self._began = now
+        else:
+            self.spans.append((self._began, now, info["generation"]))
+
+    def summary(self) -> dict:
+        """Per generation, how many collections ran and their total and longest milliseconds."""
+        out: dict[str, dict] = {}
+        for start, stop, generation in self.spans:
+            g = out.setdefault(str(generation), {"count": 0, "ms": 0.0, "max_ms": 0.0})
+            g["count"] += 1
+            g["ms"] += (stop - start) * 1e3
+            g["max_ms"] = max(g["max_ms"], (stop - start) * 1e3)
+        return {gen: {"count": g["count"], "ms": round(g["ms"], 3), "max_ms": round(g["max_ms"], 3)}
+                for gen, g in sorted(out.items())}
+
+
+def attribute_slow_steps(flagged: list[dict], starts: list[float], seconds: list[float], waits: list[float],
+                         collections: list[tuple[float, float, int]]) -> list[dict]:
+    """``slow_steps``' records with where each slow step's time went, as far as the host can
+    tell: ``device_wait_ms`` (the host waiting for a step's tokens: the GPU's side) and
+    ``gc_ms`` / ``gc_generations`` (cycle collections that ran inside the step). What is left
+    is the host's own work or the host being slow (another process, the OS)."""
+    for f in flagged:
+        i = f["step"]
+        begin, end = starts[i], starts[i] + seconds[i]
+        inside = [(max(a, begin), min(b, end), g) for a, b, g in collections if a < end and b > begin]
+        f["device_wait_ms"] = round(waits[i] * 1e3, 3)
+        f["gc_ms"] = round(sum(b - a for a, b, _ in inside) * 1e3, 3)
+        f["gc_generations"] = sorted({g for _, _, g in inside})
     return flagged
 
 

@@ -3,6 +3,7 @@ against a small local OpenAI-style SSE server, and og.Engine's skip / stall repo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import threading
 import time
@@ -13,7 +14,13 @@ import pytest
 
 from mtpserve.cluster.bench import anchor as bench_anchor
 from mtpserve.cluster.bench.cli import add_bench_parser
-from mtpserve.cluster.bench.engine_driver import EngineSweep, run_engine_sweep, slow_steps
+from mtpserve.cluster.bench.engine_driver import (
+    CollectionLog,
+    EngineSweep,
+    attribute_slow_steps,
+    run_engine_sweep,
+    slow_steps,
+)
 from mtpserve.cluster.bench.report import LoadRun, RequestRecord, summarize, theory_tokens_per_forward
 from mtpserve.cluster.bench.workload import (
     Load,
@@ -91,6 +98,26 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     assert [f["step"] for f in flagged] == [5, 30]
     seconds[-1] = 0.0095                  # a stall of a step with a catch-up like its peers' is one
     assert [(f["step"], f["median_of"]) for f in slow_steps(seconds, shapes)][-1] == (len(seconds) - 1, "similar")
+
+
+def test_a_slow_step_says_whether_a_cycle_collection_or_the_device_took_its_time():
+    """Each flagged step carries the collections that ran inside it (clipped to the step) and
+    the host's wait for the device during it; a collection outside every slow step is not
+    counted. The log records real collections, by generation, and stops at the block's end."""
+    seconds, starts = [0.002] * 10 + [0.012], [0.01 * i for i in range(11)]
+    shapes = [(8, 8, False, True, 0)] * 11
+    waits = [0.0] * 10 + [0.001]
+    collections = [(0.031, 0.0315, 0), (0.1005, 0.1095, 2), (0.1115, 0.2, 1)]
+    flagged = attribute_slow_steps(slow_steps(seconds, shapes), starts, seconds, waits, collections)
+    assert [(f["step"], f["gc_generations"], f["device_wait_ms"]) for f in flagged] == [(10, [1, 2], 1.0)]
+    assert flagged[0]["gc_ms"] == pytest.approx(9.0 + 0.5)      # 9 ms inside, the third clipped at the step's end
+    log = CollectionLog()
+    with log.recording(time.perf_counter()):
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(1)                                               # after the block: not logged
+    assert [g for _, _, g in log.spans] == [0, 2] and all(b >= a for a, b, _ in log.spans)
+    assert set(log.summary()) == {"0", "2"} and log.summary()["2"]["count"] == 1
 
 
 def test_theory_and_spec_figures():
