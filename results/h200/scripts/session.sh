@@ -1170,6 +1170,13 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
+fo)          # session 40: step recordings (a steady draft step launched as one graph of ours; off by default) against the defaults, in turns, at C=16 and C=1, with an identical engine and K=0 beside them (~230 s)
+  step "switch_ab.py: defaults (prompt graphs, continuations, early catch-up) / aa / rec (--step-recordings) / k0, K=2 C=16 and C=1, lengths 64-192, 3 rounds"
+  timeout 300 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fo.json" \
+    --variant aa: --variant rec:--step-recordings --variant k0:K=0 --configs 2:16:1024,2:1:96 --rounds 3 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
+  step done
+  ;;
 fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds, then step_timeline.py at C=1 profiled (~560 s)
   step "test_cuda, the whole file, session 40's defaults"
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 | cut -c1-600 \
