@@ -1024,3 +1024,23 @@ def test_auto_calibrates_a_new_batch_size_in_runs_of_a_depth_launching_fewer_ste
     single, alone_single = calibrating(1)
     assert runs == plain and single == plain
     assert alone_single >= 5 and alone_runs <= alone_single - 3, (alone_runs, alone_single)
+
+
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_prompt_continuations_under_auto_drafting_keep_every_token(model_dir, prompt_graphs):
+    """What ``mtpserve serve --device cuda`` runs by default: ``--draft-tokens auto`` with CUDA's
+    rules (uniform drafts, holds, a draft step after a decode step), the early catch-up and
+    prompt continuations; a closed loop of 9 clients over 24 requests of 8 prompts (prefix hits,
+    chunked prompts) on 9 state rows, as the bench's pools. The policy's depths change between
+    the draft step a prompt step is launched behind and the steps after it: every token is MTP
+    off's, pools checked after every step, and prompt steps were launched behind draft steps."""
+    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
+                for i in range(24)]
+    reference = closed_loop(make(model_dir, True), requests, 9)[0]
+    engine = make(model_dir, True, k="auto", uniform=True, hold=6, max_rows=9, prompt_graphs=prompt_graphs)
+    engine.draft_after_decode = engine.early_head_catch_up = engine.prompt_continuations = True
+    assert closed_loop(engine, requests, 9)[0] == reference
+    depths = dict(getattr(engine.draft_policy, "depths", {}))
+    print(f"prompt graphs {prompt_graphs}: {engine.num_prompt_continuations} prompt continuations "
+          f"({engine.num_prompts_followed} followed in flight); steps by depth {depths}")
+    assert engine.num_prompt_continuations > 0
