@@ -1170,6 +1170,14 @@ fi)          # session 39, first: test_cuda's new tests (the head's catch-up que
     | grep -v "Warning\|No registered" | tail -4 | cut -c1-900
   step done
   ;;
+fp)          # session 40: the admission hold against shorter ones and a smaller group now that an arrival need not stop the draft pipeline (prompt continuations, on by default), K=2 C=16 in turns (~150 s)
+  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / aa / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 3 rounds"
+  timeout 240 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fp.json" \
+    --variant aa: --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
+    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 3 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -8 | cut -c1-600
+  step done
+  ;;
 fo)          # session 40: step recordings (a steady draft step launched as one graph of ours; off by default) against the defaults, in turns, at C=16 and C=1, with an identical engine and K=0 beside them (~230 s)
   step "switch_ab.py: defaults (prompt graphs, continuations, early catch-up) / aa / rec (--step-recordings) / k0, K=2 C=16 and C=1, lengths 64-192, 3 rounds"
   timeout 300 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fo.json" \
