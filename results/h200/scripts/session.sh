@@ -1197,13 +1197,17 @@ fm)          # session 40: the defaults as of session 40 (captured prompt steps 
     --requests 64 --prompt-graphs --profile "$OUT/profile-c1" 2>&1 | grep -v "Warning\|No registered" | cut -c1-600 | tail -10
   step done
   ;;
-fn)          # session 40: the bench at C=16 with K=0 / 2 in 5 interleaved rounds (the engines built once; K=2 is host-bound, so back-to-back runs follow the host's drift), then the 1.4 B model against og.Engine with the default captured prompt steps, K=0 (~450 s)
+fn)          # session 40: the bench at C=16 with K=0 / 2 in 5 interleaved rounds (the engines built once; K=2 is host-bound, so back-to-back runs follow the host's drift), then fo and fp (~540 s)
   step "bench C=16, K=0 / 2, 512 prompts, 5 interleaved rounds"
-  timeout 200 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 5 --name c16-rounds 2>&1 \
+  timeout 170 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 5 --name c16-rounds 2>&1 \
     | grep -v "Warning\|No registered" | tail -8 | cut -c1-300
+  bash "$root/results/h200/scripts/session.sh" fo
+  bash "$root/results/h200/scripts/session.sh" fp
+  ;;
+fq)          # session 40: the 1.4 B model against og.Engine with the default captured prompt steps, K=0, C=1/8/32/64, fresh kernel cache (~480 s with the model's making)
   make_mid > "$OUT/make-mid.txt" 2>&1
   step "1.4 B vs og.Engine, K=0, the default prompt steps (captured), fresh kernel cache"
-  (fresh_cupy; timeout 330 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
+  (fresh_cupy; timeout 420 "${bench[@]}" --model $mid --prompts random --input-len 128 --max-tokens 128 --num-prompts 48 \
     --concurrency 1,8,32,64 --draft-tokens 0 --compare ortgenai --name mid-defaults-vs-ortgenai) 2>&1 \
     | grep -v "prefill:\|Warning\|No registered" | tail -16 | cut -c1-300
   step done
