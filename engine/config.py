@@ -253,6 +253,11 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "longest prompt + output a request may reach (default: the "
                                               "model's context); sizes the KV cache and, on CUDA, the block tables")
 
+    @property
+    def uses_prompt_graphs(self) -> bool:
+        """``prompt_graphs`` with its default resolved: on with CUDA graphs, off on the CPU."""
+        return resolve_prompt_graphs(self.prompt_graphs, self.device, self.cuda_graphs)
+
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
@@ -269,6 +274,11 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.spec.validate()
+
+
+def resolve_prompt_graphs(prompt_graphs: bool | None, device: str, cuda_graphs: bool) -> bool:
+    """``EngineConfig.prompt_graphs`` as given, or its default: on with CUDA graphs, off on the CPU."""
+    return prompt_graphs if prompt_graphs is not None else device == "cuda" and cuda_graphs
 
 
 # ---------------------------------------------------------------------- flat names of nested configs

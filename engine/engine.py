@@ -185,7 +185,7 @@ class Engine:
         # captured prompt steps pad with a request of their own: one scratch row past the residents'
         # (on the CPU their bindings run eagerly, padded the same way: what the tests exercise)
         # (validate: on only with cuda_graphs; on the CPU bound and run eagerly)
-        prompt_graphs = config.prompt_graphs if config.prompt_graphs is not None else graphs
+        prompt_graphs = config.uses_prompt_graphs
         scratch = 1 if prompt_graphs else 0
         self.state_bank = StateBank(spec, config.cache.max_resident_requests + scratch, self.xp, fused_replay=fused,
                                     num_snapshots=num_snapshots, scratch_rows=scratch)
@@ -251,7 +251,8 @@ class Engine:
         # GPU waiting for the host: ~0.4-0.9 ms of head-fill host time a prompt step on an H100,
         # session 38's step_timeline.py). On with CUDA: on an H100 (bundled model, K=2, C=16,
         # lengths 64-192, captured prompt steps, switch_ab.py, session 40) 1.014x without it
-        self.early_head_catch_up = self.land_prompts_first and config.device == "cuda"
+        on_cuda_with_mtp = self.land_prompts_first and config.device == "cuda"
+        self.early_head_catch_up = on_cuda_with_mtp
         # with land_prompts_first, a draft step that would stop for the arrivals due is followed by
         # their prompt step as its continuation (``pipeline``, prompt continuations: its requests
         # one row each, moved on the device), not by a stop and a prompt step launched after it
@@ -259,7 +260,7 @@ class Engine:
         # model, K=2, C=16, lengths 64-192, captured prompt steps, switch_ab.py, session 40) with
         # the early catch-up 1.057-1.061x without either (K=2 then 1.38x K=0 against 1.30x), on
         # its own 1.049x; on a slower, noisier host of the same loan 0.967x
-        self.prompt_continuations = self.land_prompts_first and config.device == "cuda"
+        self.prompt_continuations = on_cuda_with_mtp
         self.num_prompt_continuations = 0                # prompt steps launched as a draft step's continuation
         self.num_prompts_followed = 0                    # ... of them followed before they landed (_follows_in_flight)
         # a draft step's continuation carries the rows of requests that ended while no waiting

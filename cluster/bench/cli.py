@@ -362,10 +362,10 @@ def _bench(args) -> int:
     if args.prompt_graphs and not args.cuda_graphs:
         raise ValueError("--prompt-graphs needs --cuda-graphs on")
     bounds = {"--prompt-graph-rows": args.prompt_graph_rows, "--prompt-graph-slot-tokens": args.prompt_graph_slot_tokens}
-    prompt_graphs_off = args.prompt_graphs is False or (args.prompt_graphs is None and not
-                                                         (args.device == "cuda" and args.cuda_graphs))
+    from mtpserve.engine.config import resolve_prompt_graphs
+    prompt_graphs = resolve_prompt_graphs(args.prompt_graphs, args.device, args.cuda_graphs)
     for flag, value in bounds.items():       # (their values: EngineConfig.validate)
-        if value is not None and prompt_graphs_off:
+        if value is not None and not prompt_graphs:
             raise ValueError(f"{flag} bounds captured prompt steps, which are off here: add --prompt-graphs on")
     if args.make_model:
         from mtpserve.cluster.checkpoints import make_bench_model

@@ -112,10 +112,14 @@ def test_a_slow_step_says_whether_a_cycle_collection_or_the_device_took_its_time
     assert [(f["step"], f["gc_generations"], f["device_wait_ms"]) for f in flagged] == [(10, [1, 2], 1.0)]
     assert flagged[0]["gc_ms"] == pytest.approx(9.0 + 0.5)      # 9 ms inside, the third clipped at the step's end
     log = CollectionLog()
-    with log.recording(time.perf_counter()):
-        gc.collect(0)
-        gc.collect(2)
-    gc.collect(1)                                               # after the block: not logged
+    gc.disable()                              # (no automatic collection among the explicit ones)
+    try:
+        with log.recording(time.perf_counter()):
+            gc.collect(0)
+            gc.collect(2)
+        gc.collect(1)                                           # after the block: not logged
+    finally:
+        gc.enable()
     assert [g for _, _, g in log.spans] == [0, 2] and all(b >= a for a, b, _ in log.spans)
     assert set(log.summary()) == {"0", "2"} and log.summary()["2"]["count"] == 1
 

@@ -750,9 +750,7 @@ def test_cuda_defaults_capture_prompt_steps_and_launch_them_behind_draft_steps(m
     between draft steps, prompt steps replay and some are launched behind a draft step, and
     the tokens are those of the same engine with both switched off."""
     def default_engine(k):
-        return Engine(EngineConfig(str(model_dir), device="cuda", spec=SpecConfig(draft_tokens=k),
-                                   cache=CacheConfig(num_blocks=512, max_resident_requests=32),
-                                   scheduler=SchedulerConfig(max_tokens_per_step=48, max_requests_per_step=32)))
+        return engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=None)
     k0 = default_engine(0)
     assert k0.prompt_graphs is not None and not k0.prompt_continuations and not k0.early_head_catch_up
     params, arrivals = staggered_lengths(), NEWCOMERS

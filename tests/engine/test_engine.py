@@ -562,6 +562,14 @@ def test_prompt_graphs_need_cuda_graphs(model_dir):
         EngineConfig(str(model_dir), prompt_graphs=True, cuda_graphs=False).validate()
 
 
+def test_prompt_graphs_default_on_with_cuda_graphs_and_off_on_the_cpu(model_dir):
+    assert EngineConfig(str(model_dir), device="cuda").uses_prompt_graphs
+    assert not EngineConfig(str(model_dir), device="cuda", cuda_graphs=False).uses_prompt_graphs
+    assert not EngineConfig(str(model_dir)).uses_prompt_graphs
+    assert EngineConfig(str(model_dir), prompt_graphs=True).uses_prompt_graphs
+    assert not EngineConfig(str(model_dir), device="cuda", prompt_graphs=False).uses_prompt_graphs
+
+
 def _small_prompt_graphs_config(model_dir, num_blocks=64):
     return EngineConfig(str(model_dir), num_threads=1, prompt_graphs=True, max_model_len=256,
                         cache=CacheConfig(num_blocks=num_blocks, max_resident_requests=4),

@@ -474,6 +474,13 @@ def test_a_prompt_step_lands_before_its_continuation_which_keeps_the_min_tokens_
     assert len(expected[0]["masked"]) >= 2 and plain[1] not in expected[0]["masked"][:2]
 
 
+def closed_loop_requests() -> list[tuple[str, object, SamplingParams]]:
+    """24 greedy requests over 8 prompts (prefix hits), max_tokens 8-20: for ``closed_loop`` with
+    9 clients, a hold's group fills as requests end."""
+    return [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
+            for i in range(24)]
+
+
 def test_the_heads_catch_up_queued_behind_a_prompt_step_keeps_every_token_and_draft(model_dir):
     """``early_head_catch_up``: the head catches up on the prompts a launched prompt step
     completed behind that step, not in the draft step after it. CUDA's rules (uniform drafts,
@@ -482,8 +489,7 @@ def test_the_heads_catch_up_queued_behind_a_prompt_step_keeps_every_token_and_dr
     pools checked after every step: the tokens are MTP off's, and the drafts the same engine
     makes without it, to the count (the head's KV holds the same rows, written earlier), while
     prompts did catch up early and the prefix cache took snapshots."""
-    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
-                for i in range(24)]
+    requests = closed_loop_requests()
     reference = closed_loop(make(model_dir, True), requests, 9)[0]
     runs = {}
     for early in (False, True):
@@ -504,10 +510,10 @@ def test_the_heads_catch_up_queued_behind_a_prompt_step_keeps_every_token_and_dr
     assert runs[True] == runs[False]
 
 
-def cuda_rules(model_dir, prompt_continuations: bool, **kw) -> Engine:
-    """An MTP engine (K=2) stepping as on CUDA: overlapped, uniform drafts, a draft step after a
-    decode step, the head's early catch-up; ``prompt_continuations`` as given."""
-    engine = make(model_dir, True, k=2, uniform=True, **kw)
+def cuda_rules(model_dir, prompt_continuations: bool, k=2, **kw) -> Engine:
+    """An MTP engine (K=2, or ``k``: "auto") stepping as on CUDA: overlapped, uniform drafts, a
+    draft step after a decode step, the head's early catch-up; ``prompt_continuations`` as given."""
+    engine = make(model_dir, True, k=k, uniform=True, **kw)
     engine.draft_after_decode = engine.early_head_catch_up = True
     engine.prompt_continuations = prompt_continuations
     return engine
@@ -556,8 +562,7 @@ def test_prompt_continuations_taking_the_rows_of_requests_that_ended_keep_every_
     first (queued behind that step) and an arrival takes a freed row; the moved requests' order
     and acceptance rows follow the bank's move. Every token is MTP off's, pools checked after
     every step; such prompt steps were launched (through the bindings, with ``prompt_graphs``)."""
-    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
-                for i in range(24)]
+    requests = closed_loop_requests()
     reference = closed_loop(make(model_dir, True), requests, 9)[0]
     engine = cuda_rules(model_dir, True, hold=6, max_rows=9, prompt_graphs=prompt_graphs)
     ended = []
@@ -1031,14 +1036,12 @@ def test_prompt_continuations_under_auto_drafting_keep_every_token(model_dir, pr
     """What ``mtpserve serve --device cuda`` runs by default: ``--draft-tokens auto`` with CUDA's
     rules (uniform drafts, holds, a draft step after a decode step), the early catch-up and
     prompt continuations; a closed loop of 9 clients over 24 requests of 8 prompts (prefix hits,
-    chunked prompts) on 9 state rows, as the bench's pools. The policy's depths change between
-    the draft step a prompt step is launched behind and the steps after it: every token is MTP
-    off's, pools checked after every step, and prompt steps were launched behind draft steps."""
-    requests = [(f"r{i}", PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=8 + 5 * i % 13, ignore_eos=True))
-                for i in range(24)]
+    chunked prompts) on 9 state rows, as the bench's pools, the policy choosing each step's
+    depth: every token is MTP off's, pools checked after every step, and prompt steps were
+    launched behind draft steps."""
+    requests = closed_loop_requests()
     reference = closed_loop(make(model_dir, True), requests, 9)[0]
-    engine = make(model_dir, True, k="auto", uniform=True, hold=6, max_rows=9, prompt_graphs=prompt_graphs)
-    engine.draft_after_decode = engine.early_head_catch_up = engine.prompt_continuations = True
+    engine = cuda_rules(model_dir, True, k="auto", hold=6, max_rows=9, prompt_graphs=prompt_graphs)
     assert closed_loop(engine, requests, 9)[0] == reference
     depths = dict(getattr(engine.draft_policy, "depths", {}))
     print(f"prompt graphs {prompt_graphs}: {engine.num_prompt_continuations} prompt continuations "
