@@ -275,17 +275,17 @@ class Engine:
         self.last_step: StepTiming | None = None    # the latest step that ran something
         a = config.spec.synthetic_acceptance
         self._synthetic = np.random.default_rng(0) if a is not None else None
-        # a steady draft step recorded as one graph of ours and launched as one (step_recordings.py;
-        # experimental, off by default: the probe found it exact, the engine's use is not measured)
+        # a steady draft step recorded as one graph of ours and launched as one (step_recordings.py):
+        # on by default where it can be, said only where asked for and it cannot
         self.step_recordings = None
-        if config.step_recordings:
+        if config.step_recordings is not False:
             why = ("it needs CUDA graphs (CUDA, cuda_graphs on)" if self.graphs is None else
                    "it records draft steps (MTP off)" if self.proposer is None else
                    "synthetic acceptance draws on the host every step" if self._synthetic is not None else None)
             if why is None:
                 from mtpserve.engine.step_recordings import StepRecordings
                 self.step_recordings = StepRecordings()
-            else:
+            elif config.step_recordings:
                 logger.warning("engine: step_recordings is off: %s", why)
 
     def _step_graphs(self, config: EngineConfig):

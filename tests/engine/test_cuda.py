@@ -750,22 +750,47 @@ def test_cuda_defaults_capture_prompt_steps_and_launch_them_behind_draft_steps(m
     between draft steps, prompt steps replay and some are launched behind a draft step, and
     the tokens are those of the same engine with both switched off."""
     def default_engine(k):
-        return engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=None)
+        return engine_on(model_dir, "cuda", k=k, budget=48, prompt_graphs=None, step_recordings=None)
     k0 = default_engine(0)
     assert k0.prompt_graphs is not None and not k0.prompt_continuations and not k0.early_head_catch_up
+    assert k0.step_recordings is None
     params, arrivals = staggered_lengths(), NEWCOMERS
     runs = {}
     for on in (True, False):
         engine = default_engine(2)
         assert engine.prompt_graphs is not None and engine.prompt_graphs_off is None
-        assert engine.prompt_continuations and engine.early_head_catch_up
+        assert engine.prompt_continuations and engine.early_head_catch_up and engine.step_recordings is not None
         engine.prompt_continuations = engine.early_head_catch_up = on
+        engine.step_recordings = engine.step_recordings if on else None
         runs[on] = _greedy_run(engine, params, arrivals=arrivals)[:2]
         print(f"defaults, continuations and early catch-up {on}: {engine.num_prompt_continuations} prompt "
               f"continuations, prompt steps replayed {engine.prompt_graphs.num_replays}, eager "
               f"{engine.prompt_graphs.num_eager}")
         assert engine.prompt_graphs.num_replays > 0
         assert bool(engine.num_prompt_continuations) == on
+    assert runs[True] == runs[False]
+
+
+@needs_cuda
+def test_cuda_default_recordings_launched_again_beside_captured_prompt_steps_keep_every_token(model_dir):
+    """``step_recordings`` on by default (CUDA graphs, MTP) beside the other CUDA defaults
+    (captured prompt steps, prompt continuations, the early catch-up): four requests of one
+    length, then four more arriving one by one, so recorded draft steps are launched again
+    between prompt steps that replay graphs of their own and continuations launched behind a
+    recording. Every token is the same engine's with recordings off; pools intact."""
+    params = [SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)] * 8
+    arrivals = {16: [4], 22: [5], 28: [6], 34: [7]}
+    runs = {}
+    for on in (True, False):
+        engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=None, step_recordings=None if on else False)
+        assert (engine.step_recordings is not None) == on
+        runs[on] = _greedy_run(engine, params, prompts=PROMPTS[:8], arrivals=arrivals)[:2]
+        if on:
+            r = engine.step_recordings
+            print(f"default recordings: {r.stats()}; {engine.num_prompt_continuations} prompt continuations, "
+                  f"prompt steps replayed {engine.prompt_graphs.num_replays}")
+            assert r.disabled is None and r.num_recorded >= 1 and r.num_launched - r.num_recorded >= 5
+            assert engine.prompt_graphs.num_replays > 0
     assert runs[True] == runs[False]
 
 

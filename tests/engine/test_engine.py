@@ -715,5 +715,9 @@ def test_step_recordings_on_the_cpu_say_why_they_are_off_and_the_engine_serves(m
         engine = Engine(EngineConfig(str(model_dir), spec=SpecConfig(draft_tokens=2), step_recordings=True))
     assert engine.step_recordings is None
     assert "step_recordings is off: it needs CUDA graphs" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mtpserve"):       # the default: off here, nothing to say
+        assert Engine(EngineConfig(str(model_dir), spec=SpecConfig(draft_tokens=2))).step_recordings is None
+    assert "step_recordings" not in caplog.text
     tokens, _ = run_all(engine, PROMPTS[:2], [GREEDY64] * 2)
     assert all(tokens.values())

@@ -1185,6 +1185,17 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
+fr)          # session 41: step recordings on by default (CUDA graphs, MTP): test_cuda's defaults and recordings tests under it, then fp's admission holds in 2 rounds as far as the budget goes (~280 s)
+  step "test_cuda: the defaults (recordings on), recordings beside captured prompt steps, recorded steps"
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "defaults or recordings or recorded" 2>&1 \
+    | grep -v Warning | grep "recordings\|continuations\|passed\|failed\|Error\|assert" | tail -20 | cut -c1-700 | tee "$OUT/test-cuda-fr.txt"
+  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
+  timeout 130 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fr.json" \
+    --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
+    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 2 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-600
+  step done
+  ;;
 fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds, then step_timeline.py at C=1 profiled (~560 s)
   step "test_cuda, the whole file, session 40's defaults"
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 | cut -c1-600 \
