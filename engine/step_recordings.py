@@ -1,5 +1,5 @@
 """A steady draft step as one CUDA graph of ours: recorded once, launched for every later step
-whose launches are the same (``EngineConfig.step_recordings``; CUDA, MTP engines, experimental).
+whose launches are the same (``EngineConfig.step_recordings``; CUDA, MTP engines: on by default there).
 
 A steady draft continuation (the same requests as the draft step it follows, staged from it on
 the device) makes ~20 device calls around three ORT replays: ~500 us of host time at 16

@@ -227,6 +227,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     step_shapes: list[tuple] = []
     step_starts: list[float] = []    # (seconds from t0) with the host's waits for the device a step:
     step_waits: list[float] = []     # what a flagged step is annotated with (attribute_slow_steps)
+    step_calls: list[dict] = []      # ... and what else its call did (the step's own shape aside)
+    prompt_continuations = engine.num_prompt_continuations
     collections = CollectionLog()
     prompt_steps = 0                # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
     if timers is not None:
@@ -260,6 +262,11 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
             step_starts.append(s - t0)
             step_waits.append(engine.device_wait_s - w)
             last = engine.last_step
+            step_calls.append({"pipelined": None if last is None else last.pipelined,
+                               "after_prompt_step": bool(step_shapes) and step_shapes[-1] is not None
+                               and step_shapes[-1][2],
+                               "prompt_steps_launched": engine.num_prompt_continuations - prompt_continuations})
+            prompt_continuations = engine.num_prompt_continuations
             prompt_steps += last is not None and last.has_prefill
             step_shapes.append(None if last is None else
                                (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
@@ -289,7 +296,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
              "prompt_steps": prompt_steps,
              "step_ms": distribution_ms(step_times),
              "slow_steps": attribute_slow_steps(slow_steps(step_times, step_shapes), step_starts, step_times,
-                                                step_waits, collections.spans),
+                                                step_waits, collections.spans, step_calls),
              "gc": collections.summary(),
              "graph_steps": (engine.graphs.num_replays - replays0) if engine.graphs is not None else 0,
              # prompt steps replayed from captured varlen graphs (--prompt-graphs; None: off)
@@ -412,13 +419,17 @@ class CollectionLog:
 
 
 def attribute_slow_steps(flagged: list[dict], starts: list[float], seconds: list[float], waits: list[float],
-                         collections: list[tuple[float, float, int]]) -> list[dict]:
+                         collections: list[tuple[float, float, int]], calls: list[dict] | None = None) -> list[dict]:
     """``slow_steps``' records with where each slow step's time went, as far as the host can
     tell: ``device_wait_ms`` (the host waiting for a step's tokens: the GPU's side) and
     ``gc_ms`` / ``gc_generations`` (cycle collections that ran inside the step). What is left
-    is the host's own work or the host being slow (another process, the OS)."""
+    is the host's own work or the host being slow (another process, the OS). ``calls``: per
+    step, what else its call did (``pipelined``: launched by the call before, or launched and
+    landed in this one; ``after_prompt_step``; ``prompt_steps_launched`` behind it), copied in."""
     for f in flagged:
         i = f["step"]
+        if calls is not None:
+            f.update(calls[i])
         begin, end = starts[i], starts[i] + seconds[i]
         inside = [(max(a, begin), min(b, end), g) for a, b, g in collections if a < end and b > begin]
         f["device_wait_ms"] = round(waits[i] * 1e3, 3)

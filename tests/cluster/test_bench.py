@@ -101,15 +101,19 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
 
 
 def test_a_slow_step_says_whether_a_cycle_collection_or_the_device_took_its_time():
-    """Each flagged step carries the collections that ran inside it (clipped to the step) and
-    the host's wait for the device during it; a collection outside every slow step is not
-    counted. The log records real collections, by generation, and stops at the block's end."""
+    """Each flagged step carries the collections that ran inside it (clipped to the step), the
+    host's wait for the device during it and what else its call did; a collection outside
+    every slow step is not counted. The log records real collections, by generation, and stops at the block's end."""
     seconds, starts = [0.002] * 10 + [0.012], [0.01 * i for i in range(11)]
     shapes = [(8, 8, False, True, 0)] * 11
     waits = [0.0] * 10 + [0.001]
     collections = [(0.031, 0.0315, 0), (0.1005, 0.1095, 2), (0.1115, 0.2, 1)]
-    flagged = attribute_slow_steps(slow_steps(seconds, shapes), starts, seconds, waits, collections)
+    calls = [{"pipelined": True, "after_prompt_step": False, "prompt_steps_launched": 0}] * 10 + \
+        [{"pipelined": False, "after_prompt_step": True, "prompt_steps_launched": 1}]
+    flagged = attribute_slow_steps(slow_steps(seconds, shapes), starts, seconds, waits, collections, calls)
     assert [(f["step"], f["gc_generations"], f["device_wait_ms"]) for f in flagged] == [(10, [1, 2], 1.0)]
+    assert (flagged[0]["pipelined"], flagged[0]["after_prompt_step"], flagged[0]["prompt_steps_launched"]) == \
+        (False, True, 1)          # what else the slow step's call did
     assert flagged[0]["gc_ms"] == pytest.approx(9.0 + 0.5)      # 9 ms inside, the third clipped at the step's end
     log = CollectionLog()
     gc.disable()                              # (no automatic collection among the explicit ones)

@@ -11,8 +11,8 @@ time the sum of its turns), and ``turn_ratios`` keeps each cycle's ratio to the 
 A switch is an Engine attribute set to 0|1 after the build (``early_head_catch_up=1``), ``K=N``
 (the engine's draft count instead of the config's: ``--variant k0:K=0`` beside K=2), a
 scheduler setting replaced after the build (``scheduler.admission_group=0.5``: the scheduler reads
-its config at each step), or ``--prompt-graphs`` / ``--step-recordings`` for the engine's settings;
-``--base`` gives the base engine's. A config is K:C:REQUESTS; every request 128 tokens (waves, as host_ab.py's), or with
+its config at each step), or ``--[no-]prompt-graphs`` / ``--[no-]step-recordings`` for the engine's
+settings (both on by default with CUDA graphs); ``--base`` gives the base engine's. A config is K:C:REQUESTS; every request 128 tokens (waves, as host_ab.py's), or with
 ``--range-ratio R`` lengths drawn from 128 x [1 - R, 1 + R] (seeded: the same for every engine),
 as the bench's and step_timeline.py's 0.5. Start-up
 is frozen out of the cycle collector once the engines are built, as a serving process runs.
@@ -36,13 +36,14 @@ from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, tex
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
 
-SETTINGS = {"--prompt-graphs": "prompt_graphs", "--step-recordings": "step_recordings"}
+SETTINGS = {"--prompt-graphs": ("prompt_graphs", True), "--no-prompt-graphs": ("prompt_graphs", False),
+            "--step-recordings": ("step_recordings", True), "--no-step-recordings": ("step_recordings", False)}
 
 
 def build(model_dir: str, device: str, k: int, switches: list[str]) -> Engine:
     """An engine of K drafts with ``switches`` (settings before the build, attributes after;
     ``K=N``: N drafts instead, e.g. K=0 beside K=2 engines, for their ratio in the same turns)."""
-    settings = {SETTINGS[x]: True for x in switches if x in SETTINGS}
+    settings = dict(SETTINGS[x] for x in switches if x in SETTINGS)
     k = next((int(x[2:]) for x in switches if x.startswith("K=")), k)
     engine = Engine(EngineConfig(model_dir, device=device, spec=SpecConfig(k), **settings))
     for x in switches:
