@@ -229,6 +229,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     step_waits: list[float] = []     # what a flagged step is annotated with (attribute_slow_steps)
     step_calls: list[dict] = []      # ... and what else its call did (the step's own shape aside)
     prompt_continuations = engine.num_prompt_continuations
+    recordings0 = engine.step_recordings.stats() if engine.step_recordings is not None else None
     collections = CollectionLog()
     prompt_steps = 0                # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
     if timers is not None:
@@ -311,6 +312,8 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
                                    for what, g in engine.graph_sets().items()}}}
     if timers is not None:
         extra["phases"] = timers.summary()
+    if recordings0 is not None:     # steady draft steps launched as recordings, and why the others were not
+        extra["step_recordings"] = recording_counts(recordings0, engine.step_recordings.stats())
     depths = getattr(engine.draft_policy, "depths", None)
     if depths is not None:          # steps planned at each draft depth (auto): what it chose
         extra["draft_depths"] = {str(d): n - depths0.get(d, 0) for d, n in sorted(depths.items()) if n > depths0.get(d, 0)}
@@ -436,6 +439,20 @@ def attribute_slow_steps(flagged: list[dict], starts: list[float], seconds: list
         f["gc_ms"] = round(sum(b - a for a, b, _ in inside) * 1e3, 3)
         f["gc_generations"] = sorted({g for _, _, g in inside})
     return flagged
+
+
+def recording_counts(before: dict, after: dict) -> dict:
+    """``StepRecordings.stats()`` over one load: its counters' growth (draft steps launched as a
+    recording, recorded, queued call by call; the unsteady ones by why), the rest as they are."""
+    out = {}
+    for name, value in after.items():
+        if name == "skipped":
+            out[name] = {why: n - before[name].get(why, 0) for why, n in value.items() if n > before[name].get(why, 0)}
+        elif isinstance(value, int) and name != "recordings":
+            out[name] = value - before[name]
+        else:
+            out[name] = value
+    return out
 
 
 def _spec_counts(s: SpecDecodeStats) -> dict:

@@ -18,6 +18,7 @@ from mtpserve.cluster.bench.engine_driver import (
     CollectionLog,
     EngineSweep,
     attribute_slow_steps,
+    recording_counts,
     run_engine_sweep,
     slow_steps,
 )
@@ -98,6 +99,20 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     assert [f["step"] for f in flagged] == [5, 30]
     seconds[-1] = 0.0095                  # a stall of a step with a catch-up like its peers' is one
     assert [(f["step"], f["median_of"]) for f in slow_steps(seconds, shapes)][-1] == (len(seconds) - 1, "similar")
+
+
+def test_a_loads_step_recordings_are_its_own_not_the_engines_so_far():
+    """The bench reports a load's recorded draft steps (an engine runs several loads and a
+    warm-up): each counter's growth over the load, why steps were not steady likewise; the
+    number of recordings held and whether recording stopped, as they stand."""
+    before = {"recordings": 3, "launched": 10, "recorded": 3, "queued": 5, "escaped": 1, "allocating": 0,
+              "record_s": 0.01, "disabled": None, "skipped": {"launched alone": 2}}
+    after = {"recordings": 5, "launched": 40, "recorded": 5, "queued": 9, "escaped": 1, "allocating": 0,
+             "record_s": 0.02, "disabled": None, "skipped": {"launched alone": 2, "after a decode or prompt step": 7}}
+    out = recording_counts(before, after)
+    assert (out["launched"], out["recorded"], out["queued"], out["escaped"]) == (30, 2, 4, 0)
+    assert out["skipped"] == {"after a decode or prompt step": 7}
+    assert out["recordings"] == 5 and out["disabled"] is None
 
 
 def test_a_slow_step_says_whether_a_cycle_collection_or_the_device_took_its_time():
