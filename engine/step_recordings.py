@@ -69,6 +69,7 @@ class StepRecordings:
     num_queued: int = 0           # deferred steps whose calls were queued as they were
     num_escaped: int = 0          # of those, steps that left the deferrable path
     num_allocating: int = 0       # of those, steps that allocated device memory
+    num_host_staged: int = 0      # steps offered after one staged from the host (Engine.record_host_staged)
     record_seconds: float = 0.0
     disabled: str | None = None   # why recording stopped (a capture failed), if it did
     skipped: Counter = field(default_factory=Counter)     # draft steps not steady, by why (the engine counts)
@@ -153,4 +154,5 @@ class StepRecordings:
     def stats(self) -> dict:
         return {"recordings": self.num_recordings, "launched": self.num_launched, "recorded": self.num_recorded,
                 "queued": self.num_queued, "escaped": self.num_escaped, "allocating": self.num_allocating,
+                "host_staged": self.num_host_staged,
                 "record_s": round(self.record_seconds, 3), "disabled": self.disabled, "skipped": dict(self.skipped)}

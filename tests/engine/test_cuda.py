@@ -795,6 +795,24 @@ def test_cuda_default_recordings_launched_again_beside_captured_prompt_steps_kee
 
 
 @needs_cuda
+def test_cuda_recordings_of_host_staged_steps_keep_every_token(model_dir):
+    """``Engine.record_host_staged``: draft steps after one that carried an ended request's rows
+    (staged from the host's lengths, not followed on the device) are recorded and launched as
+    recordings too. Ends spread over the run and newcomers arriving one by one put such steps
+    between steady ones; every token and finish reason is the same engine's launching call by
+    call, and some recordings were offered such a step; pools intact."""
+    params, arrivals = staggered_lengths(), NEWCOMERS
+    ref = _greedy_run(engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=None), params, arrivals=arrivals)[:2]
+    engine = engine_on(model_dir, "cuda", k=2, budget=48, prompt_graphs=None, step_recordings=True)
+    engine.record_host_staged = True
+    out = _greedy_run(engine, params, arrivals=arrivals)[:2]
+    r = engine.step_recordings
+    print(f"host-staged recordings: {r.stats()}; {engine.num_dead_carried} dead rows carried")
+    assert r.disabled is None and engine.num_dead_carried > 0 and r.num_host_staged > 0
+    assert out == ref
+
+
+@needs_cuda
 def test_cuda_draft_steps_the_pipeline_stops_after_keep_the_eager_heads_acceptance(model_dir):
     """A captured draft continuation leaves its hidden rows in the replays' own buffer (its own
     continuation's head reads them there); one the pipeline stops after (an arrival, a finish)

@@ -692,8 +692,9 @@ def test_prompt_steps_through_the_prompt_graphs_bindings_keep_mtp_offs_tokens(mo
 
 def test_only_a_draft_step_after_one_of_the_same_requests_staged_on_the_device_is_steady():
     """``step_recordings`` records steady draft steps only: one that follows a draft step of the
-    same requests whose inputs were staged on the device. Every other kind is counted by why
-    (``StepRecordings.skipped``), and each reason names what broke the chain."""
+    same requests whose inputs were staged on the device (or, ``host_staged``, from the host).
+    Every other kind is counted by why (``StepRecordings.skipped``), and each reason names
+    what broke the chain."""
     from types import SimpleNamespace as NS
 
     from mtpserve.engine.engine import _unsteady
@@ -703,6 +704,8 @@ def test_only_a_draft_step_after_one_of_the_same_requests_staged_on_the_device_i
     assert _unsteady(plan, None) == "launched alone"
     assert _unsteady(plan, NS(num_drafts=0, staging=object(), plan=plan)) == "after a decode or prompt step"
     assert "unstaged" in _unsteady(plan, NS(num_drafts=2, staging=None, plan=plan))
+    assert _unsteady(plan, NS(num_drafts=2, staging=None, plan=plan), host_staged=True) is None
+    assert _unsteady(plan, NS(num_drafts=0, staging=None, plan=plan), host_staged=True) == "after a decode or prompt step"
     assert _unsteady(plan, NS(num_drafts=2, staging=object(), plan=NS(request_ids=["a", "c"]))) == \
         "other requests than the step before"
 

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from auto_ab import run_interleaved  # noqa: E402
 
-from mtpserve.cluster.bench.engine_driver import start_up_frozen  # noqa: E402
+from mtpserve.cluster.bench.engine_driver import recording_counts, start_up_frozen  # noqa: E402
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload  # noqa: E402
 from mtpserve.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from mtpserve.engine.engine import Engine  # noqa: E402
@@ -89,7 +89,10 @@ def main() -> None:
         ratios = {label: [] for label in variants}
         with start_up_frozen():           # (the bench's: unfrozen after, so these engines can go)
             for r in range(args.rounds):
+                before = {label: e.step_recordings.stats() for label, e in engines.items() if e.step_recordings}
                 out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, lengths, reference="base")
+                for label, stats in before.items():        # the round's recorded draft steps, and why not
+                    out[label]["step_recordings"] = recording_counts(stats, engines[label].step_recordings.stats())
                 for label in variants:
                     ratios[label].append(out[label]["tok_s"] / out["base"]["tok_s"])
                 runs.append({"k": k, "c": c, "requests": n, "range_ratio": args.range_ratio, "round": r, "runs": out})
