@@ -1185,6 +1185,18 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
+fs)          # session 41: why the bench's K=2 steps at C=16 took 1.4-1.6 ms (p50) with lengths 64-192 against 0.81-0.91 with one length, and 0.86 in switch_ab's turns with lengths 64-192 (whose engines have 64 state rows, the bench's 16): the bench with lengths 64-192 at its pools and at 64 rows, per-phase step times on (~150 s)
+  for rows in 16 64; do
+    step "bench C=16, K=2, lengths 64-192, 512 prompts, $rows state rows, --phases on"
+    timeout 70 "${bench[@]}" --draft-tokens 2 --concurrency 16 --num-prompts 512 --max-tokens 128 --range-ratio 0.5 \
+      --max-resident-requests $rows --phases on --name c16-range-rows$rows 2>&1 | grep -v "Warning\|No registered" \
+      | grep "mtpserve K=2\|flag" | tail -3 | cut -c1-300
+  done
+  step "bench C=16, K=2, one length (128), 512 prompts, --phases on"
+  timeout 70 "${bench[@]}" --draft-tokens 2 --concurrency 16 --num-prompts 512 --max-tokens 128 --phases on --name c16-waves \
+    2>&1 | grep -v "Warning\|No registered" | grep "mtpserve K=2\|flag" | tail -3 | cut -c1-300
+  step done
+  ;;
 fr)          # session 41: step recordings on by default (CUDA graphs, MTP): test_cuda's defaults and recordings tests under it, then the bench at C=16 (its flagged steps' calls), then fp's admission holds in 2 rounds as far as the budget goes (~330 s)
   step "test_cuda: the defaults (recordings on), recordings beside captured prompt steps, recorded steps"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "defaults or recordings or recorded" 2>&1 \
