@@ -268,6 +268,9 @@ def test_stats_count_steps_and_derive_rates():
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=3, num_emitted_tokens=4)
     with pytest.raises(AssertionError, match="emitted 3 with 1 accepted of 2 drafts"):
         stats.record_step(num_draft_tokens=2, num_accepted_tokens=1, num_emitted_tokens=3)
+    for accepted, emitted in ((0, 2), (1, 1)):          # a step without drafts emits its one token
+        with pytest.raises(AssertionError, match=f"emitted {emitted} with {accepted} accepted of 0 drafts"):
+            stats.record_step(num_draft_tokens=0, num_accepted_tokens=accepted, num_emitted_tokens=emitted)
 
 
 def test_merged_stats_sum_every_counter():
