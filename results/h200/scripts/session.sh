@@ -1197,13 +1197,16 @@ fs)          # session 41: why the bench's K=2 steps at C=16 took 1.4-1.6 ms (p5
     2>&1 | grep -v "Warning\|No registered" | grep "mtpserve K=2\|flag" | tail -3 | cut -c1-300
   step done
   ;;
-fr)          # session 41: step recordings on by default (CUDA graphs, MTP): test_cuda's defaults and recordings tests under it, then the bench at C=16 (its flagged steps' calls), then fp's admission holds in 2 rounds as far as the budget goes (~330 s)
+fr)          # session 41: step recordings on by default (CUDA graphs, MTP): test_cuda's defaults and recordings tests under it, then the bench at C=16 (its flagged steps' calls) and C=1 (recordings on), then host-staged recordings and fp's admission holds in turns, 2 rounds (~450 s)
   step "test_cuda: the defaults (recordings on), recordings beside captured prompt steps, recorded steps"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "defaults or recordings or recorded" 2>&1 \
     | grep -v Warning | grep "recordings\|continuations\|passed\|failed\|Error\|assert" | tail -20 | cut -c1-700 | tee "$OUT/test-cuda-fr.txt"
   step "bench C=16, K=0 / 2, 512 prompts, 3 interleaved rounds: the flagged steps' calls (pipelined, after a prompt step, prompt steps launched)"
   timeout 120 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --name c16-calls 2>&1 \
     | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -6 | cut -c1-300
+  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds (step recordings on by default)"
+  timeout 90 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-recordings 2>&1 \
+    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -4 | cut -c1-300
   step "switch_ab.py: defaults (hold 8 steps, group 0.25) / host-staged recordings / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
   timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fr.json" --variant hs:record_host_staged=1 \
     --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
