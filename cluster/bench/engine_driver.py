@@ -263,15 +263,18 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
             step_starts.append(s - t0)
             step_waits.append(engine.device_wait_s - w)
             last = engine.last_step
+            launched = engine.num_prompt_continuations - prompt_continuations
+            prompt_continuations = engine.num_prompt_continuations
             step_calls.append({"pipelined": None if last is None else last.pipelined,
                                "after_prompt_step": bool(step_shapes) and step_shapes[-1] is not None
                                and step_shapes[-1][2],
-                               "prompt_steps_launched": engine.num_prompt_continuations - prompt_continuations})
-            prompt_continuations = engine.num_prompt_continuations
+                               "prompt_steps_launched": launched})
             prompt_steps += last is not None and last.has_prefill
+            # a call that launched a prompt step behind its draft step (and queued the head's
+            # catch-up on those prompts) did that work too: its own kind among the shapes
             step_shapes.append(None if last is None else
                                (last.num_requests, last.num_main_tokens, last.has_prefill, last.graphed,
-                                last.num_head_rows.bit_length()))
+                                last.num_head_rows.bit_length(), launched > 0))
             t -= t0
             for ev in events:
                 rec = records[ev.request_id]
@@ -349,13 +352,17 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
     that landed on live traffic. Empty is the goal.
 
     A step's shape is (requests, rows, prefill or not, graphed or not, the power-of-two class
-    of the rows the MTP head caught up on: ``num_head_rows.bit_length()``). Its peers are the
+    of the rows the MTP head caught up on: ``num_head_rows.bit_length()``, then any more marks
+    of what its call did, e.g. whether it launched a prompt step behind it). Its peers are the
     steps of its own shape when there are at least ``min_count`` of them (``median_of:
-    "shape"``); else the steps of its kind (prefill or not, graphed or not, a head class at most
-    one apart) with between half and twice its rows, when there are that many (``"similar"``: a
-    burst's one slow step has a shape of its own, and was missed by the own-shape median alone);
-    else it is not judged. (A drafting step whose head catches up on new prompts does that
-    work, not a stall: on the H200 such steps were flagged at 4-6x a steady step's time.)"""
+    "shape"``); else the steps of its kind (prefill or not, graphed or not, the same marks, a
+    head class at most one apart) with between half and twice its rows, when there are that
+    many (``"similar"``: a burst's one slow step has a shape of its own, and was missed by the
+    own-shape median alone); else it is not judged. (A drafting step whose head catches up on
+    new prompts does that work, not a stall: on the H200 such steps were flagged at 4-6x a
+    steady step's time; so does a call that launches a prompt step behind its draft step and
+    queues the head's catch-up on those prompts: 3-4 ms against a 1 ms median, session 40's
+    timeline.)"""
     by_shape: dict[tuple, list[float]] = {}
     for t, shape in zip(seconds, shapes):
         if shape is not None:
@@ -365,10 +372,10 @@ def slow_steps(seconds: list[float], shapes: list[tuple | None], factor: float =
     def peers(shape):
         if shape in medians:
             return medians[shape], "shape"
-        _, rows, prefill, graphed, head = shape
+        _, rows, prefill, graphed, head, *marks = shape
         near = sorted(t for other, ts in by_shape.items() for t in ts if other != shape
-                      and other[2:4] == (prefill, graphed) and abs(other[4] - head) <= 1
-                      and rows / 2 <= other[1] <= rows * 2)
+                      and other[2:4] == (prefill, graphed) and list(other[5:]) == marks
+                      and abs(other[4] - head) <= 1 and rows / 2 <= other[1] <= rows * 2)
         return (near[len(near) // 2], "similar") if len(near) >= min_count else (None, None)
 
     flagged = []

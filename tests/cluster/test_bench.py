@@ -101,6 +101,26 @@ def test_slow_steps_are_flagged_against_the_median_of_their_own_shape():
     assert [(f["step"], f["median_of"]) for f in slow_steps(seconds, shapes)][-1] == (len(seconds) - 1, "similar")
 
 
+def test_a_call_that_launched_a_prompt_step_is_judged_among_such_calls():
+    """A draft step whose call also launched a prompt step behind it (and queued the head's
+    catch-up on its prompts) is marked in its shape: 3-4x a steady call is that work, judged
+    against calls that did the same; a stall of one of them is still flagged, and so is a
+    plain call as slow."""
+    steady, launching = (16, 48, False, True, 6, False), (16, 48, False, True, 6, True)
+    seconds = [0.001] * 40 + [0.0035, 0.0032, 0.0036, 0.0034, 0.0033, 0.0035]
+    shapes = [steady] * 40 + [launching] * 6
+    assert slow_steps(seconds, shapes) == []
+    seconds[42] = 0.012                                   # a stall of a launching call
+    seconds[7] = 0.0034                                   # a plain call as slow as a launching one
+    flagged = slow_steps(seconds, shapes)
+    assert [(f["step"], f["median_ms"]) for f in flagged] == [(7, 1.0), (42, 3.5)]
+    # without the mark the launching calls would all be flagged against the steady ones
+    assert len(slow_steps(seconds, [s[:5] for s in shapes])) == 7
+    # one of another size, alone in its shape: judged against launching calls of its size
+    flagged = slow_steps(seconds + [0.0036], shapes + [(15, 45, False, True, 6, True)])
+    assert [f["step"] for f in flagged] == [7, 42]
+
+
 def test_a_loads_step_recordings_are_its_own_not_the_engines_so_far():
     """The bench reports a load's recorded draft steps (an engine runs several loads and a
     warm-up): each counter's growth over the load, why steps were not steady likewise; the
