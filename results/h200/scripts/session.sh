@@ -1185,6 +1185,12 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
+fu)          # session 41: the whole test_cuda at this head (step recordings on by default; 52 tests, ~420 s on an H200: session 41's fm was cut at 420 s)
+  step "test_cuda, the whole file"
+  timeout 570 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -12 | cut -c1-600 \
+    | tee "$OUT/test-cuda-fu.txt"
+  step done
+  ;;
 fs)          # session 41: why the bench's K=2 steps at C=16 took 1.4-1.6 ms (p50) with lengths 64-192 against 0.81-0.91 with one length, and 0.86 in switch_ab's turns with lengths 64-192 (whose engines have 64 state rows, the bench's 16): the bench with lengths 64-192 at its pools and at 64 rows, per-phase step times on (~150 s)
   for rows in 16 64; do
     step "bench C=16, K=2, lengths 64-192, 512 prompts, $rows state rows, --phases on"
