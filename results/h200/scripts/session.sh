@@ -1185,7 +1185,7 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
-fu)          # session 41: the whole test_cuda at this head (step recordings on by default; 52 tests, ~420 s on an H200: session 41's fm was cut at 420 s)
+fu)          # session 41: the whole test_cuda at this head (step recordings on by default; 51 tests, ~420 s on an H200: session 41's fm was cut at 420 s)
   step "test_cuda, the whole file"
   timeout 570 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -12 | cut -c1-600 \
     | tee "$OUT/test-cuda-fu.txt"
