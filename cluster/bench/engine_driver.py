@@ -230,6 +230,7 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
     step_calls: list[dict] = []      # ... and what else its call did (the step's own shape aside)
     prompt_continuations = engine.num_prompt_continuations
     recordings0 = engine.step_recordings.stats() if engine.step_recordings is not None else None
+    recorded = recordings0["recorded"] if recordings0 is not None else 0
     collections = CollectionLog()
     prompt_steps = 0                # steps that fed a prompt (chunk): how many arrivals shared one (admission holds)
     if timers is not None:
@@ -265,10 +266,13 @@ def run_load(engine: Engine, sweep: EngineSweep, workload: Workload, load: Load,
             last = engine.last_step
             launched = engine.num_prompt_continuations - prompt_continuations
             prompt_continuations = engine.num_prompt_continuations
-            step_calls.append({"pipelined": None if last is None else last.pipelined,
-                               "after_prompt_step": bool(step_shapes) and step_shapes[-1] is not None
-                               and step_shapes[-1][2],
-                               "prompt_steps_launched": launched})
+            call = {"pipelined": None if last is None else last.pipelined,
+                    "after_prompt_step": bool(step_shapes) and step_shapes[-1] is not None and step_shapes[-1][2],
+                    "prompt_steps_launched": launched}
+            if engine.step_recordings is not None:    # a recording made in the call: a first-call cost (~2 ms)
+                call["steps_recorded"] = engine.step_recordings.num_recorded - recorded
+                recorded = engine.step_recordings.num_recorded
+            step_calls.append(call)
             prompt_steps += last is not None and last.has_prefill
             # a call that launched a prompt step behind its draft step (and queued the head's
             # catch-up on those prompts) did that work too: its own kind among the shapes
@@ -435,7 +439,8 @@ def attribute_slow_steps(flagged: list[dict], starts: list[float], seconds: list
     ``gc_ms`` / ``gc_generations`` (cycle collections that ran inside the step). What is left
     is the host's own work or the host being slow (another process, the OS). ``calls``: per
     step, what else its call did (``pipelined``: launched by the call before, or launched and
-    landed in this one; ``after_prompt_step``; ``prompt_steps_launched`` behind it), copied in."""
+    landed in this one; ``after_prompt_step``; ``prompt_steps_launched`` behind it; with step
+    recordings, ``steps_recorded``: a recording made, a one-time cost), copied in."""
     for f in flagged:
         i = f["step"]
         if calls is not None:
