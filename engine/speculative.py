@@ -176,14 +176,7 @@ class SpecDecodeStats:
 
     def record_step(self, num_draft_tokens: int, num_accepted_tokens: int, num_emitted_tokens: int) -> None:
         """Count one target forward. num_emitted_tokens may be below accepted + 1 when a stop cut the step."""
-        d, a, e = num_draft_tokens, num_accepted_tokens, num_emitted_tokens
-        if not d:                   # (a decode step: every request of every step without drafts)
-            if e != 1 or a:
-                raise AssertionError(f"emitted {e} with {a} accepted of {d} drafts")
-            self.num_target_forwards += 1
-            self.num_emitted_tokens += 1
-            return
-        self.record_steps(((d, a, e),))
+        self.record_steps(((num_draft_tokens, num_accepted_tokens, num_emitted_tokens),))
 
     def record_steps(self, steps) -> None:
         """``record_step`` for each ``(drafts, accepted, emitted)`` of ``steps`` (one call for a

@@ -761,7 +761,8 @@ def test_cuda_defaults_capture_prompt_steps_and_launch_them_behind_draft_steps(m
         assert engine.prompt_graphs is not None and engine.prompt_graphs_off is None
         assert engine.prompt_continuations and engine.early_head_catch_up and engine.step_recordings is not None
         engine.prompt_continuations = engine.early_head_catch_up = on
-        engine.step_recordings = engine.step_recordings if on else None
+        if not on:
+            engine.step_recordings = None
         runs[on] = _greedy_run(engine, params, arrivals=arrivals)[:2]
         print(f"defaults, continuations and early catch-up {on}: {engine.num_prompt_continuations} prompt "
               f"continuations, prompt steps replayed {engine.prompt_graphs.num_replays}, eager "

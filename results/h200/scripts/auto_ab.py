@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from mtpserve.cluster.bench.engine_driver import CollectionLog
 from mtpserve.cluster.bench.workload import BUNDLED_PROMPTS, output_lengths, text_workload
 from mtpserve.engine.config import EngineConfig, SpecConfig
 from mtpserve.engine.draft_policy import MAX_NUM_DRAFTS, AdaptiveDraftPolicy, FixedDraftPolicy
@@ -51,24 +52,11 @@ from mtpserve.engine.engine import Engine
 from mtpserve.engine.sampler import SamplingParams
 
 
-class GcClock:
-    """The collector's passes while it is on: count and ms by generation."""
-
-    def __init__(self):
-        self.ms, self.count, self._t = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
-        gc.callbacks.append(self)
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            g = info["generation"]
-            self.ms[g] += (time.perf_counter() - self._t) * 1e3
-            self.count[g] += 1
-
-    def close(self) -> dict:
-        gc.callbacks.remove(self)
-        return {"count": self.count, "ms": [round(x, 2) for x in self.ms]}
+def gc_by_generation(log: CollectionLog) -> dict:
+    """The collector's passes a ``CollectionLog`` saw: count and ms by generation (0, 1, 2)."""
+    by = log.summary()
+    return {"count": [by.get(str(g), {}).get("count", 0) for g in range(3)],
+            "ms": [round(by.get(str(g), {}).get("ms", 0.0), 2) for g in range(3)]}
 
 
 class ForwardClock:
@@ -186,9 +174,10 @@ def ttft_quantiles(ttfts: list[float]) -> dict:
 
 def run(engine: Engine, prompts: list[list[int]], concurrency: int, tag: str, lengths: int | list[int] = 128) -> dict:
     """One engine's whole run, with the garbage collector's passes during it."""
-    loop, clock = ClosedLoop(engine, prompts, concurrency, tag, lengths), GcClock()
-    loop.advance()
-    return {**loop.result(), "gc": clock.close()}
+    loop, log = ClosedLoop(engine, prompts, concurrency, tag, lengths), CollectionLog()
+    with log.recording(time.perf_counter()):
+        loop.advance()
+    return {**loop.result(), "gc": gc_by_generation(log)}
 
 
 def gc_note(rec: dict) -> str:
@@ -206,23 +195,24 @@ def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, t
                            on_step=None if on_step is None else functools.partial(on_step, n))
              for n, e in engines.items()}
     names, cycle, turns = list(engines), 0, {n: [] for n in engines if n != reference}
-    clock = GcClock()
-    while not all(loop.done for loop in loops.values()):
-        order = names[cycle % len(names):] + names[:cycle % len(names)]
-        rate = {}
-        for n in order:
-            if not loops[n].done:
-                tokens, wall = loops[n].advance(turn_steps)
-                if not loops[n].done and wall > 0:
-                    rate[n] = tokens / wall
-        for n in turns:
-            if n in rate and reference in rate:
-                turns[n].append(round(rate[n] / rate[reference], 4))
-        cycle += 1
+    log = CollectionLog()
+    with log.recording(time.perf_counter()):
+        while not all(loop.done for loop in loops.values()):
+            order = names[cycle % len(names):] + names[:cycle % len(names)]
+            rate = {}
+            for n in order:
+                if not loops[n].done:
+                    tokens, wall = loops[n].advance(turn_steps)
+                    if not loops[n].done and wall > 0:
+                        rate[n] = tokens / wall
+            for n in turns:
+                if n in rate and reference in rate:
+                    turns[n].append(round(rate[n] / rate[reference], 4))
+            cycle += 1
     out = {n: loop.result() for n, loop in loops.items()}
     for n in turns:
         out[n]["turn_ratios"] = turns[n]
-    out[reference]["gc"] = clock.close()
+    out[reference]["gc"] = gc_by_generation(log)
     return out
 
 

@@ -89,7 +89,8 @@ def main() -> None:
         ratios = {label: [] for label in variants}
         with start_up_frozen():           # (the bench's: unfrozen after, so these engines can go)
             for r in range(args.rounds):
-                before = {label: e.step_recordings.stats() for label, e in engines.items() if e.step_recordings}
+                before = {label: e.step_recordings.stats() for label, e in engines.items()
+                          if e.step_recordings is not None}
                 out = run_interleaved(engines, prompts, c, f"r{r}", args.turn, lengths, reference="base")
                 for label, stats in before.items():        # the round's recorded draft steps, and why not
                     out[label]["step_recordings"] = recording_counts(stats, engines[label].step_recordings.stats())
