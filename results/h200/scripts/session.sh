@@ -1185,6 +1185,26 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
+fv)          # session 42: the whole test_cuda at this head (step recordings on by default, 51 tests; fu with more room), first
+  step "test_cuda, the whole file"
+  timeout 560 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -14 | cut -c1-600 \
+    | tee "$OUT/test-cuda-fv.txt"
+  step done
+  ;;
+fw)          # session 42: fr without its tests (fv ran them): the bench at C=16 (its flagged steps' calls) and C=1 (recordings on), then host-staged recordings and admission holds in turns (~300 s)
+  step "bench C=16, K=0 / 2, 512 prompts, 3 interleaved rounds: the flagged steps' calls (pipelined, after a prompt step, prompt steps launched)"
+  timeout 120 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --name c16-calls 2>&1 \
+    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -6 | cut -c1-300
+  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds (step recordings on by default)"
+  timeout 90 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-recordings 2>&1 \
+    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -4 | cut -c1-300
+  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / host-staged recordings / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
+  timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fw.json" --variant hs:record_host_staged=1 \
+    --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
+    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 2 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-600
+  step done
+  ;;
 fu)          # session 41: the whole test_cuda at this head (step recordings on by default; 51 tests, ~420 s on an H200: session 41's fm was cut at 420 s)
   step "test_cuda, the whole file"
   timeout 570 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -12 | cut -c1-600 \
