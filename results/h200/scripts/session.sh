@@ -1185,6 +1185,16 @@ fo)          # session 40: step recordings (a steady draft step launched as one 
     | grep -v "Warning\|No registered" | tail -10 | cut -c1-600
   step done
   ;;
+fh1|fh2)     # session 42: test_cuda in two halves (odd / even collected tests), each with its slowest tests: the whole file took 505 s on session 42's H100, near a call's 600 s
+  half=${part#fh}
+  step "test_cuda, half $half of the collected tests, slowest 25"
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/engine/test_cuda.py 2>/dev/null | grep '::' \
+    | awk -v h="$half" 'NR % 2 == h % 2' > /tmp/test-cuda-half.txt
+  echo "$(wc -l < /tmp/test-cuda-half.txt) tests"
+  tr '\n' '\0' < /tmp/test-cuda-half.txt | timeout 560 xargs -0 python3 -m pytest -q -p no:cacheprovider -rfE --durations=25 2>&1 \
+    | grep -v Warning | tail -45 | cut -c1-600 | tee "$OUT/test-cuda-$part.txt"
+  step done
+  ;;
 fv)          # session 42: the whole test_cuda at this head (step recordings on by default, 51 tests; fu with more room), first
   step "test_cuda, the whole file"
   timeout 560 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -14 | cut -c1-600 \
