@@ -1222,7 +1222,7 @@ fu)          # session 41: the whole test_cuda at this head (step recordings on 
   step done
   ;;
 fs)          # session 41: why the bench's K=2 steps at C=16 took 1.4-1.6 ms (p50) with lengths 64-192 against 0.81-0.91 with one length, and 0.86 in switch_ab's turns with lengths 64-192 (whose engines have 64 state rows and a large KV pool, the bench's 16 and a pool sized to them): the bench with lengths 64-192 at its pools, with a 4,096-block pool, and at 64 rows, per-phase step times on (~200 s)
-  for pools in "16" "16 --num-blocks 4096" "64"; do       # (the bench's KV pool is sized to its rows: a tight pool evicts cached prefixes)
+  for pools in "16" "16 --num-blocks 4096" "64"; do       # (the bench's KV pool is sized to its rows, switch_ab's is the default: rows or pool?)
     step "bench C=16, K=2, lengths 64-192, 512 prompts, state rows $pools, --phases on"
     timeout 70 "${bench[@]}" --draft-tokens 2 --concurrency 16 --num-prompts 512 --max-tokens 128 --range-ratio 0.5 \
       --max-resident-requests $pools --phases on --name "c16-range-rows${pools// /}" 2>&1 | grep -v "Warning\|No registered" \
