@@ -231,6 +231,19 @@ run_test_cuda() {        # the device tests of this checkout, their summary unde
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -8 \
     | tee "$OUT/test-cuda.txt"
 }
+recordings_bench_and_turns() {   # $1: the switch_ab JSON's suffix; the bench at C=16 (its flagged steps' calls) and C=1 (step recordings on by default), then host-staged recordings and admission holds in turns (~300 s)
+  step "bench C=16, K=0 / 2, 512 prompts, 3 interleaved rounds: the flagged steps' calls (pipelined, after a prompt step, prompt steps launched)"
+  timeout 120 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --name c16-calls 2>&1 \
+    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -6 | cut -c1-300
+  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds (step recordings on by default)"
+  timeout 90 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-recordings 2>&1 \
+    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -4 | cut -c1-300
+  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / host-staged recordings / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
+  timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-$1.json" --variant hs:record_host_staged=1 \
+    --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
+    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 2 --range-ratio 0.5 2>&1 \
+    | grep -v "Warning\|No registered" | tail -6 | cut -c1-600
+}
 step_trace_c16() {       # $1: --range-ratio, $2: timeout (s); every step of auto / never drafting / K=0 at C=16
   step "step_trace.py, bundled, C=16, 128 requests, 2 rounds, --range-ratio $1"
   timeout "$2" python3 results/h200/scripts/step_trace.py engine/bundled/model "$OUT/step-trace-c16-r$1.json" \
@@ -1195,24 +1208,8 @@ fh1|fh2)     # session 42: test_cuda in two halves (odd / even collected tests),
     | grep -v Warning | tail -45 | cut -c1-600 | tee "$OUT/test-cuda-$part.txt"
   step done
   ;;
-fv)          # session 42: the whole test_cuda at this head (step recordings on by default, 51 tests; fu with more room), first
-  step "test_cuda, the whole file"
-  timeout 560 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | grep -v Warning | tail -14 | cut -c1-600 \
-    | tee "$OUT/test-cuda-fv.txt"
-  step done
-  ;;
-fw)          # session 42: fr without its tests (fv ran them): the bench at C=16 (its flagged steps' calls) and C=1 (recordings on), then host-staged recordings and admission holds in turns (~300 s)
-  step "bench C=16, K=0 / 2, 512 prompts, 3 interleaved rounds: the flagged steps' calls (pipelined, after a prompt step, prompt steps launched)"
-  timeout 120 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --name c16-calls 2>&1 \
-    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -6 | cut -c1-300
-  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds (step recordings on by default)"
-  timeout 90 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-recordings 2>&1 \
-    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -4 | cut -c1-300
-  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / host-staged recordings / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
-  timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fw.json" --variant hs:record_host_staged=1 \
-    --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
-    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 2 --range-ratio 0.5 2>&1 \
-    | grep -v "Warning\|No registered" | tail -6 | cut -c1-600
+fw)          # session 42: fr without its tests (session 42 ran the whole test_cuda): the bench at C=16 (its flagged steps' calls) and C=1 (recordings on), then host-staged recordings and admission holds in turns (~300 s)
+  recordings_bench_and_turns fw
   step done
   ;;
 fu)          # session 41: the whole test_cuda at this head (step recordings on by default; 51 tests, ~420 s on an H200: session 41's fm was cut at 420 s)
@@ -1237,17 +1234,7 @@ fr)          # session 41: step recordings on by default (CUDA graphs, MTP): tes
   step "test_cuda: the defaults (recordings on), recordings beside captured prompt steps, recorded steps"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_cuda.py -k "defaults or recordings or recorded" 2>&1 \
     | grep -v Warning | grep "recordings\|continuations\|passed\|failed\|Error\|assert" | tail -20 | cut -c1-700 | tee "$OUT/test-cuda-fr.txt"
-  step "bench C=16, K=0 / 2, 512 prompts, 3 interleaved rounds: the flagged steps' calls (pipelined, after a prompt step, prompt steps launched)"
-  timeout 120 "${bench[@]}" --draft-tokens 0,2 --concurrency 16 --num-prompts 512 --max-tokens 128 --rounds 3 --name c16-calls 2>&1 \
-    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -6 | cut -c1-300
-  step "bench C=1, K=0 / 2, 64 prompts, 3 interleaved rounds (step recordings on by default)"
-  timeout 90 "${bench[@]}" --draft-tokens 0,2 --concurrency 1 --num-prompts 64 --max-tokens 128 --rounds 3 --name c1-recordings 2>&1 \
-    | grep -v "Warning\|No registered" | grep "speedup\|flag" | tail -4 | cut -c1-300
-  step "switch_ab.py: defaults (hold 8 steps, group 0.25) / host-staged recordings / hold0 / hold2 / group125, K=2 C=16, lengths 64-192, 2 rounds"
-  timeout 150 python3 results/h200/scripts/switch_ab.py engine/bundled/model "$OUT/switch-ab-fr.json" --variant hs:record_host_staged=1 \
-    --variant hold0:scheduler.admission_hold_steps=0 --variant hold2:scheduler.admission_hold_steps=2 \
-    --variant group125:scheduler.admission_group=0.125 --configs 2:16:1024 --rounds 2 --range-ratio 0.5 2>&1 \
-    | grep -v "Warning\|No registered" | tail -6 | cut -c1-600
+  recordings_bench_and_turns fr
   step done
   ;;
 fm)          # session 40: the defaults as of session 40 (captured prompt steps on with CUDA graphs; prompt continuations and the early catch-up on with CUDA): the whole test_cuda under them, then the bench at C=1 with K=0 / 2 in 3 interleaved rounds, then step_timeline.py at C=1 profiled (~560 s)
